@@ -1,0 +1,1 @@
+"""Draft proposers (pure algorithms) and the Proposer gRPC servicer."""

@@ -1,0 +1,342 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFY_STRATEGY_UNSPECIFIED: _ClassVar[VerifyStrategy]
+    VERIFY_STRATEGY_GREEDY: _ClassVar[VerifyStrategy]
+    VERIFY_STRATEGY_REJECTION: _ClassVar[VerifyStrategy]
+    VERIFY_STRATEGY_TARGET_MATCH: _ClassVar[VerifyStrategy]
+    VERIFY_STRATEGY_TOPP: _ClassVar[VerifyStrategy]
+
+class AcceptPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCEPT_POLICY_NORMAL: _ClassVar[AcceptPolicy]
+    ACCEPT_POLICY_ACCEPT_ALL: _ClassVar[AcceptPolicy]
+    ACCEPT_POLICY_REJECT_ALL: _ClassVar[AcceptPolicy]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+
+class SequenceStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEQUENCE_STATUS_OK: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_UNKNOWN_SEQUENCE: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_INVALID: _ClassVar[SequenceStatus]
+VERIFY_STRATEGY_UNSPECIFIED: VerifyStrategy
+VERIFY_STRATEGY_GREEDY: VerifyStrategy
+VERIFY_STRATEGY_REJECTION: VerifyStrategy
+VERIFY_STRATEGY_TARGET_MATCH: VerifyStrategy
+VERIFY_STRATEGY_TOPP: VerifyStrategy
+ACCEPT_POLICY_NORMAL: AcceptPolicy
+ACCEPT_POLICY_ACCEPT_ALL: AcceptPolicy
+ACCEPT_POLICY_REJECT_ALL: AcceptPolicy
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+SEQUENCE_STATUS_OK: SequenceStatus
+SEQUENCE_STATUS_UNKNOWN_SEQUENCE: SequenceStatus
+SEQUENCE_STATUS_INVALID: SequenceStatus
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseProbs(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatPrompt(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class SpeculationParams(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "min_n", "max_n", "verify_strategy", "accept_policy", "reference_text", "max_tree_depth", "max_spec_factor", "min_token_prob")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    min_n: int
+    max_n: int
+    verify_strategy: VerifyStrategy
+    accept_policy: AcceptPolicy
+    reference_text: str
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., reference_text: _Optional[str] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "chat", "max_tokens", "stop", "ignore_eos", "sampling", "speculation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: TokenIds
+    chat: ChatPrompt
+    max_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    sampling: SamplingParams
+    speculation: SpeculationParams
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_by_position", "mean_accepted_length", "propose_s", "verify_s", "network_s", "wall_s", "ttft_s")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_S_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    output_tokens: int
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_by_position: _containers.RepeatedScalarFieldContainer[float]
+    mean_accepted_length: float
+    propose_s: float
+    verify_s: float
+    network_s: float
+    wall_s: float
+    ttft_s: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., mean_accepted_length: _Optional[float] = ..., propose_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., ttft_s: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    stats: GenerationStats
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+
+class ProposerOptions(_message.Message):
+    __slots__ = ("method", "min_n", "max_n", "reference_token_ids", "max_tree_depth", "max_spec_factor", "min_token_prob")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MIN_N_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    min_n: int
+    max_n: int
+    reference_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tree_depth: int
+    max_spec_factor: float
+    min_token_prob: float
+    def __init__(self, method: _Optional[str] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ...) -> None: ...
+
+class SequenceUpdate(_message.Message):
+    __slots__ = ("seq_id", "open", "token_ids", "context_len", "num_speculative_tokens", "options")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    open: bool
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    context_len: int
+    num_speculative_tokens: int
+    options: ProposerOptions
+    def __init__(self, seq_id: _Optional[str] = ..., open: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., options: _Optional[_Union[ProposerOptions, _Mapping]] = ...) -> None: ...
+
+class SequenceRelease(_message.Message):
+    __slots__ = ("seq_id", "completed")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    completed: bool
+    def __init__(self, seq_id: _Optional[str] = ..., completed: _Optional[bool] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("batch_id", "sequences", "releases")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
+    releases: _containers.RepeatedCompositeFieldContainer[SequenceRelease]
+    def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("seq_id", "status", "token_ids", "probs", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    status: SequenceStatus
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
+    message: str
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("batch_id", "drafts", "compute_s")
+    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    batch_id: int
+    drafts: _containers.RepeatedCompositeFieldContainer[Draft]
+    compute_s: float
+    def __init__(self, batch_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+
+class VerifySequence(_message.Message):
+    __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    context_len: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
+    sampling: SamplingParams
+    verify_strategy: VerifyStrategy
+    accept_policy: AcceptPolicy
+    return_hidden_states: bool
+    def __init__(self, seq_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[VerifySequence]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[VerifySequence, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("seq_id", "status", "output_token_ids", "num_accepted", "hidden_states", "hidden_size", "message")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    status: SequenceStatus
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: int
+    hidden_states: bytes
+    hidden_size: int
+    message: str
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_size: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("results", "compute_s", "queue_s")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    compute_s: float
+    queue_s: float
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "hidden_size", "dtype", "kv_capacity_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    dtype: str
+    kv_capacity_tokens: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...

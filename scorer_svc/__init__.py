@@ -1,0 +1,1 @@
+"""The scorer: target-model runner, KV cache, batching, and the Scorer servicer."""

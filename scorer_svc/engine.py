@@ -1,0 +1,89 @@
+"""The target-model engine protocol used by the scorer's scheduler.
+
+An engine holds one KV cache per sequence. A forward pass takes a ragged
+batch: every item appends its own new tokens (a prefill chunk, or the pending
+token followed by drafts) after its own cached prefix and asks for logits of
+its last ``num_logits`` new tokens. Rejected tokens are rolled back by length
+with ``truncate``.
+
+    engine.ensure_capacity(seq_id, total_len)  # reserve KV for total_len tokens
+    out = engine.forward([ForwardItem(...), ...])
+    engine.truncate(seq_id, new_len)
+    engine.release(seq_id)
+
+Implementations: ``llama.LlamaEngine`` (the project's own forward pass for the
+Llama family) and ``hf_engine.HFEngine`` (any ``transformers`` causal LM,
+the fallback for other architectures).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class PoolExhausted(RuntimeError):
+    """The KV pool cannot hold the requested tokens; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model: str  # id or path as given
+    vocab_size: int  # rows of the LM head (logits width)
+    max_model_len: int  # longest context in tokens
+    eos_token_ids: tuple[int, ...]
+    hidden_size: int
+    dtype: str  # "float32" | "bfloat16"
+    kv_capacity_tokens: int  # pool size in tokens
+
+
+@dataclass
+class ForwardItem:
+    seq_id: str
+    token_ids: np.ndarray  # int32 [n], n >= 1: appended after the cached prefix
+    num_logits: int  # 0 <= num_logits <= n: logits of the last num_logits tokens
+
+
+@dataclass
+class ForwardOutput:
+    # float32 [sum(num_logits), vocab]: the items' logits rows, in item order
+    logits: torch.Tensor
+    # [sum(num_logits), hidden] final-norm hidden states, when asked for
+    hidden_states: torch.Tensor | None = None
+
+
+class Engine(abc.ABC):
+    facts: ModelFacts
+
+    @abc.abstractmethod
+    def ensure_capacity(self, seq_id: str, total_len: int) -> None:
+        """Reserves KV space so seq_id can hold total_len tokens (creating the
+        sequence if new). Raises PoolExhausted and changes nothing if the pool
+        cannot hold it."""
+
+    @abc.abstractmethod
+    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False) -> ForwardOutput:
+        """One forward pass over a ragged batch; each item's tokens attend to
+        its own cached prefix and causally among themselves. Capacity must
+        have been ensured. Item seq_ids are distinct."""
+
+    @abc.abstractmethod
+    def cached_len(self, seq_id: str) -> int:
+        """Tokens in seq_id's KV cache; 0 for an unknown sequence."""
+
+    @abc.abstractmethod
+    def truncate(self, seq_id: str, length: int) -> None:
+        """Rolls the KV cache back to its first `length` tokens."""
+
+    @abc.abstractmethod
+    def release(self, seq_id: str) -> bool:
+        """Frees seq_id's KV cache; False if it was unknown."""
+
+    @abc.abstractmethod
+    def free_tokens(self) -> int:
+        """Tokens that can still be reserved."""
+
+    def has(self, seq_id: str) -> bool:
+        return self.cached_len(seq_id) > 0

@@ -1,0 +1,3 @@
+"""specdec: speculative decoding for LLMs, served as gRPC microservices."""
+
+__version__ = "0.1.0"
