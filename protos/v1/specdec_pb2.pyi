@@ -32,6 +32,7 @@ class SequenceStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SEQUENCE_STATUS_OK: _ClassVar[SequenceStatus]
     SEQUENCE_STATUS_UNKNOWN_SEQUENCE: _ClassVar[SequenceStatus]
     SEQUENCE_STATUS_INVALID: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_RESOURCE_EXHAUSTED: _ClassVar[SequenceStatus]
 VERIFY_STRATEGY_UNSPECIFIED: VerifyStrategy
 VERIFY_STRATEGY_GREEDY: VerifyStrategy
 VERIFY_STRATEGY_REJECTION: VerifyStrategy
@@ -46,6 +47,7 @@ FINISH_REASON_LENGTH: FinishReason
 SEQUENCE_STATUS_OK: SequenceStatus
 SEQUENCE_STATUS_UNKNOWN_SEQUENCE: SequenceStatus
 SEQUENCE_STATUS_INVALID: SequenceStatus
+SEQUENCE_STATUS_RESOURCE_EXHAUSTED: SequenceStatus
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

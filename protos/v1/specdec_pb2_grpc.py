@@ -236,9 +236,9 @@ class ScorerServicer:
 
     def Verify(self, request, context):
         """Verifies a batch of sequences. Concurrent calls are merged into shared
-        forward passes. Errors: INVALID_ARGUMENT (field named), RESOURCE_EXHAUSTED
-        (KV pool cannot hold the new tokens; nothing of the call was applied to
-        the sequences that failed, live sequences are never evicted).
+        forward passes. Errors: INVALID_ARGUMENT (a field of the call is bad; the
+        message names it; nothing was applied). A sequence the KV pool cannot
+        hold gets status RESOURCE_EXHAUSTED; live sequences are never evicted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

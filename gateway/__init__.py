@@ -1,0 +1,1 @@
+"""The gateway: request lifecycle, the propose -> verify -> commit loop, replica discovery."""

@@ -1,0 +1,105 @@
+"""Connections from the gateway to proposer and scorer replicas: one channel
+per replica address, one long-lived Propose stream per proposer replica, and
+a short 'down' list for replicas whose calls just failed."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+
+from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.servers import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class ProposerStream:
+    """The Propose bidi stream to one replica, one message in flight at a
+    time. Any failure, a timeout included, resets the stream: the caller then
+    re-opens the replica's sequences on the next round."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._stub = pb_grpc.ProposerStub(channel)
+        self._call = None
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+
+    @property
+    def connected(self) -> bool:
+        return self._call is not None
+
+    async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
+        """Sends one message and waits for its response. Raises on timeout or a
+        broken stream (the stream is then reset: the caller must re-open the
+        replica's sequences)."""
+        async with self._lock:
+            if self._call is None:
+                self._call = self._stub.Propose()
+            request.batch_id = next(self._ids)
+            try:
+                await asyncio.wait_for(self._call.write(request), timeout_s)
+                response = await asyncio.wait_for(self._call.read(), timeout_s)
+                if response is grpc.aio.EOF:
+                    raise ConnectionError("proposer closed the stream")
+                if response.batch_id != request.batch_id:
+                    raise ConnectionError("proposer answered out of order")
+                return response
+            except BaseException:
+                self.reset()
+                raise
+
+    def reset(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = None
+
+
+class Connections:
+    """Channels (and proposer streams) keyed by address, created on demand."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, ProposerStream] = {}
+        self._down_until: dict[str, float] = {}
+
+    def channel(self, addr: str) -> grpc.aio.Channel:
+        if addr not in self._channels:
+            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        return self._channels[addr]
+
+    def scorer(self, addr: str) -> pb_grpc.ScorerStub:
+        return pb_grpc.ScorerStub(self.channel(addr))
+
+    def proposer_stream(self, addr: str) -> ProposerStream:
+        if addr not in self._streams:
+            self._streams[addr] = ProposerStream(self.channel(addr))
+        return self._streams[addr]
+
+    def mark_down(self, addr: str, for_s: float) -> None:
+        """Keeps new sequences off a replica whose call just failed."""
+        log.warning("replica %s marked down for %.1f s", addr, for_s)
+        self._down_until[addr] = time.monotonic() + for_s
+        stream = self._streams.get(addr)
+        if stream is not None:
+            stream.reset()
+
+    def down(self) -> set[str]:
+        now = time.monotonic()
+        return {a for a, t in self._down_until.items() if t > now}
+
+    async def drop(self, addr: str) -> None:
+        """Closes everything to a replica that discovery removed."""
+        stream = self._streams.pop(addr, None)
+        if stream is not None:
+            stream.reset()
+        channel = self._channels.pop(addr, None)
+        if channel is not None:
+            await channel.close()
+
+    async def close(self) -> None:
+        for addr in list(self._channels):
+            await self.drop(addr)

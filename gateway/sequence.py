@@ -1,0 +1,160 @@
+"""One request's life inside the gateway: its token history, where its state
+lives (which proposer and scorer replica), stop conditions, streaming deltas
+and statistics."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from specdec.gateway.request import GenParams
+from specdec.protos.v1 import specdec_pb2 as pb
+
+_ids = itertools.count()
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    proposed_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    network_s: float = 0.0
+    ttft_s: float = 0.0
+
+    def record_round(self, num_drafts: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+        while len(self.proposed_at) < num_drafts:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(num_drafts):
+            self.proposed_at[i] += 1
+            self.accepted_at[i] += i < num_accepted
+
+
+class RequestFailed(Exception):
+    """Ends a request with a gRPC status (code name, message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Sequence:
+    def __init__(self, request_id: str, params: GenParams, tokenizer, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
+        self.request_id = request_id
+        self.seq_id = f"{request_id}/{next(_ids)}"
+        self.params = params
+        self.tokenizer = tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.tokens: list[int] = list(params.prompt_ids)  # context: prompt + output
+        self.num_prompt = len(params.prompt_ids)
+        self.out: asyncio.Queue = asyncio.Queue()  # GenerateResponse | RequestFailed
+        self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self.cancelled = False
+        self.failed = False
+        self.stats = Stats()
+        self.started = time.perf_counter()
+        self._text = ""  # decoded output text so far
+        self._emitted_chars = 0
+        self._emitted_tokens = 0
+        # where the sequence's state lives
+        self.scorer_addr: str | None = None
+        self.scorer_primed = False  # the scorer holds this sequence's KV cache
+        self.proposer_addr: str | None = None
+        self.proposer_len = 0  # tokens the proposer holds; 0 = must (re)open
+        self.retries = 0  # consecutive rounds without progress (pool full, no replica)
+
+    # ------------------------------------------------------------- queries
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED or self.cancelled or self.failed
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    def draft_budget(self) -> int:
+        """k for this round: never more output than max_tokens or the context allow."""
+        left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
+        return max(0, min(self.params.k, left - 1))
+
+    # -------------------------------------------------------------- commit
+
+    def commit(self, output_token_ids: list[int], num_drafts: int, num_accepted: int) -> None:
+        """Appends a round's output tokens, applies the stop conditions and
+        streams the delta."""
+        if self.stats.rounds == 0:
+            self.stats.ttft_s = time.perf_counter() - self.started
+        self.stats.record_round(num_drafts, num_accepted)
+        for token in output_token_ids:
+            self.tokens.append(token)
+            if not self.params.ignore_eos and token in self.eos_token_ids:
+                self.finish_reason = pb.FINISH_REASON_STOP
+                break
+            if self.num_output >= self.params.max_tokens or len(self.tokens) >= self.max_model_len:
+                self.finish_reason = pb.FINISH_REASON_LENGTH
+                break
+        self._text = self.tokenizer.decode(self.tokens[self.num_prompt:], skip_special_tokens=True)
+        self._apply_stop_strings()
+        self._emit()
+
+    def _apply_stop_strings(self) -> None:
+        """Ends the text before the first stop string; the tokens are kept up
+        to the one that completed it."""
+        if not self.params.stop:
+            return
+        longest = max(map(len, self.params.stop))
+        start = max(0, self._emitted_chars - longest)
+        hits = [i for i in (self._text.find(s, start) for s in self.params.stop) if i >= 0]
+        if hits:
+            self._text = self._text[:min(hits)]
+            self.finish_reason = pb.FINISH_REASON_STOP
+
+    def _emit(self) -> None:
+        """Streams new tokens and the text that can no longer change: a
+        trailing partial UTF-8 character or a possible stop-string prefix is
+        held back until the next round (or the end)."""
+        safe = len(self._text)
+        if not self.done:
+            if self._text.endswith("\ufffd"):
+                safe = len(self._text.rstrip("\ufffd"))
+            for s in self.params.stop:
+                for n in range(min(len(s) - 1, safe), 0, -1):
+                    if self._text[:safe].endswith(s[:n]):
+                        safe -= n
+                        break
+        response = pb.GenerateResponse(
+            request_id=self.request_id,
+            text=self._text[self._emitted_chars:max(safe, self._emitted_chars)],
+            token_ids=self.tokens[self.num_prompt + self._emitted_tokens:])
+        self._emitted_chars = max(safe, self._emitted_chars)
+        self._emitted_tokens = self.num_output
+        if self.done:
+            response.finish_reason = self.finish_reason
+            response.stats.CopyFrom(self.final_stats())
+        if response.text or response.token_ids or self.done:
+            self.out.put_nowait(response)
+
+    def fail(self, error: RequestFailed) -> None:
+        self.failed = True
+        self.out.put_nowait(error)
+
+    def final_stats(self) -> pb.GenerationStats:
+        s = self.stats
+        return pb.GenerationStats(
+            prompt_tokens=self.num_prompt, output_tokens=self.num_output, rounds=s.rounds,
+            draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+            acceptance_by_position=[a / p for a, p in zip(s.accepted_at, s.proposed_at)],
+            mean_accepted_length=self.num_output / s.rounds if s.rounds else 0.0,
+            propose_s=s.propose_s, verify_s=s.verify_s, network_s=s.network_s,
+            wall_s=time.perf_counter() - self.started, ttft_s=s.ttft_s)

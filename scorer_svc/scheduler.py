@@ -1,0 +1,349 @@
+"""Continuous batching for the scorer.
+
+Concurrent Verify calls (from any number of gateway connections) are turned
+into *jobs*, one per sequence, and merged by one worker thread into forward
+passes of at most `max_batch_size` sequences and `max_tokens_per_forward`
+tokens. A job feeds `[pending token] + drafts` (or, on a sequence's first
+touch, its whole context + drafts, in chunks when long) and is verified as
+soon as its last chunk has run.
+
+Per sequence the scorer keeps its context length and its pending token; the
+KV cache always holds `context_len - 1` tokens between rounds:
+
+    feed  = [pending] + drafts                   (k + 1 tokens)
+    KV   += feed;  verify the last k + 1 logits rows -> a accepted
+    KV    = KV[: context_len + a]                (pending + accepted drafts)
+    context_len += a + 1;  pending = output[-1]  (recovered or bonus token)
+
+Only the worker thread touches the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from specdec.kernels import SamplingTensors, SparseDraftProbs, verify
+from specdec.scorer_svc.engine import Engine, ForwardItem, PoolExhausted
+
+log = logging.getLogger(__name__)
+
+FORWARDS = Counter("specdec_scorer_forwards_total", "Forward passes run")
+FORWARD_TOKENS = Histogram("specdec_scorer_forward_tokens", "Tokens per forward pass",
+                           buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096))
+FORWARD_SECONDS = Histogram("specdec_scorer_forward_seconds", "Forward + verification time per step")
+ACCEPTED_TOKENS = Counter("specdec_scorer_accepted_tokens_total", "Draft tokens accepted")
+DRAFT_TOKENS = Counter("specdec_scorer_draft_tokens_total", "Draft tokens verified")
+LIVE_SEQUENCES = Gauge("specdec_scorer_live_sequences", "Sequences holding KV cache")
+FREE_KV_TOKENS = Gauge("specdec_scorer_free_kv_tokens", "KV tokens still free")
+
+# Job outcomes besides OK (mirrors the proto's SequenceStatus without importing it).
+OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED = "ok", "unknown_sequence", "resource_exhausted"
+
+
+@dataclass
+class JobSpec:
+    """One sequence's part of a Verify call, already validated."""
+
+    seq_id: str
+    context: np.ndarray | None  # int32 [n]: whole context on first touch / re-prefill
+    context_len: int  # gateway's context length, pending token included
+    draft_token_ids: np.ndarray  # int32 [k]
+    draft_probs: list[tuple[np.ndarray, np.ndarray]] | None  # k x (ids int32 [K_j], probs float32 [K_j])
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    strategy: int  # kernels.GREEDY .. TOPP
+    accept_policy: int
+    return_hidden_states: bool = False
+
+
+@dataclass
+class JobResult:
+    status: str
+    output_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int = 0
+    hidden_states: np.ndarray | None = None  # float32 [num_accepted + 1, hidden]
+    message: str = ""
+
+
+@dataclass
+class _SeqState:
+    context_len: int  # tokens the gateway holds (pending included)
+    pending: int  # last context token, not yet in the KV cache
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    call: "_Call"
+    index: int  # position of spec in the call
+    feed: np.ndarray | None = None  # int32 tokens to run through the model
+    fed: int = 0  # how many of feed have run
+    context_len_before: int = 0  # RNG position and rollback base
+    logits: torch.Tensor | None = None  # float32 [k + 1, V], once the last chunk ran
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class _Call:
+    specs: list[JobSpec]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    arrived: float = field(default_factory=time.perf_counter)
+    results: list[JobResult | None] = field(default_factory=list)
+    remaining: int = 0
+    compute_s: float = 0.0
+    first_step: float | None = None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch_size: int = 256,
+                 max_tokens_per_forward: int = 512) -> None:
+        if max_batch_size < 1 or max_tokens_per_forward < 17:
+            raise ValueError("max_batch_size >= 1 and max_tokens_per_forward >= 17 required")
+        self.engine = engine
+        self.max_batch_size = max_batch_size
+        self.max_tokens_per_forward = max_tokens_per_forward
+        self._seqs: dict[str, _SeqState] = {}
+        self._busy: set[str] = set()  # sequences with a job in flight
+        self._inbox: queue.Queue = queue.Queue()
+        self._active: list[_Job] = []
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="scorer-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+
+    async def verify(self, specs: list[JobSpec]) -> tuple[list[JobResult], float, float]:
+        """Runs one Verify call; returns (results, compute_s, queue_s)."""
+        loop = asyncio.get_running_loop()
+        call = _Call(specs, loop.create_future(), loop)
+        self._inbox.put(("verify", call))
+        return await call.future
+
+    async def release(self, seq_ids: list[str]) -> int:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("release", (seq_ids, fut, loop)))
+        return await fut
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout=10)
+
+    # --------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox(block=not self._active)
+            if self._active:
+                try:
+                    self._step()
+                except Exception as e:  # never leave callers hanging
+                    log.exception("forward step failed")
+                    self._fail_active(e)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get(block=block, timeout=None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "verify":
+                self._admit(payload)
+            elif kind == "release":
+                seq_ids, fut, loop = payload
+                n = sum(self._release(s) for s in seq_ids)
+                loop.call_soon_threadsafe(_set_result, fut, n)
+            else:
+                return
+
+    def _release(self, seq_id: str) -> bool:
+        self._seqs.pop(seq_id, None)
+        found = self.engine.release(seq_id)
+        LIVE_SEQUENCES.set(len(self._seqs))
+        return found
+
+    def _admit(self, call: _Call) -> None:
+        """Turns a call into jobs: checks sequence state, reserves KV space."""
+        call.results = [None] * len(call.specs)
+        for i, spec in enumerate(call.specs):
+            job = _Job(spec, call, i)
+            result = self._prepare(job)
+            if result is not None:
+                call.results[i] = result
+            else:
+                self._busy.add(spec.seq_id)
+                self._active.append(job)
+                call.remaining += 1
+        if call.remaining == 0:
+            self._finish_call(call)
+
+    def _prepare(self, job: _Job) -> JobResult | None:
+        spec = job.spec
+        if spec.seq_id in self._busy:
+            return JobResult(UNKNOWN_SEQUENCE, message="sequence already has a Verify in flight")
+        k = len(spec.draft_token_ids)
+        if spec.context is not None:  # first touch or re-prefill
+            self._release(spec.seq_id)
+            job.feed = np.concatenate([spec.context, spec.draft_token_ids]).astype(np.int32)
+            job.context_len_before = len(spec.context)
+        else:
+            state = self._seqs.get(spec.seq_id)
+            if state is None or state.context_len != spec.context_len:
+                if state is None:
+                    detail = "unknown to this scorer"
+                else:
+                    detail = f"scorer holds context_len {state.context_len}"
+                    self._release(spec.seq_id)
+                return JobResult(UNKNOWN_SEQUENCE, message=f"{detail}; resend the context")
+            job.feed = np.concatenate([[state.pending], spec.draft_token_ids]).astype(np.int32)
+            job.context_len_before = state.context_len
+        try:  # KV holds context_len - 1 tokens, the feed adds k + 1
+            self.engine.ensure_capacity(spec.seq_id, job.context_len_before + k)
+        except PoolExhausted as e:
+            if spec.context is not None:
+                self.engine.release(spec.seq_id)
+            return JobResult(RESOURCE_EXHAUSTED, message=f"KV cache pool full: {e}")
+        if spec.context is not None:
+            self._seqs[spec.seq_id] = _SeqState(len(spec.context), int(spec.context[-1]))
+        return None
+
+    def _step(self) -> None:
+        """One forward pass over the jobs that fit, then verification of the
+        jobs whose last chunk ran."""
+        start = time.perf_counter()
+        items, jobs, budget = [], [], self.max_tokens_per_forward
+        # decode-sized work first so long prefills cannot starve it
+        for job in sorted(self._active, key=lambda j: len(j.feed) - j.fed):
+            if len(items) == self.max_batch_size or budget == 0:
+                break
+            remaining = len(job.feed) - job.fed
+            num_logits = len(job.spec.draft_token_ids) + 1
+            take = min(remaining, budget)
+            if take < remaining:  # a prefill chunk: never split the last k + 1 rows
+                take = min(take, len(job.feed) - num_logits - job.fed)
+                num_logits = 0
+                if take <= 0:
+                    continue
+            items.append(ForwardItem(job.spec.seq_id, job.feed[job.fed:job.fed + take], num_logits))
+            jobs.append(job)
+            budget -= take
+        for job in jobs:
+            if job.call.first_step is None:
+                job.call.first_step = start
+        need_hidden = any(j.spec.return_hidden_states for j in jobs)
+        out = self.engine.forward(items, return_hidden_states=need_hidden)
+        FORWARDS.inc()
+        FORWARD_TOKENS.observe(sum(len(i.token_ids) for i in items))
+        row = 0
+        done = []
+        for job, item in zip(jobs, items):
+            job.fed += len(item.token_ids)
+            if item.num_logits:
+                job.logits = out.logits[row:row + item.num_logits]
+                if need_hidden:
+                    job.hidden = out.hidden_states[row:row + item.num_logits]
+                row += item.num_logits
+                done.append(job)
+        if done:
+            self._verify(done)
+        elapsed = time.perf_counter() - start
+        FORWARD_SECONDS.observe(elapsed)
+        for call in {id(j.call): j.call for j in jobs}.values():
+            call.compute_s += elapsed
+        for job in done:
+            self._active.remove(job)
+            self._busy.discard(job.spec.seq_id)
+            job.call.remaining -= 1
+            if job.call.remaining == 0:
+                self._finish_call(job.call)
+        FREE_KV_TOKENS.set(self.engine.free_tokens())
+
+    def _verify(self, jobs: list[_Job]) -> None:
+        """Batched verification of finished jobs, then KV rollback."""
+        specs = [j.spec for j in jobs]
+        num_drafts = [len(s.draft_token_ids) for s in specs]
+        target_logits = torch.cat([j.logits for j in jobs])  # [sum(k_i + 1), V]
+        draft_token_ids = torch.from_numpy(np.concatenate(
+            [s.draft_token_ids for s in specs]).astype(np.int32))  # [sum(k_i)]
+        cu = torch.tensor(np.cumsum(num_drafts), dtype=torch.int32)  # [B]
+        sampling = SamplingTensors(
+            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int32),
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32),
+            seed=torch.tensor([s.seed for s in specs], dtype=torch.int64),
+            position=torch.tensor([j.context_len_before for j in jobs], dtype=torch.int64),
+            strategy=torch.tensor([s.strategy for s in specs], dtype=torch.int32),
+            accept_policy=torch.tensor([s.accept_policy for s in specs], dtype=torch.int32),
+        )
+        out = verify(target_logits, draft_token_ids, cu, sampling, _sparse_draft_probs(specs))
+        # one deliberate device->host sync for the whole batch
+        output_ids = out.output_token_ids.tolist()
+        num_accepted = out.num_accepted.tolist()
+        for job, ids, a in zip(jobs, output_ids, num_accepted):
+            seq_id = job.spec.seq_id
+            new_context_len = job.context_len_before + a + 1
+            self.engine.truncate(seq_id, new_context_len - 1)
+            output = ids[:a + 1]
+            self._seqs[seq_id] = _SeqState(new_context_len, output[-1])
+            hidden = None
+            if job.spec.return_hidden_states:
+                hidden = job.hidden[:a + 1].float().cpu().numpy()
+            job.call.results[job.index] = JobResult(OK, output, a, hidden)
+            DRAFT_TOKENS.inc(len(job.spec.draft_token_ids))
+            ACCEPTED_TOKENS.inc(a)
+        LIVE_SEQUENCES.set(len(self._seqs))
+
+    def _finish_call(self, call: _Call) -> None:
+        queue_s = (call.first_step or time.perf_counter()) - call.arrived
+        call.loop.call_soon_threadsafe(_set_result, call.future, (call.results, call.compute_s, queue_s))
+
+    def _fail_active(self, error: Exception) -> None:
+        for job in self._active:
+            self._release(job.spec.seq_id)
+            if not job.call.future.done():
+                job.call.loop.call_soon_threadsafe(_set_exception, job.call.future, error)
+        self._active.clear()
+        self._busy.clear()
+
+
+def _sparse_draft_probs(specs: list[JobSpec]) -> SparseDraftProbs | None:
+    """Pads the calls' sparse draft probabilities to one [num_draft_tokens, K]
+    pair; one-hot drafts become (draft id, 1.0). None when all are one-hot."""
+    if not any(s.draft_probs for s in specs):
+        return None
+    rows = []
+    for s in specs:
+        if s.draft_probs:
+            rows.extend(s.draft_probs)
+        else:
+            rows.extend((np.array([t], np.int32), np.array([1.0], np.float32)) for t in s.draft_token_ids)
+    width = max(len(ids) for ids, _ in rows)
+    token_ids = np.zeros((len(rows), width), np.int32)
+    probs = np.zeros((len(rows), width), np.float32)
+    for r, (ids, p) in enumerate(rows):
+        token_ids[r, :len(ids)] = ids
+        probs[r, :len(p)] = p
+    return SparseDraftProbs(torch.from_numpy(token_ids), torch.from_numpy(probs))
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, error: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(error)
