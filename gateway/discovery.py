@@ -275,7 +275,8 @@ class KubernetesDiscovery:
         """List all target slices and replace the state with them; returns the
         list's resourceVersion to watch from."""
         listing = self._api.list_namespaced_endpoint_slice(
-            self.namespace, label_selector=self.label_selector)
+            self.namespace, label_selector=self.label_selector,
+            _request_timeout=self._resync_s + 30.0)
         objs = [_as_json(item) for item in listing.items or []]
         with self._lock:
             self._slices = {svc: {} for svc in self._targets}

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 from specdec.proposer_svc.base import NaiveProposer, Proposer
+from specdec.proposer_svc.hybrid import HybridProposer
 from specdec.proposer_svc.ngram import NgramProposer
+from specdec.proposer_svc.suffix import SuffixProposer
 
 #: method names accepted by `build_proposers` (and in requests)
-SUPPORTED_METHODS = ("naive", "ngram")
+SUPPORTED_METHODS = ("naive", "ngram", "suffix", "hybrid")
 
 _FACTORIES = {
     "naive": NaiveProposer,
     "ngram": NgramProposer,
+    "suffix": SuffixProposer,
+    "hybrid": HybridProposer,
 }
 
 

@@ -136,6 +136,10 @@ class Scheduler:
         self._inbox.put(("release", (seq_ids, fut, loop)))
         return await fut
 
+    @property
+    def live_sequences(self) -> int:
+        return len(self._seqs)
+
     def stop(self) -> None:
         self._stopped = True
         self._inbox.put(("stop", None))

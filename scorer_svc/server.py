@@ -128,7 +128,9 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         f = self.engine.facts
         return pb.ModelInfo(model=f.model, vocab_size=f.vocab_size, max_model_len=f.max_model_len,
                             eos_token_ids=list(f.eos_token_ids), hidden_size=f.hidden_size,
-                            dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens)
+                            dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens,
+                            kv_free_tokens=self.engine.free_tokens(),
+                            live_sequences=self.scheduler.live_sequences)
 
 
 async def serve(host: str, port: int, model: str, dtype: str, kv_tokens: int | None,

@@ -126,9 +126,10 @@ class Stack:
             gw_args = ["gateway", "--model", self.model, "--scorer", ",".join(s.addr for s in scorers),
                        "--default-method", self.default_method, "--default-k", str(self.default_k),
                        *self.extra_gateway_args]
-            replicas = ",".join(p.addr for p in proposers)
-            for method in self.methods.split(","):
-                gw_args += ["--proposer", f"{method}={replicas}"]
+            if proposers:
+                replicas = ",".join(p.addr for p in proposers)
+                for method in self.methods.split(","):
+                    gw_args += ["--proposer", f"{method}={replicas}"]
             gateway = self._spawn("gateway", gw_args, self.gateway_port or free_port())
             wait_serving(gateway.addr, gateway.proc, timeout_s, "gateway")
         except BaseException:

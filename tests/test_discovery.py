@@ -191,6 +191,14 @@ def test_added_slice_uses_the_port_named_grpc(cluster):
     assert rec_scorer.changes == [(addrs("10.244.1.10", "10.244.2.11", port=50051), set())]
 
 
+def test_terminating_endpoint_is_dropped_even_when_reported_ready(cluster):
+    disc, scorers, _, rec_scorer, _ = cluster
+    disc.handle_event("ADDED", load("scorer-h8d2x.json"))
+    disc.handle_event("MODIFIED", load("scorer-h8d2x-terminating.json"))
+    assert scorers.addresses() == ["10.244.1.10:50051"]
+    assert rec_scorer.changes[-1] == (set(), {"10.244.2.11:50051"})
+
+
 def test_slice_lifecycle_over_two_slices_of_one_service(cluster):
     disc, _, ngram, _, rec = cluster
     disc.handle_event("ADDED", load("ngram-4xk2p.json"))

@@ -140,7 +140,9 @@ class ProposerServicer:
     """
 
     def Propose(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Long-lived stream: each ProposeRequest gets one ProposeResponse, in order.
+        Sequences opened on a stream are freed when the stream ends.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -252,7 +254,7 @@ class ScorerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """Static facts about the loaded target model.
+        """Facts about the loaded target model and the KV pool's current use.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,311 @@
+"""Proposer micro-benchmark: our numba SuffixProposer against arctic-inference's
+SuffixDecodingCache (C++) on the same recorded token streams.
+
+Workloads (SmolLM2 tokenizer; several requests in sequence so the global tree
+of finished outputs matters):
+  code       prompt = the start of a Python stdlib file, output = what follows
+  edit       prompt = a code chunk, output = the chunk with identifiers renamed
+  synthetic  phrases drawn from a shared phrase bank (cross-request repeats)
+
+For every request the context grows by a fixed schedule (recorded once from
+our proposer: accepted draft tokens + 1, as in greedy verification), so every
+implementation sees identical contexts: per call we time the update
+(extend / add_active_response) and the speculation, and compare the drafts.
+"Accepted" counts draft tokens that equal the true continuation.
+
+arctic-inference runs in its own virtualenv (it is not a project
+dependency), driven by this same file in ``--driver`` mode:
+    python -m venv /tmp/arctic-venv
+    PIP_CONSTRAINT=/tmp/constraints.txt /tmp/arctic-venv/bin/pip install \
+        torch==2.13.0 arctic-inference numpy
+
+Usage:
+    python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
+        [--repeats 3] [--k 8] [--out bench_results/suffix_micro.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MAX_TREE_DEPTH = 64
+MAX_SPEC_FACTOR = 1.0
+MIN_TOKEN_PROB = 0.1
+
+
+# ------------------------------------------------------------------ streams
+def _stdlib_sources(count: int) -> list[str]:
+    """Deterministic choice of larger stdlib modules (code repeats itself)."""
+    root = Path(os.__file__).parent
+    files = sorted(p for p in root.glob("*.py") if 12_000 < p.stat().st_size < 200_000)
+    step = max(1, len(files) // count)
+    return [files[i].read_text(errors="replace") for i in range(0, step * count, step)][:count]
+
+
+def _code_requests(tok, count: int) -> list[tuple[list[int], list[int]]]:
+    requests = []
+    for text in _stdlib_sources(count):
+        ids = tok.encode(text)
+        requests.append((ids[:768], ids[768:768 + 384]))
+    return requests
+
+
+def _edit_requests(tok, count: int) -> list[tuple[list[int], list[int]]]:
+    requests = []
+    for text in _stdlib_sources(2 * count)[count:]:
+        chunk = text[2000:4500]
+        edited = chunk.replace("self", "this").replace("return", "yield")
+        prompt = tok.encode("Rename self to this and return to yield:\n" + chunk + "\n---\n")
+        requests.append((prompt, tok.encode(edited)[:512]))
+    return requests
+
+
+def _synthetic_requests(count: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    rng = np.random.default_rng(seed)
+    bank = [rng.integers(0, 49152, int(rng.integers(4, 24))).tolist() for _ in range(64)]
+
+    def stream(n_phrases: int) -> list[int]:
+        out: list[int] = []
+        for i in rng.zipf(1.5, n_phrases):
+            out += bank[int(i - 1) % len(bank)] + rng.integers(0, 49152, 2).tolist()
+        return out
+
+    return [(stream(20), stream(25)) for _ in range(count)]
+
+
+def build_workloads(num_requests: int) -> dict[str, list[tuple[list[int], list[int]]]]:
+    from specdec.models import default_model, load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(default_model()))
+    return {"code": _code_requests(tok, num_requests),
+            "edit": _edit_requests(tok, num_requests),
+            "synthetic": _synthetic_requests(num_requests)}
+
+
+def _accepted(draft: list[int], truth: list[int]) -> int:
+    n = 0
+    for d, t in zip(draft, truth):
+        if d != t:
+            break
+        n += 1
+    return n
+
+
+def record_schedule(requests, k: int, max_cached: int) -> list[list[int]]:
+    """Per request, the context growth per round when our suffix drafts are
+    verified greedily against the recorded output (accepted + 1 tokens)."""
+    from specdec.proposer_svc.base import SeqOptions
+    from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
+
+    prop = SuffixProposer(SuffixConfig(max_cached, MAX_TREE_DEPTH))
+    schedule = []
+    for r, (prompt, output) in enumerate(requests):
+        prop.start(str(r), np.array(prompt, dtype=np.int32), SeqOptions())
+        steps, pos = [], 0
+        while pos < len(output):
+            draft = prop.propose([(str(r), k)])[0].token_ids.tolist()
+            step = min(_accepted(draft, output[pos:]) + 1, len(output) - pos)
+            prop.extend(str(r), np.array(output[pos:pos + step], dtype=np.int32))
+            steps.append(step)
+            pos += step
+        prop.stop(str(r), completed=True)
+        schedule.append(steps)
+    return schedule
+
+
+# ------------------------------------------------------------------ drivers
+def run_ours(method: str, requests, schedule, k: int, max_cached: int) -> dict:
+    """Replays the schedule on one of our proposers; times every call."""
+    from specdec.proposer_svc.base import SeqOptions
+    from specdec.proposer_svc.hybrid import HybridConfig, HybridProposer
+    from specdec.proposer_svc.ngram import NgramProposer
+    from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
+
+    suffix_config = SuffixConfig(max_cached, MAX_TREE_DEPTH)
+    prop = {"suffix": lambda: SuffixProposer(suffix_config),
+            "ngram": NgramProposer,
+            "hybrid": lambda: HybridProposer(HybridConfig(suffix=suffix_config))}[method]()
+    opts = SeqOptions(max_tree_depth=MAX_TREE_DEPTH, max_spec_factor=MAX_SPEC_FACTOR,
+                      min_token_prob=MIN_TOKEN_PROB)
+    clock = time.perf_counter_ns
+    drafts, start_ns, update_ns, spec_ns = [], [], [], []
+    gc.disable()
+    for r, ((prompt, output), steps) in enumerate(zip(requests, schedule)):
+        seq, out = str(r), np.array(output, dtype=np.int32)
+        t0 = clock()
+        prop.start(seq, np.array(prompt, dtype=np.int32), opts)
+        start_ns.append(clock() - t0)
+        pos = 0
+        for step in steps:
+            t0 = clock()
+            draft = prop.propose([(seq, k)])[0]
+            spec_ns.append(clock() - t0)
+            drafts.append(draft.token_ids.tolist())
+            t0 = clock()
+            prop.extend(seq, out[pos:pos + step])
+            update_ns.append(clock() - t0)
+            pos += step
+        prop.stop(seq, completed=True)
+    gc.enable()
+    return {"drafts": drafts, "start_ns": start_ns, "update_ns": update_ns, "spec_ns": spec_ns,
+            "memory_bytes": prop.stats().get("memory_bytes", 0.0)}
+
+
+def run_arctic(requests, schedule, k: int, max_cached: int) -> dict:
+    """The same replay on arctic-inference (run inside its virtualenv)."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=max_cached)
+    clock = time.perf_counter_ns
+    drafts, start_ns, update_ns, spec_ns = [], [], [], []
+    gc.disable()
+    for r, ((prompt, output), steps) in enumerate(zip(requests, schedule)):
+        full = np.array(prompt + output, dtype=np.int32)
+        out = np.array(output, dtype=np.int32)
+        t0 = clock()
+        cache.start_request(r, full[:len(prompt)])
+        start_ns.append(clock() - t0)
+        pos = 0
+        for step in steps:
+            context = full[:len(prompt) + pos]
+            t0 = clock()
+            draft = cache.speculate(r, context, max_spec_tokens=k, max_spec_factor=MAX_SPEC_FACTOR,
+                                    min_token_prob=MIN_TOKEN_PROB)
+            spec_ns.append(clock() - t0)
+            drafts.append(list(draft.token_ids))
+            t0 = clock()
+            cache.add_active_response(r, out[pos:pos + step])
+            update_ns.append(clock() - t0)
+            pos += step
+        cache.stop_request(r)
+    gc.enable()
+    memory = cache._global_tree.estimate_memory()  # private, the only memory gauge it has
+    return {"drafts": drafts, "start_ns": start_ns, "update_ns": update_ns, "spec_ns": spec_ns,
+            "memory_bytes": float(memory)}
+
+
+def _driver_main(in_path: str, out_path: str) -> None:
+    job = json.loads(Path(in_path).read_text())
+    run = run_arctic(job["requests"], job["schedule"], job["k"], job["max_cached"])
+    Path(out_path).write_text(json.dumps(run))
+
+
+def run_arctic_subprocess(python: str, requests, schedule, k: int, max_cached: int) -> dict:
+    """One timed replay on arctic-inference, in its own virtualenv."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = {"k": k, "max_cached": max_cached, "requests": requests, "schedule": schedule}
+        in_path, out_path = Path(tmp, "job.json"), Path(tmp, "result.json")
+        in_path.write_text(json.dumps(job))
+        subprocess.run([python, __file__, "--driver", str(in_path), str(out_path)], check=True)
+        return json.loads(out_path.read_text())
+
+
+# ------------------------------------------------------------------ report
+def _summary(runs: list[dict], output_tokens: list[list[int]], schedule) -> dict:
+    """Latencies (µs) of the fastest repeat (this 2-core machine is shared,
+    so slower repeats measure the neighbours), and the acceptance of the
+    drafts (identical across repeats)."""
+    best = min(runs, key=lambda r: np.mean(r["spec_ns"]) + np.mean(r["update_ns"]))
+    truths = [out[pos:] for out, steps in zip(output_tokens, schedule)
+              for pos in np.cumsum([0] + steps[:-1])]
+    accepted = [_accepted(d, t) for d, t in zip(best["drafts"], truths)]
+    spec, update = np.array(best["spec_ns"]) / 1e3, np.array(best["update_ns"]) / 1e3
+    return {"calls": len(spec), "spec_us_mean": float(spec.mean()),
+            "spec_us_p50": float(np.percentile(spec, 50)),
+            "spec_us_p99": float(np.percentile(spec, 99)),
+            "update_us_mean": float(update.mean()),
+            "update_us_p50": float(np.percentile(update, 50)),
+            "start_us_mean": float(np.mean(best["start_ns"]) / 1e3),
+            "draft_len_mean": float(np.mean([len(d) for d in best["drafts"]])),
+            "accepted_per_call": float(np.mean(accepted)),
+            "memory_bytes": best["memory_bytes"], "drafts": best["drafts"]}
+
+
+def _print_table(results: dict) -> None:
+    cols = ("impl", "calls", "spec µs", "spec p50", "spec p99", "update µs", "update p50",
+            "start µs", "draft len", "acc/call", "same as arctic")
+    print(" | ".join(f"{c:>10}" for c in cols))
+    for workload, impls in results["workloads"].items():
+        print(f"-- {workload}")
+        for impl, s in impls.items():
+            same = s.get("identical_to_arctic")
+            print(" | ".join(f"{v:>10}" for v in (
+                impl, s["calls"], f"{s['spec_us_mean']:.1f}", f"{s['spec_us_p50']:.1f}",
+                f"{s['spec_us_p99']:.1f}", f"{s['update_us_mean']:.1f}",
+                f"{s['update_us_p50']:.1f}", f"{s['start_us_mean']:.0f}",
+                f"{s['draft_len_mean']:.2f}", f"{s['accepted_per_call']:.2f}",
+                "-" if same is None else f"{same:.1%}")))
+    for workload, ratio in results["arctic_over_ours"].items():
+        print(f"{workload}: arctic/ours latency (means), speculate {ratio['spec']:.2f}x, "
+              f"update {ratio['update']:.2f}x, spec+update {ratio['total']:.2f}x, "
+              f"start {ratio['start']:.2f}x; medians: speculate {ratio['spec_p50']:.2f}x, "
+              f"update {ratio['update_p50']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16, help="requests per workload")
+    parser.add_argument("--k", type=int, default=8, help="draft tokens asked per call")
+    parser.add_argument("--max-cached", type=int, default=8, help="max_cached_requests")
+    parser.add_argument("--repeats", type=int, default=3, help="timed replays (best kept)")
+    parser.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
+    parser.add_argument("--out", default="bench_results/suffix_micro.json")
+    parser.add_argument("--driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.driver:
+        _driver_main(*args.driver)
+        return
+
+    workloads = build_workloads(args.requests)
+    have_arctic = Path(args.arctic_python).exists()
+    if not have_arctic:
+        print(f"arctic-inference venv not found at {args.arctic_python}: ours only", file=sys.stderr)
+    results: dict = {"config": {"k": args.k, "max_cached_requests": args.max_cached,
+                                "max_tree_depth": MAX_TREE_DEPTH, "max_spec_factor": MAX_SPEC_FACTOR,
+                                "min_token_prob": MIN_TOKEN_PROB, "repeats": args.repeats},
+                     "workloads": {}, "arctic_over_ours": {}}
+    impl_names = ("suffix", "ngram", "hybrid") + (("arctic",) if have_arctic else ())
+    for name, reqs in workloads.items():
+        schedule = record_schedule(reqs, args.k, args.max_cached)
+        runs: dict[str, list[dict]] = {impl: [] for impl in impl_names}
+        for _ in range(args.repeats):  # interleaved, so neighbours' load hits all alike
+            for impl in impl_names:
+                runs[impl].append(
+                    run_arctic_subprocess(args.arctic_python, reqs, schedule, args.k,
+                                          args.max_cached) if impl == "arctic"
+                    else run_ours(impl, reqs, schedule, args.k, args.max_cached))
+        outputs = [out for _, out in reqs]
+        impls = {impl: _summary(runs[impl], outputs, schedule) for impl in impl_names}
+        if have_arctic:
+            ref = impls["arctic"]["drafts"]
+            for s in impls.values():
+                s["identical_to_arctic"] = float(np.mean([a == b for a, b in zip(s["drafts"], ref)]))
+            ours, theirs = impls["suffix"], impls["arctic"]
+            results["arctic_over_ours"][name] = {
+                "spec": theirs["spec_us_mean"] / ours["spec_us_mean"],
+                "update": theirs["update_us_mean"] / ours["update_us_mean"],
+                "total": (theirs["spec_us_mean"] + theirs["update_us_mean"])
+                / (ours["spec_us_mean"] + ours["update_us_mean"]),
+                "start": theirs["start_us_mean"] / ours["start_us_mean"],
+                "spec_p50": theirs["spec_us_p50"] / ours["spec_us_p50"],
+                "update_p50": theirs["update_us_p50"] / ours["update_us_p50"]}
+        for s in impls.values():
+            del s["drafts"]
+        results["workloads"][name] = impls
+    _print_table(results)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""End to end over real gRPC on loopback with the stories260K model: the
+invariant (greedy output == transformers greedy generate) for every method
+and draft length, concurrency, bad input, stop conditions, the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from conftest import hf_greedy, hf_model
+from specdec.client import make_request, stream
+from specdec.protos.v1 import specdec_pb2 as pb
+
+PROMPTS = {
+    "story": "Once upon a time",
+    "repeats": "Tom saw a big dog. The dog was happy. Tom saw a big dog. The dog was happy. Tom saw a big",
+}
+MAX_TOKENS = 48
+
+
+def _ids(path, text):
+    return tuple(hf_model(path)[1](text)["input_ids"])
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("method,k", [("none", 0), ("naive", 1), ("naive", 3), ("naive", 8),
+                                      ("ngram", 1), ("ngram", 3), ("ngram", 8),
+                                      ("suffix", 5), ("hybrid", 5)])
+def test_greedy_matches_transformers(stories_stack, stories_path, prompt, method, k):
+    gen = stream(stories_stack.gateway_addr,
+                 make_request(PROMPTS[prompt], max_tokens=MAX_TOKENS, method=method, k=k))
+    expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS[prompt]), MAX_TOKENS)
+    assert gen.token_ids == expected[:len(gen.token_ids)]
+    if gen.finish_reason == "length":
+        assert len(gen.token_ids) == MAX_TOKENS
+    else:  # stopped at EOS: transformers stops there too
+        assert gen.finish_reason == "stop" and gen.token_ids == expected
+    s = gen.stats
+    assert s.output_tokens == len(gen.token_ids)
+    assert s.rounds >= 1 and abs(s.mean_accepted_length - s.output_tokens / s.rounds) < 1e-4
+    assert s.accepted_tokens <= s.draft_tokens <= k * s.rounds
+    assert len(s.acceptance_by_position) <= k
+    if method in ("none", "naive"):
+        assert s.draft_tokens == 0 and s.rounds == s.output_tokens
+
+
+def test_ngram_speculates_on_repetitive_text(stories_stack):
+    gen = stream(stories_stack.gateway_addr,
+                 make_request(PROMPTS["repeats"], max_tokens=MAX_TOKENS, method="ngram", k=5))
+    s = gen.stats  # the tiny model copies little; SmolLM2 copies much more (benchmarks)
+    assert s.draft_tokens > 0 and s.accepted_tokens > 0
+    assert s.rounds < s.output_tokens and s.mean_accepted_length > 1.0
+    assert 0 < s.acceptance_by_position[0] <= 1
+
+
+def test_token_id_prompt_equals_text_prompt(stories_stack, stories_path):
+    ids = list(_ids(stories_path, PROMPTS["story"]))
+    by_text = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=16))
+    by_ids = stream(stories_stack.gateway_addr, make_request(ids, max_tokens=16))
+    assert by_ids.token_ids == by_text.token_ids and by_ids.text == by_text.text
+
+
+def test_concurrent_streams_equal_solo_runs(stories_stack):
+    cases = [(text, method, k) for text in PROMPTS.values()
+             for method, k in [("none", 0), ("ngram", 3), ("ngram", 8), ("suffix", 4)]]
+    solo = [stream(stories_stack.gateway_addr, make_request(t, max_tokens=40, method=m, k=k)).token_ids
+            for t, m, k in cases]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        together = list(pool.map(
+            lambda c: stream(stories_stack.gateway_addr,
+                             make_request(c[0], max_tokens=40, method=c[1], k=c[2])).token_ids, cases))
+    assert together == solo
+
+
+def test_max_tokens_and_stop_strings(stories_stack):
+    gen = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=5, method="ngram", k=8))
+    assert len(gen.token_ids) == 5 and gen.finish_reason == "length"
+    full = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=40))
+    stop = full.text[12:16]
+    cut = stream(stories_stack.gateway_addr,
+                 make_request(PROMPTS["story"], max_tokens=40, stop=[stop], method="ngram", k=4))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(stop)]
+    assert stop not in cut.text
+
+
+def _code_and_details(request, addr):
+    with pytest.raises(grpc.RpcError) as info:
+        stream(addr, request)
+    return info.value.code(), info.value.details()
+
+
+BAD_REQUESTS = {
+    "empty text": (make_request(""), "text"),
+    "no prompt": (pb.GenerateRequest(), "prompt"),
+    "empty token ids": (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids"),
+    "negative max_tokens": (make_request("Hi", max_tokens=-3), "max_tokens"),
+    "zero max_tokens": (make_request("Hi", max_tokens=0), "max_tokens"),
+    "huge max_tokens": (make_request("Hi", max_tokens=10**9), "max_tokens"),
+    "k too large": (make_request("Hi", method="ngram", k=17), "num_speculative_tokens"),
+    "k negative": (make_request("Hi", method="ngram", k=-1), "num_speculative_tokens"),
+    "min_n > max_n": (make_request("Hi", method="ngram", min_n=4, max_n=2), "min_n"),
+    "unknown method": (make_request("Hi", method="telepathy"), "speculation.method"),
+    "prompt too long": (make_request("dog " * 600), "prompt"),
+    "out-of-vocab ids": (make_request([1, 5, 100000]), "token_ids"),
+    "negative token id": (make_request([1, -5]), "token_ids"),
+    "negative temperature": (make_request("Hi", temperature=-1.0), "temperature"),
+    "top_p above 1": (make_request("Hi", temperature=1.0, top_p=1.5), "top_p"),
+    "no chat template": (make_request(chat=[("user", "Hi")]), "chat"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(stories_stack, case):
+    request, field = BAD_REQUESTS[case]
+    code, details = _code_and_details(request, stories_stack.gateway_addr)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in details
+    ok = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=4))
+    assert len(ok.token_ids) == 4
+
+
+def test_cli_generate_json(stories_stack, stories_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--addr", stories_stack.gateway_addr, "--json",
+         "--method", "ngram", "-k", "3", "--max-tokens", "20", PROMPTS["repeats"]],
+        capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert set(result) >= {"text", "token_ids", "finish_reason", "stats"}
+    assert set(result["stats"]) >= {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_length",
+                                    "acceptance_by_position", "wall_s"}
+    expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["repeats"]), 20)
+    assert result["token_ids"] == expected[:len(result["token_ids"])]
+    assert result["finish_reason"] in ("length", "stop")

@@ -1,0 +1,182 @@
+"""Failure semantics: a proposer that is killed, slow or wrong, and a scorer
+replica that dies, never change a token; cancelled requests free their state;
+no scorer left ends a request with UNAVAILABLE."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import start_stack
+from specdec.client import make_request, stream
+from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.proposer_svc.base import Draft, NaiveProposer
+from specdec.proposer_svc.server import ProposerServicer
+
+PROMPTS = ["Once upon a time", "Tom had a red ball.", "The sun was hot. The sun was hot. The",
+           "Lily went to the park with her mom."]
+LONG = 160
+
+
+def _run_all(addr, method="ngram", k=4, max_tokens=LONG, on_first=None):
+    """Runs all PROMPTS concurrently; on_first() fires once, on the first delta."""
+    fired = threading.Event()
+
+    def one(prompt):
+        def delta(_):
+            if on_first is not None and not fired.is_set():
+                fired.set()
+                on_first()
+        return stream(addr, make_request(prompt, max_tokens=max_tokens, method=method, k=k),
+                      on_delta=delta).token_ids
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def _model_info(addr) -> pb.ModelInfo:
+    with grpc.insecure_channel(addr) as ch:
+        return pb_grpc.ScorerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+
+
+def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory):
+    stack = start_stack(stories_path, tmp_path_factory, "two-proposers", num_proposers=2,
+                        methods="ngram", extra_gateway_args=["--propose-timeout-ms", "2000"])
+    try:
+        undisturbed = _run_all(stack.gateway_addr)
+        victim = stack.by_name("proposer")[0]
+        disturbed = _run_all(stack.gateway_addr, on_first=victim.kill)
+        assert victim.proc.poll() is not None
+        assert disturbed == undisturbed
+        again = _run_all(stack.gateway_addr)  # the survivor serves everyone
+        assert again == undisturbed
+    finally:
+        stack.stop()
+
+
+def test_killing_a_scorer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory):
+    stack = start_stack(stories_path, tmp_path_factory, "two-scorers", num_scorers=2, methods="ngram")
+    try:
+        undisturbed = _run_all(stack.gateway_addr)
+        scorers = stack.by_name("scorer")
+        for s in scorers:  # both replicas hold sequences before the kill
+            assert _model_info(s.addr).kv_capacity_tokens > 0
+        disturbed = _run_all(stack.gateway_addr, on_first=scorers[0].kill)
+        assert scorers[0].proc.poll() is not None
+        assert disturbed == undisturbed
+        scorers[1].kill()
+        with pytest.raises(grpc.RpcError) as info:
+            stream(stack.gateway_addr, make_request("Once upon a time", max_tokens=8), timeout=120)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.stop()
+
+
+class _CountingProposer(NaiveProposer):
+    name = "ngram"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def propose(self, requests):
+        self.calls += 1
+        return self.bad_drafts(requests)
+
+
+class _GarbageProposer(_CountingProposer):
+    """Deliberately wrong: out-of-vocabulary ids, too many drafts, random ids."""
+
+    rng = np.random.default_rng(0)
+
+    def bad_drafts(self, requests):
+        out = []
+        for i, (_, k) in enumerate(requests):
+            kind = (self.calls + i) % 3
+            if kind == 0:
+                ids = np.full(k, 10**6, dtype=np.int32)  # outside every vocabulary
+            elif kind == 1:
+                ids = np.arange(k + 5, dtype=np.int32) % 500  # more than asked for
+            else:
+                ids = self.rng.integers(0, 512, size=k).astype(np.int32)  # wrong guesses
+            out.append(Draft(ids))
+        return out
+
+
+class _SlowProposer(_CountingProposer):
+    def bad_drafts(self, requests):
+        time.sleep(0.3)  # beyond the gateway's propose timeout
+        return [Draft(np.array([1, 2, 3], dtype=np.int32)[:k]) for _, k in requests]
+
+
+class _InProcessProposer:
+    """A real gRPC Proposer server (in a thread) around a deliberately bad proposer."""
+
+    def __init__(self, proposer) -> None:
+        self.proposer = proposer
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(30)
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._server = grpc.aio.server()
+        pb_grpc.add_ProposerServicer_to_server(ProposerServicer({"ngram": self.proposer}), self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        self._stop = asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await self._server.stop(0)
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("bad", [_GarbageProposer, _SlowProposer])
+def test_wrong_or_slow_proposer_changes_nothing(stories_path, tmp_path_factory, bad):
+    proposer = _InProcessProposer(bad())
+    stack = start_stack(stories_path, tmp_path_factory, f"bad-{bad.__name__}", num_proposers=0,
+                        methods="ngram", extra_gateway_args=[
+                            "--proposer", f"ngram=127.0.0.1:{proposer.port}", "--propose-timeout-ms", "100"])
+    try:
+        reference = [stream(stack.gateway_addr, make_request(p, max_tokens=40, method="none")).token_ids
+                     for p in PROMPTS]
+        got = _run_all(stack.gateway_addr, method="ngram", k=4, max_tokens=40)
+        assert got == reference
+        assert proposer.proposer.calls > 0
+    finally:
+        stack.stop()
+        proposer.stop()
+
+
+def test_cancelled_request_frees_its_kv_cache(stories_stack):
+    scorer = stories_stack.by_name("scorer")[0].addr
+    before = _model_info(scorer)
+    with grpc.insecure_channel(stories_stack.gateway_addr) as ch:
+        call = pb_grpc.GatewayStub(ch).Generate(_long_request())
+        next(call)  # generation is under way
+        assert _model_info(scorer).live_sequences == before.live_sequences + 1
+        call.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = _model_info(scorer)
+        if info.live_sequences == before.live_sequences and info.kv_free_tokens == before.kv_free_tokens:
+            break
+        time.sleep(0.1)
+    assert info.live_sequences == before.live_sequences
+    assert info.kv_free_tokens == before.kv_free_tokens
+
+
+def _long_request() -> pb.GenerateRequest:
+    request = make_request("Once upon a time", max_tokens=400, method="ngram", k=3)
+    request.ignore_eos = True
+    return request

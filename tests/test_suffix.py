@@ -1,0 +1,308 @@
+"""Suffix decoding: the numba proposer against the plain-Python reference,
+hand-built cases for every rule, and the trie's structure after evictions."""
+import numpy as np
+import pytest
+
+from specdec.proposer_svc import suffix
+from specdec.proposer_svc.base import SeqOptions, UnknownSequence
+from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer, SuffixTrie
+from specdec.proposer_svc.suffix_reference import ReferenceSuffixProposer, build_tree
+
+
+def _arr(tokens):
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def _draft(prop, seq_id="s", k=8):
+    return prop.propose([(seq_id, k)])[0].token_ids.tolist()
+
+
+def _pair(max_cached_requests=4, max_tree_depth=64):
+    return (SuffixProposer(SuffixConfig(max_cached_requests, max_tree_depth)),
+            ReferenceSuffixProposer(max_cached_requests, max_tree_depth))
+
+
+def _both(props, method, *args):
+    return [getattr(p, method)(*args) for p in props]
+
+
+# ------------------------------------------------------------ hand-built cases
+def test_repeat_in_prompt_is_drafted():
+    prop = SuffixProposer()
+    prop.start("s", _arr([1, 2, 3, 4, 5, 9, 1, 2, 3]), SeqOptions())
+    assert _draft(prop, k=2) == [4, 5]
+    assert _draft(prop, k=8) == [4, 5, 9]  # match "1 2 3": at most 3 tokens (factor 1)
+
+
+def test_no_match_gives_empty_draft():
+    prop = SuffixProposer()
+    prop.start("s", _arr([1, 2, 3, 4]), SeqOptions())
+    assert _draft(prop) == []
+    prop.start("e", _arr([]), SeqOptions())
+    assert _draft(prop, "e") == []
+    prop.extend("e", _arr([7, 7]))
+    assert _draft(prop, "e") == [7]
+
+
+def test_spec_factor_caps_draft_length():
+    context = [5, 1, 2, 3, 4, 6, 7, 8, 5]  # tail "5" matches once (m=1)
+    for factor, expected in ((1.0, [1]), (2.5, [1, 2, 3]), (0.5, [1])):
+        prop = SuffixProposer()
+        prop.start("s", _arr(context), SeqOptions(max_spec_factor=factor))
+        assert _draft(prop, k=8) == expected, factor
+
+
+def test_min_token_prob_cuts_the_path():
+    # "1" (4x, tail included) -> 2 (3x): 3/4; "1 2" -> 4 (2 of 3): 1/2;
+    # "1 2 4" -> 1: 1/2; "1 2 4 1" (2x) -> 2 (1x): 1/4
+    context = [1, 2, 3, 1, 2, 4, 1, 2, 4, 1]
+    for min_prob, expected in ((0.2, [2, 4, 1, 2]), (0.3, [2, 4, 1]), (0.6, [2]), (0.8, [])):
+        prop = SuffixProposer()
+        prop.start("s", _arr(context), SeqOptions(min_token_prob=min_prob, max_spec_factor=4))
+        assert _draft(prop) == expected, min_prob
+
+
+def test_depth_limit_bounds_matches_and_drafts():
+    context = [1, 2, 3, 4, 5, 6, 0, 1, 2, 3]
+    prop = SuffixProposer()
+    prop.start("s", _arr(context), SeqOptions(max_tree_depth=3))
+    assert _draft(prop) == [4]  # only "3" or "2 3" fit with a child in depth 3
+    prop.start("s", _arr(context), SeqOptions(max_tree_depth=4))
+    assert _draft(prop) == [4, 5]  # "2 3" -> 4 5 reaches depth 4
+    prop.start("s", _arr(context), SeqOptions(max_tree_depth=64))
+    assert _draft(prop) == [4, 5, 6]
+    capped = SuffixProposer(SuffixConfig(max_tree_depth=4))
+    capped.start("s", _arr(context), SeqOptions(max_tree_depth=64))
+    assert _draft(capped) == [4, 5]
+
+
+def test_equal_counts_prefer_the_most_recent_continuation():
+    prop = SuffixProposer()
+    prop.start("s", _arr([7, 1, 8, 7, 2, 8, 7]), SeqOptions(min_token_prob=0.0))
+    assert _draft(prop, k=1) == [2]
+
+
+def test_equal_scores_prefer_the_longer_match():
+    # "2" -> 2 (2 of 4) and "2 2" -> 1 (1 of 2): both score 1/2, one token
+    prop = SuffixProposer()
+    prop.start("s", _arr([2, 2, 1, 0, 1, 2, 2]), SeqOptions())
+    assert _draft(prop, k=1) == [1]
+
+
+def test_reference_tokens_are_drafted_from():
+    prop = SuffixProposer()
+    opts = SeqOptions(reference_token_ids=_arr([10, 11, 12, 13, 14]))
+    prop.start("s", _arr([1, 2, 10, 11]), opts)
+    assert _draft(prop) == [12, 13]
+    prop.extend("s", _arr([12, 13]))
+    assert _draft(prop) == [14]  # the reference ends there
+
+
+def test_global_tree_remembers_completed_outputs_only():
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=4))
+    prop.start("a", _arr([1, 2]), SeqOptions())
+    prop.extend("a", _arr([20, 21, 22, 23]))
+    prop.stop("a", completed=False)
+    prop.start("b", _arr([3, 20, 21]), SeqOptions())
+    assert _draft(prop, "b") == []
+    prop.start("a", _arr([1, 2]), SeqOptions())
+    prop.extend("a", _arr([20, 21, 22, 23]))
+    prop.stop("a", completed=True)
+    assert _draft(prop, "b") == [22, 23]
+    assert prop.stats()["cached_requests"] == 1
+    # the prompt of a finished request is not remembered
+    prop.start("c", _arr([9, 1]), SeqOptions())
+    assert _draft(prop, "c") == []
+
+
+def test_eviction_drops_the_oldest_output():
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=2))
+    for i, out in enumerate(([30, 31, 32], [40, 41, 42], [50, 51, 52])):
+        prop.start(f"r{i}", _arr([0]), SeqOptions())
+        prop.extend(f"r{i}", _arr(out))
+        prop.stop(f"r{i}", completed=True)
+    assert prop.stats()["cached_requests"] == 2
+    drafts = {}
+    for first in (30, 40, 50):
+        prop.start("q", _arr([1, first, first + 1]), SeqOptions())
+        drafts[first] = _draft(prop, "q")
+    assert drafts == {30: [], 40: [42], 50: [52]}
+
+
+def test_global_tree_disabled():
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=0))
+    prop.start("a", _arr([1]), SeqOptions())
+    prop.extend("a", _arr([5, 6, 7]))
+    prop.stop("a", completed=True)
+    prop.start("b", _arr([5, 6]), SeqOptions())
+    assert _draft(prop, "b") == [] and prop.stats()["cached_requests"] == 0
+
+
+def _with_cached_output(output):
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=2))
+    prop.start("old", _arr([0]), SeqOptions())
+    prop.extend("old", _arr(output))
+    prop.stop("old", completed=True)
+    return prop
+
+
+def test_higher_score_wins_between_trees():
+    prop = _with_cached_output([5, 6, 8])
+    # local "5 6" -> 9 with p 1/2 (its tail occurrence counts); global p 1
+    prop.start("b", _arr([5, 6, 9, 5, 6]), SeqOptions())
+    assert _draft(prop, "b", k=1) == [8]
+
+
+def test_per_request_tree_wins_ties_with_global_tree():
+    # global "5 6" -> 8 or 7 (the newer): p 1/2, as local "5 6" -> 9
+    prop = _with_cached_output([5, 6, 8, 5, 6, 7])
+    prop.start("b", _arr([5, 6, 9, 5, 6]), SeqOptions())
+    assert _draft(prop, "b", k=1) == [9]
+
+
+def test_lifecycle_errors_and_stats():
+    prop = SuffixProposer()
+    prop.start("a", _arr([1, 2, 1]), SeqOptions())
+    assert prop.context_len("a") == 3
+    prop.extend("a", _arr([2]))
+    assert prop.context_len("a") == 4
+    stats = prop.stats()
+    assert stats["live_sequences"] == 1 and stats["tree_nodes"] > 0
+    assert stats["memory_bytes"] > 0
+    assert _draft(prop, "a", k=0) == []
+    prop.stop("a", completed=False)
+    prop.stop("a", completed=True)  # unknown: ignored
+    for call in (lambda: prop.extend("a", _arr([1])), lambda: prop.propose([("a", 2)]),
+                 lambda: prop.context_len("a")):
+        with pytest.raises(UnknownSequence):
+            call()
+
+
+def test_memory_is_about_one_node_per_token_on_text_without_repeats():
+    rng = np.random.default_rng(3)
+    prop = SuffixProposer()
+    prop.start("s", rng.permutation(5000).astype(np.int32), SeqOptions())
+    # without leaf compression this would be ~64 nodes per token
+    assert prop.stats()["tree_nodes"] == 5000 + 2  # one leaf per token + two roots
+
+
+# ----------------------------------------------------- against the reference
+def _random_session(seed, steps=60):
+    """Random interleaved requests on a tiny vocabulary; every draft of the
+    numba proposer must equal the reference's."""
+    rng = np.random.default_rng(seed)
+    vocab = int(rng.integers(2, 7))
+    props = _pair(max_cached_requests=int(rng.integers(1, 4)),
+                  max_tree_depth=int(rng.choice([3, 5, 8, 64])))
+    live: list[str] = []
+    checked = 0
+    for step in range(steps):
+        action = rng.random()
+        if action < 0.2 or not live:
+            seq_id = f"r{step}"
+            reference = rng.integers(0, vocab, int(rng.integers(0, 12))) if rng.random() < 0.4 else []
+            opts = SeqOptions(max_tree_depth=int(rng.choice([2, 4, 6, 64])),
+                              max_spec_factor=float(rng.choice([0.3, 0.5, 1.0, 2.0])),
+                              min_token_prob=float(rng.choice([0.0, 0.1, 0.3, 0.6])),
+                              reference_token_ids=_arr(reference))
+            _both(props, "start", seq_id, _arr(rng.integers(0, vocab, int(rng.integers(0, 25)))),
+                  opts)
+            live.append(seq_id)
+        elif action < 0.3:
+            seq_id = live.pop(int(rng.integers(len(live))))
+            _both(props, "stop", seq_id, bool(rng.random() < 0.8))
+        else:
+            seq_id = live[int(rng.integers(len(live)))]
+            _both(props, "extend", seq_id, _arr(rng.integers(0, vocab, int(rng.integers(1, 6)))))
+        for seq_id in live:
+            k = int(rng.integers(1, 10))
+            got, want = _draft(props[0], seq_id, k), _draft(props[1], seq_id, k)
+            assert got == want, (seed, step, seq_id)
+            assert props[0].context_len(seq_id) == props[1].context_len(seq_id)
+            checked += 1
+    return props[0], checked
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_matches_reference_on_random_sessions(seed):
+    _, checked = _random_session(seed)
+    assert checked > 50
+
+
+def test_matches_reference_with_real_overlap_lengths():
+    """Longer streams with copies of earlier chunks, as in real text."""
+    rng = np.random.default_rng(99)
+    props = _pair(max_cached_requests=3)
+    chunks = [rng.integers(0, 50, 12) for _ in range(6)]
+    for r in range(6):
+        stream = np.concatenate([chunks[i] for i in rng.integers(0, 6, 5)]).astype(np.int32)
+        stream[rng.integers(0, len(stream), 4)] = rng.integers(0, 50, 4)
+        _both(props, "start", "r", stream[:10], SeqOptions(max_spec_factor=2.0))
+        for pos in range(10, len(stream), 3):
+            for k in (3, 8):
+                assert _draft(props[0], "r", k) == _draft(props[1], "r", k), (r, pos)
+            _both(props, "extend", "r", stream[pos:pos + 3])
+        _both(props, "stop", "r", True)
+
+
+# --------------------------------------------------------- trie structure
+def _count_in_trie(trie: SuffixTrie, tokens: list[int]) -> int:
+    node, off = suffix._walk(trie.nodes, trie.hkeys, trie.hvals, trie.pool, trie.seqs,
+                             _arr(tokens), trie.max_depth)
+    if node < 0:
+        return 0
+    if trie.nodes[node, suffix.LSEQ] >= 0:
+        return 1
+    return int(trie.nodes[node, suffix.COUNT])
+
+
+def _check_trie(trie: SuffixTrie, streams: list[list[int]]):
+    """Every substring's count equals the reference trie's; no stray nodes."""
+    root = build_tree([(s, 0) for s in streams], trie.max_depth)
+    explicit = 0
+    stack = [([], root)]
+    while stack:
+        prefix, node = stack.pop()
+        for tok, child in node.children.items():
+            path = prefix + [tok]
+            assert _count_in_trie(trie, path) == child.count, path
+            explicit += child.count >= 2
+            stack.append((path, child))
+    live = trie.live_nodes()
+    assert int(trie.hdr[suffix.H_KEYS]) == live - 1  # every node but the root is keyed
+    assert int((trie.hkeys != -1).sum()) == live - 1
+    # with FIFO eviction some count-1 nodes may stay explicit, never more nodes
+    # than substrings; without eviction exactly explicit + leaves
+    return explicit, live
+
+
+def test_trie_counts_exact_after_inserts_and_fifo_evictions():
+    rng = np.random.default_rng(5)
+    depth = 6
+    cache = suffix._GlobalCache(max_requests=3, max_depth=depth)
+    kept: list[list[int]] = []
+    for r in range(12):
+        out = rng.integers(0, 3, int(rng.integers(1, 30))).astype(np.int32)
+        cache.add(out)
+        kept = (kept + [out.tolist()])[-3:]
+        _check_trie(cache.trie, kept)
+        for slot, stream in zip(cache.fifo, kept):
+            assert cache.trie.tokens(slot).tolist() == stream
+    while cache.fifo:  # evicting everything frees every node
+        cache._evict_oldest()
+    assert cache.trie.live_nodes() == 1 and int(cache.trie.hdr[suffix.H_KEYS]) == 0
+
+
+def test_trie_growth_keeps_counts():
+    rng = np.random.default_rng(6)
+    trie = SuffixTrie(max_depth=5, num_streams=1, node_capacity=8, pool_capacity=4)
+    active, n_active = np.zeros(6, dtype=np.int32), np.zeros(1, dtype=np.int64)
+    trie.open_stream(0, 0, 0)
+    stream: list[int] = []
+    for _ in range(40):
+        chunk = rng.integers(0, 4, int(rng.integers(1, 20))).astype(np.int32)
+        trie.append(0, chunk, active, n_active)
+        stream += chunk.tolist()
+    assert len(trie.nodes) > 8 and trie.tokens(0).tolist() == stream
+    explicit, live = _check_trie(trie, [stream])
+    assert live <= 1 + explicit + len(stream)  # root + repeated substrings + leaves
