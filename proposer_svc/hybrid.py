@@ -27,7 +27,10 @@ class HybridConfig:
 
     ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
-    ngram_token_prob: float = 0.7  # q: assumed acceptance of each copied token, in (0, 1]
+    # q: assumed acceptance of each copied token, in (0, 1]; 0.8 gave the most
+    # accepted tokens on benchmarks/bench_suffix_micro.py's code, edit and
+    # synthetic streams (0.5 .. 1.0 tried)
+    ngram_token_prob: float = 0.8
 
 
 def ngram_score(num_tokens: int, token_prob: float) -> float:

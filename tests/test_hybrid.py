@@ -39,8 +39,9 @@ def test_confident_suffix_draft_beats_recent_copy():
         prop.extend(f"old{i}", _arr([5, 6, 7, 8]))
         prop.stop(f"old{i}", completed=True)
     prop.start("s", _arr([5, 6, 9, 5, 6]), SeqOptions(max_n=2))
-    assert prop.ngram.propose([("s", 3)])[0].token_ids.tolist() == [9, 5, 6]  # 1.53
-    assert _draft(prop, k=3) == [7, 8]  # suffix score 2
+    assert prop.ngram.propose([("s", 3)])[0].token_ids.tolist() == [9, 5, 6]
+    # n-gram: 0.8 + 0.64 + 0.512 = 1.95 expected; suffix: 1 + 1 = 2
+    assert _draft(prop, k=3) == [7, 8]
 
 
 def test_suffix_fills_in_when_ngram_has_nothing():
