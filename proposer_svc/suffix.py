@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from specdec.proposer_svc.base import Draft, Proposer, UnknownSequence
+from specdec.proposer_svc.base import Draft, Proposer, SeqOptions, UnknownSequence
 
 # columns of `nodes`
 TOK, PARENT, COUNT, DEPTH, BEST, FIRST, NEXT, PREV, LSEQ, LPOS = range(10)
@@ -501,8 +501,10 @@ class _Request:
     """Per-request trie: stream 0 the reference tokens, stream 1 the context
     (prompt + accepted output, growing at the end of the pool)."""
 
-    def __init__(self, context: np.ndarray, options, config_depth: int) -> None:
+    def __init__(self, context: np.ndarray, options: SeqOptions, config_depth: int) -> None:
         self.depth = min(options.max_tree_depth, config_depth)
+        if self.depth < 1:
+            raise ValueError(f"max_tree_depth must be >= 1, got {options.max_tree_depth}")
         self.max_spec_factor = options.max_spec_factor
         self.min_token_prob = options.min_token_prob
         self.prompt_len = len(context)

@@ -160,13 +160,8 @@ def fit(target: ToyTarget, filters, t1: torch.Tensor, t2: torch.Tensor) -> tuple
     return chi_square_p_value(first_counts, p_first), chi_square_p_value(pair_counts, p_pair)
 
 
-CASES = [(strategy, sparse, name) for strategy, sparse in [(REJECTION, False), (REJECTION, True), (TARGET_MATCH, False)]
-         for name in FILTERS]
-FAST = {(REJECTION, False, "t0.8-k6-p0.9"), (REJECTION, True, "t1.3-p0.7"), (TARGET_MATCH, False, "t1.0-k4")}
-
-
-@pytest.mark.parametrize("strategy,sparse,filter_name", [
-    pytest.param(*case, marks=() if case in FAST else pytest.mark.slow) for case in CASES])
+@pytest.mark.parametrize("strategy,sparse", [(REJECTION, False), (REJECTION, True), (TARGET_MATCH, False)])
+@pytest.mark.parametrize("filter_name", list(FILTERS))
 def test_lossless_strategies_follow_the_target_distribution(strategy, sparse, filter_name):
     filters = FILTERS[filter_name]
     target = ToyTarget(seed=21)
@@ -196,9 +191,11 @@ def test_lossy_topp_differs_from_the_target_distribution(sparse):
 
 @pytest.mark.slow
 def test_triton_rejection_follows_the_target_distribution():
-    """A smaller run through the Triton kernels (interpreter on CPU)."""
-    filters = FILTERS["t1.3-p0.7"]
+    """A smaller run through the Triton kernels (~40 s in the CPU interpreter;
+    filters are left out here because the kernels' filters are checked token
+    for token against the reference in test_kernels_verify.py)."""
+    filters = (1.3, 0, 0.0)
     target = ToyTarget(seed=22)
-    t1, t2 = decode_two_tokens(target, filters, REJECTION, sparse=True, num_seqs=1500, use_triton=True)
+    t1, t2 = decode_two_tokens(target, filters, REJECTION, sparse=True, num_seqs=800, use_triton=True)
     first_p, pair_p = fit(target, filters, t1, t2)
     assert first_p > P_VALUE_THRESHOLD and pair_p > P_VALUE_THRESHOLD, (first_p, pair_p)

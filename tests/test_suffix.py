@@ -170,6 +170,8 @@ def test_lifecycle_errors_and_stats():
     assert stats["live_sequences"] == 1 and stats["tree_nodes"] > 0
     assert stats["memory_bytes"] > 0
     assert _draft(prop, "a", k=0) == []
+    with pytest.raises(ValueError, match="max_tree_depth"):
+        prop.start("b", _arr([1]), SeqOptions(max_tree_depth=0))
     prop.stop("a", completed=False)
     prop.stop("a", completed=True)  # unknown: ignored
     for call in (lambda: prop.extend("a", _arr([1])), lambda: prop.propose([("a", 2)]),

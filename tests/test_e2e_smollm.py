@@ -1,0 +1,49 @@
+"""End to end on the default model (SmolLM2-135M GGUF): greedy output of every
+method and draft length equals transformers greedy `generate`, for prompts
+that do and do not repeat themselves."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import hf_greedy, start_stack
+from specdec.client import make_request, stream
+
+pytestmark = pytest.mark.smollm
+
+MAX_TOKENS = 32
+PROMPTS = {
+    # high input-output overlap: the answer copies the prompt
+    "copy": "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons. "
+            "Copy: apples, pears, plums, cherries, grapes, lemons. Copy: apples,",
+    # little overlap
+    "open": "The history of the printing press begins",
+}
+
+
+@pytest.fixture(scope="module")
+def smollm_stack(smollm_path, tmp_path_factory):
+    stack = start_stack(smollm_path, tmp_path_factory, "smollm", methods="naive,ngram")
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(smollm_path, smollm_stack):
+    from conftest import hf_model
+
+    tok = hf_model(smollm_path)[1]
+    return {name: (ids := tuple(tok(text)["input_ids"]), hf_greedy(smollm_path, ids, MAX_TOKENS))
+            for name, text in PROMPTS.items()}
+
+
+@pytest.mark.parametrize("prompt", sorted(PROMPTS))
+@pytest.mark.parametrize("method,k", [("naive", 1), ("naive", 3), ("naive", 8),
+                                      ("ngram", 1), ("ngram", 3), ("ngram", 8)])
+def test_greedy_matches_transformers_on_smollm(smollm_stack, expected, prompt, method, k):
+    prompt_ids, reference = expected[prompt]
+    gen = stream(smollm_stack.gateway_addr,
+                 make_request(list(prompt_ids), max_tokens=MAX_TOKENS, method=method, k=k))
+    assert gen.token_ids == reference[:len(gen.token_ids)]
+    assert len(gen.token_ids) == MAX_TOKENS or gen.finish_reason == "stop"
+    if method == "ngram" and prompt == "copy":
+        assert gen.stats.accepted_tokens >= 5 and gen.stats.rounds < len(gen.token_ids)
