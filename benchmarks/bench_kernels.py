@@ -107,7 +107,7 @@ def print_row(row: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="B 1/32, V 49152, 2 repeats")
+    parser.add_argument("--quick", action="store_true", help="B 1/32, V 49152, 3 repeats")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--vocab-sizes", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
@@ -115,11 +115,13 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 5, quick 3)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/kernels.json"))
     args = parser.parse_args()
     if args.quick:
-        args.batch_sizes, args.vocab_sizes, args.repeats = [1, 32], [49152], 2
+        args.batch_sizes, args.vocab_sizes = [1, 32], [49152]
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 5
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"verify() on {device}: k={args.k}, temperature={args.temperature}, top_k={args.top_k}, "
           f"top_p={args.top_p} (greedy at temperature 0), median of {args.repeats}")

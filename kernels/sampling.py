@@ -86,8 +86,8 @@ def filter_stats_reference(logits: torch.Tensor,  # float32 [R, V]
     safe_t = torch.where(sampled, temperature, 1.0)
     row_max = logits.max(dim=-1).values / safe_t
     e = unnormalised_probs(logits, safe_t, row_max)
-    threshold = _top_k_threshold(e, top_k)
-    threshold = _top_p_threshold(e, threshold, top_p)
+    threshold = _top_k_threshold(e, torch.where(sampled, top_k, 0))
+    threshold = _top_p_threshold(e, threshold, torch.where(sampled, top_p, 0.0))
     norm = _kept_mass(e, threshold).to(torch.float32)
     return FilterStats(row_max=torch.where(sampled, row_max, 0.0),
                        threshold=torch.where(sampled, threshold, 0.0),

@@ -21,7 +21,8 @@ Vocabulary (every name in kernels/ uses it):
 Strategies (x_i: draft i, p_i / q_i: target / draft probs of row i):
 
     GREEDY        accept while x_i == argmax(logits_i); the recovered and bonus
-                  tokens are argmaxes. Lossless at temperature 0.
+                  tokens are argmaxes (temperature and filters are ignored).
+                  Lossless at temperature 0.
     REJECTION     (Leviathan et al. 2023; Chen et al. 2023) accept x_i with
                   probability min(1, p_i(x_i) / q_i(x_i)); the recovered token
                   is drawn from normalise(max(p_i - q_i, 0)), the bonus from p_k.
@@ -117,10 +118,12 @@ def verify(target_logits: torch.Tensor,  # float32 [num_draft_tokens + B, V]
            draft_probs: SparseDraftProbs | None = None,  # None: all drafts one-hot
            use_triton: bool | None = None,  # None: Triton on CUDA tensors, torch otherwise
            ) -> VerifyOutput:
-    """Verifies every sequence's drafts; one kernel launch per strategy present.
+    """Verifies every sequence's drafts.
 
     Sequence b owns target rows ``cu[b-1] + b .. cu[b] + b`` (k_b + 1 rows).
-    Draft ids outside [0, V) are simply rejected.
+    Draft ids outside [0, V) are simply rejected. With Triton: one
+    filter-statistics launch over the target rows (when any sequence
+    samples), then one verification launch per strategy present.
     """
     if use_triton is None:
         use_triton = target_logits.is_cuda
@@ -187,6 +190,7 @@ def _group_by_strategy(strategy: torch.Tensor,  # int32 [B]
     order = torch.argsort(strategy, stable=True)
     # Host sync (deliberate): one launch per strategy present needs the counts.
     counts = torch.bincount(strategy.long(), minlength=max(STRATEGIES) + 1).tolist()
+    assert counts[0] == 0 and len(counts) == max(STRATEGIES) + 1, "sampling.strategy out of range"
     groups, offset = [], 0
     for value, count in enumerate(counts):
         if count:
@@ -209,8 +213,6 @@ def _check_inputs(target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
     for name, dtype in expected.items():
         tensor = getattr(sampling, name)
         assert tensor.dtype == dtype and tensor.shape == (num_seqs,), f"sampling.{name}"
-    strategy = sampling.strategy
-    assert bool(((strategy >= GREEDY) & (strategy <= TOPP)).all()), "sampling.strategy out of range"
     if draft_probs is not None:
         assert draft_probs.token_ids.dtype == torch.int32 and draft_probs.probs.dtype == torch.float32
         assert draft_probs.token_ids.dim() == 2 and draft_probs.token_ids.shape[0] == num_draft

@@ -211,25 +211,32 @@ def verify_groups(target_logits: torch.Tensor,  # float32 [R, V]
     """Fills output: one filter-stats launch over the rows if any group samples,
     then one ``_verify_kernel`` launch per strategy group."""
     num_rows, vocab_size = target_logits.shape
-    assert target_logits.stride(1) == 1 and draft_token_ids.is_contiguous()
+    assert target_logits.stride(1) == 1
     stats = _row_filter_stats(target_logits, layout, sampling, groups)
+    draft_ids = _nonempty(draft_token_ids.contiguous())
     if draft_probs is None:
-        q_ids, q_probs, q_width = draft_token_ids, target_logits, 0  # unread placeholders
+        q_ids, q_probs, q_width = draft_ids, target_logits, 0  # never read
     else:
-        q_ids, q_probs = draft_probs.token_ids.contiguous(), draft_probs.probs.contiguous()
-        q_width = q_ids.shape[1]
+        q_ids, q_probs = _nonempty(draft_probs.token_ids.contiguous()), _nonempty(draft_probs.probs.contiguous())
+        q_width = draft_probs.token_ids.shape[1]
     per_seq = [t.contiguous() for t in (sampling.temperature, sampling.seed, sampling.position,
                                         sampling.accept_policy, layout.num_draft, layout.draft_start)]
     for strategy, seqs in groups:
         _verify_kernel[(seqs.numel(),)](
             target_logits, target_logits.stride(0), vocab_size,
             stats.row_max, stats.threshold, stats.norm, *per_seq,
-            draft_token_ids, q_ids, q_probs, q_width, seqs.contiguous(),
+            draft_ids, q_ids, q_probs, q_width, seqs.contiguous(),
             output.output_token_ids, output.output_token_ids.stride(0), output.num_accepted,
             STRATEGY=strategy, HAS_Q=draft_probs is not None,
             Q_PAD=triton.next_power_of_2(max(q_width, 1)),
             OUT_PAD=triton.next_power_of_2(layout.max_k + 1),
             BLOCK=sampling_triton.block_size(vocab_size, sampling_triton.BLOCK))
+
+
+def _nonempty(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor, or one element of padding when it is empty (e.g. no drafts in the
+    batch): every load from it is then masked, but the pointer stays valid."""
+    return tensor if tensor.numel() else torch.zeros(1, dtype=tensor.dtype, device=tensor.device)
 
 
 def _row_filter_stats(target_logits: torch.Tensor,  # float32 [R, V]

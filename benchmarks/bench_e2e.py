@@ -1,0 +1,198 @@
+"""End-to-end throughput of the whole stack (real processes, real gRPC) on the
+default model, in one run:
+
+* single stream: plain decoding (method none), naive, ngram (k=5), suffix and
+  hybrid on a prompt set with high input-output overlap (rewrite / continue /
+  extract-from-text tasks), plus transformers `generate` on the same model;
+* concurrency: aggregate tokens/s of 1, 8 and 32 concurrent greedy streams,
+  plain against ngram.
+
+Every speculative run is checked token for token against plain decoding.
+Prints tables and writes JSON (--out).
+
+    python benchmarks/bench_e2e.py [--model M] [--dtype float32] [--max-tokens 96]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from specdec.client import make_request, stream
+from specdec.launcher import Stack
+from specdec.models import default_model, load_tokenizer, resolve_model
+
+DOC = ("The Riverside Community Garden opened in April 2019 on a former parking lot owned by the city. "
+       "It has 48 raised beds, a tool shed, two rain barrels and a compost area run by volunteers. "
+       "Members pay 25 dollars per season and must work four hours each month. The garden manager is "
+       "Maria Lopez, and the volunteer coordinator is Sam Okafor. Last year the garden donated 1,200 pounds "
+       "of vegetables to the Eastside Food Bank.")
+CODE = '''def mean(values):
+    total = 0
+    for v in values:
+        total += v
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for v in values:
+        total += (v - m) ** 2
+    return total / len(values)
+'''
+
+PROMPTS = {
+    "rewrite": f"Rewrite the following text exactly, but replace the word 'garden' with 'park':\n\n{DOC}",
+    "extract": f"{DOC}\n\nQuote the sentence of the text above that names the garden manager, word for word.",
+    "continue": "Continue the list in the same format until the end of the month:\n"
+                "- Monday, March 2: team meeting at 9:00 in room 4B\n"
+                "- Tuesday, March 3: team meeting at 9:00 in room 4B\n"
+                "- Wednesday, March 4: team meeting at 9:00 in room 4B\n"
+                "- Thursday, March 5: team meeting at 9:00 in room 4B\n",
+    "code-edit": f"Here is a Python file:\n\n```python\n{CODE}```\n\n"
+                 "Rewrite the whole file with type hints added to both functions. Output only the code.",
+    "json": f"{DOC}\n\nCopy the text above into a JSON object with one key \"text\" whose value is the text.",
+}
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, max_tokens: int) -> dict:
+    rows = {}
+    for name, ids in prompts.items():
+        gen = stream(addr, make_request(ids, max_tokens=max_tokens, method=method, k=k))
+        s = gen.stats
+        rows[name] = {"tokens": s.output_tokens, "wall_s": s.wall_s, "tok_s": s.output_tokens / s.wall_s,
+                      "rounds": s.rounds, "mean_accepted_length": s.mean_accepted_length,
+                      "acceptance_by_position": list(s.acceptance_by_position),
+                      "propose_s": s.propose_s, "verify_s": s.verify_s, "network_s": s.network_s,
+                      "token_ids": gen.token_ids}
+    tokens = sum(r["tokens"] for r in rows.values())
+    wall = sum(r["wall_s"] for r in rows.values())
+    rounds = sum(r["rounds"] for r in rows.values())
+    return {"method": method, "k": k, "per_prompt": rows, "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "mean_accepted_length": tokens / rounds,
+            "propose_s": sum(r["propose_s"] for r in rows.values()),
+            "verify_s": sum(r["verify_s"] for r in rows.values()),
+            "network_s": sum(r["network_s"] for r in rows.values())}
+
+
+def run_concurrent(addr: str, prompt_list: list[list[int]], streams: int, method: str, k: int,
+                   max_tokens: int) -> dict:
+    jobs = [prompt_list[i % len(prompt_list)] for i in range(streams)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        gens = list(pool.map(lambda ids: stream(addr, make_request(ids, max_tokens=max_tokens,
+                                                                   method=method, k=k)), jobs))
+    wall = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in gens)
+    return {"streams": streams, "method": method, "k": k, "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "token_ids": [g.token_ids for g in gens],
+            "mean_accepted_length": statistics.mean(g.stats.mean_accepted_length for g in gens)}
+
+
+def run_transformers(model: str, prompts: dict[str, list[int]], max_tokens: int, dtype: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(model)
+    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=getattr(torch, dtype), **src.hf_kwargs()).eval()
+    tokens, wall, outs = 0, 0.0, {}
+    with torch.inference_mode():
+        for name, ids in prompts.items():
+            x = torch.tensor([ids])
+            start = time.perf_counter()
+            out = hf.generate(x, max_new_tokens=max_tokens, do_sample=False,
+                              attention_mask=torch.ones_like(x), pad_token_id=0)
+            wall += time.perf_counter() - start
+            outs[name] = out[0, len(ids):].tolist()
+            tokens += len(outs[name])
+    return {"method": "transformers.generate", "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "token_ids": outs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--engine", default="auto", choices=["auto", "hf"])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--methods", default="none,naive,ngram,suffix,hybrid")
+    ap.add_argument("--concurrency", default="1,8,32", help="stream counts for the aggregate table ('' skips)")
+    ap.add_argument("--concurrency-max-tokens", type=int, default=48)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default="bench_results/e2e.json")
+    args = ap.parse_args()
+
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    prompts = {name: chat_ids(tokenizer, text) for name, text in PROMPTS.items()}
+    methods = [m for m in args.methods.split(",") if m]
+    result = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.k,
+              "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
+    log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
+    print(f"starting the stack on {args.model} ({args.dtype}); logs in {log_dir}", file=sys.stderr)
+    with Stack(model=args.model, dtype=args.dtype, engine=args.engine, log_dir=log_dir,
+               methods="naive,ngram,suffix,hybrid") as stack:
+        addr = stack.gateway_addr
+        stream(addr, make_request(prompts["rewrite"], max_tokens=8, method="none"))  # warm up
+        for method in methods:
+            k = 0 if method == "none" else args.k
+            print(f"  single stream: {method} k={k}", file=sys.stderr)
+            result["single"].append(run_single(addr, prompts, method, k, args.max_tokens))
+        for n in [int(c) for c in args.concurrency.split(",") if c]:
+            for method in ("none", "ngram"):
+                k = 0 if method == "none" else args.k
+                print(f"  {n} concurrent streams: {method}", file=sys.stderr)
+                result["concurrent"].append(run_concurrent(addr, list(prompts.values()), n, method, k,
+                                                           args.concurrency_max_tokens))
+    if not args.no_transformers:
+        print("  transformers generate", file=sys.stderr)
+        result["transformers"] = run_transformers(args.model, prompts, args.max_tokens, args.dtype)
+
+    plain = next(r for r in result["single"] if r["method"] == "none")
+    for r in result["single"]:
+        r["speedup_vs_plain"] = r["tok_s"] / plain["tok_s"]
+        r["identical_to_plain"] = all(r["per_prompt"][n]["token_ids"] == plain["per_prompt"][n]["token_ids"]
+                                      for n in prompts)
+    print(f"\nSingle stream, {len(prompts)} prompts x {args.max_tokens} tokens, {args.model} ({args.dtype})")
+    print(f"{'method':<22}{'k':>3}{'tok/s':>9}{'speedup':>9}{'mean acc len':>14}{'propose s':>11}"
+          f"{'verify s':>10}{'network s':>11}{'identical':>11}")
+    for r in result["single"]:
+        print(f"{r['method']:<22}{r['k']:>3}{r['tok_s']:>9.2f}{r['speedup_vs_plain']:>8.2f}x"
+              f"{r['mean_accepted_length']:>14.2f}{r['propose_s']:>11.3f}{r['verify_s']:>10.3f}"
+              f"{r['network_s']:>11.3f}{str(r['identical_to_plain']):>11}")
+    if "transformers" in result:
+        t = result["transformers"]
+        t["identical_to_plain"] = all(t["token_ids"][n] == plain["per_prompt"][n]["token_ids"] for n in prompts)
+        t["plain_over_transformers"] = plain["tok_s"] / t["tok_s"]
+        print(f"{'transformers.generate':<22}{'':>3}{t['tok_s']:>9.2f}{t['tok_s'] / plain['tok_s']:>8.2f}x"
+              f"{'':>14}{'':>11}{'':>10}{'':>11}{str(t['identical_to_plain']):>11}")
+        print(f"our plain decoding / transformers generate = {t['plain_over_transformers']:.2f}x")
+    if result["concurrent"]:
+        print(f"\nAggregate throughput, {args.concurrency_max_tokens} tokens per stream")
+        print(f"{'streams':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ngram/plain':>13}{'identical':>11}")
+        by = {(r["streams"], r["method"]): r for r in result["concurrent"]}
+        for n in sorted({r["streams"] for r in result["concurrent"]}):
+            p, g = by[(n, "none")], by[(n, "ngram")]
+            same = p["token_ids"] == g["token_ids"]
+            g["identical_to_plain"] = same
+            print(f"{n:>8}{p['tok_s']:>13.2f}{g['tok_s']:>13.2f}{g['tok_s'] / p['tok_s']:>12.2f}x{str(same):>11}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
