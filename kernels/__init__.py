@@ -6,7 +6,13 @@ logits (see ``verify.py`` for the vocabulary and the strategies);
 counter-based random stream both backends share. Triton modules
 (``*_triton.py``) are imported only when a kernel is launched.
 """
-from specdec.kernels.sampling import FilterStats, filter_stats, filter_stats_reference, filtered_probs
+from specdec.kernels.sampling import (
+    FilterStats,
+    filter_stats,
+    filter_stats_reference,
+    filtered_probs,
+    filtered_probs_at,
+)
 from specdec.kernels.verify import (
     GREEDY,
     POLICY_ACCEPT_ALL,
@@ -28,5 +34,5 @@ __all__ = [
     "POLICY_NORMAL", "POLICY_ACCEPT_ALL", "POLICY_REJECT_ALL",
     "SamplingTensors", "SparseDraftProbs", "VerifyOutput",
     "verify", "verify_reference", "sample",
-    "FilterStats", "filter_stats", "filter_stats_reference", "filtered_probs",
+    "FilterStats", "filter_stats", "filter_stats_reference", "filtered_probs", "filtered_probs_at",
 ]

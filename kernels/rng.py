@@ -76,7 +76,8 @@ def uniform(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return (((bits >> 9) & 0x7FFFFF).to(torch.float32) + 0.5) * UNIFORM_SCALE
 
 
-def exponential_noise(key: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise of one race per key: key int32 [M] -> float32 [M, vocab_size]."""
-    index = torch.arange(vocab_size, dtype=torch.int32, device=key.device)
-    return uniform(key[:, None], index[None, :]).log_().neg_()
+def exponential_noise(key: torch.Tensor,  # int32 [M], one race per key
+                      index: torch.Tensor,  # int [M or 1, C], the vocabulary ids raced
+                      ) -> torch.Tensor:  # float32 [M, C]
+    """Exp(1) noise E = -log(u) of the given vocabulary ids of each race."""
+    return uniform(key[:, None], index).log_().neg_()

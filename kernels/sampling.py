@@ -76,6 +76,19 @@ def filtered_probs(logits: torch.Tensor,  # float32 [R, V]
     return torch.where(e >= stats.threshold[:, None], e / stats.norm[:, None], 0.0)
 
 
+def filtered_probs_at(logits: torch.Tensor,  # float32 [R, V]
+                      temperature: torch.Tensor,  # float32 [R], > 0
+                      stats: FilterStats,
+                      token_ids: torch.Tensor,  # int [R]; ids outside [0, V) get 0
+                      ) -> torch.Tensor:  # float32 [R]
+    """p[r, token_ids[r]] without materialising p."""
+    vocab = logits.shape[1]
+    in_vocab = (token_ids >= 0) & (token_ids < vocab)
+    chosen = logits.gather(1, token_ids.long().clamp(0, vocab - 1)[:, None]).squeeze(1)
+    e = torch.exp(chosen / temperature - stats.row_max)
+    return torch.where(in_vocab & (e >= stats.threshold), e / stats.norm, 0.0)
+
+
 def filter_stats_reference(logits: torch.Tensor,  # float32 [R, V]
                            temperature: torch.Tensor,  # float32 [R]
                            top_k: torch.Tensor,  # int32 [R]

@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 
 from specdec.kernels import rng
-from specdec.kernels.sampling import filter_stats_reference, filtered_probs
+from specdec.kernels.sampling import FilterStats, filter_stats_reference, filtered_probs, filtered_probs_at
 
 GREEDY, REJECTION, TARGET_MATCH, TOPP = 1, 2, 3, 4  # same numbers as proto VerifyStrategy
 POLICY_NORMAL, POLICY_ACCEPT_ALL, POLICY_REJECT_ALL = 0, 1, 2  # same as proto AcceptPolicy
@@ -316,16 +316,21 @@ class _DraftReader:
         return torch.where(offsets < n, accepted, torch.where(offsets == n, tokens[:, None], -1))
 
 
-def _target_probs(target_logits: torch.Tensor,  # float32 [R, V]
-                  layout: RaggedLayout, sampling: SamplingTensors,
-                  sub: torch.Tensor,  # int64 [M], sequences of the group
-                  offset: torch.Tensor | int,  # row offset of each sequence
-                  ) -> torch.Tensor:  # float32 [M, V]
-    """Target probs p of row ``offset`` of the sequences in sub."""
+def _target_rows(target_logits: torch.Tensor,  # float32 [R, V]
+                 layout: RaggedLayout, sampling: SamplingTensors,
+                 sub: torch.Tensor,  # int64 [M], sequences of the group
+                 offset: torch.Tensor | int,  # row offset of each sequence
+                 ) -> tuple[torch.Tensor, torch.Tensor, FilterStats]:
+    """Row ``offset`` of the sequences in sub: logits [M, V], temperature [M], filter stats."""
     logits = target_logits.index_select(0, layout.row_start[sub] + offset)
     temperature = sampling.temperature[sub]
-    stats = filter_stats_reference(logits, temperature, sampling.top_k[sub], sampling.top_p[sub])
-    return filtered_probs(logits, temperature, stats)
+    return logits, temperature, filter_stats_reference(logits, temperature, sampling.top_k[sub], sampling.top_p[sub])
+
+
+def _target_probs(target_logits: torch.Tensor, layout: RaggedLayout, sampling: SamplingTensors,
+                  sub: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:  # float32 [M, V]
+    """Target probs p of row ``offset`` of the sequences in sub."""
+    return filtered_probs(*_target_rows(target_logits, layout, sampling, sub, offset))
 
 
 def _race(probs: torch.Tensor,  # float32 [M, V]
@@ -336,16 +341,44 @@ def _race(probs: torch.Tensor,  # float32 [M, V]
     """Exponential race: a draw from probs, or from normalise(max(probs - q, 0)).
 
     If the residual is zero everywhere (q == p up to rounding, where rejection
-    has probability 0) the draw falls back to probs.
+    has probability 0) the draw falls back to probs. Only tokens with p > 0
+    can win, so when filters keep few tokens the race runs over those alone
+    (in ascending id order, so ties still go to the lowest id): the same
+    noise per id, hence the same winner as over the whole vocabulary.
     """
-    noise = rng.exponential_noise(rng.stream_key(seed, position, rng.SAMPLE), probs.shape[1])
+    key = rng.stream_key(seed, position, rng.SAMPLE)
+    index, valid = _support(probs)  # int64 [M or 1, C], bool [M, C] or None
+    if valid is not None:
+        probs = torch.where(valid, probs.gather(1, index), 0.0)
+        draft_q = None if draft_q is None else draft_q.gather(1, index)
+    noise = rng.exponential_noise(key, index)
     plain = (probs / noise).argmax(dim=-1)
-    if draft_q is None:
-        return plain
-    residual = (probs - draft_q).clamp_min_(0.0).div_(noise)
-    recovered = residual.argmax(dim=-1)
-    found = residual.gather(1, recovered[:, None]).squeeze(1) > 0
-    return torch.where(found, recovered, plain)
+    if draft_q is not None:
+        residual = (probs - draft_q).clamp_min_(0.0).div_(noise)
+        recovered = residual.argmax(dim=-1)
+        found = residual.gather(1, recovered[:, None]).squeeze(1) > 0
+        plain = torch.where(found, recovered, plain)
+    return plain if valid is None else index.gather(1, plain[:, None]).squeeze(1)
+
+
+def _support(probs: torch.Tensor,  # float32 [M, V]
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ids a race must cover: the ids with p > 0 of each row, ascending
+    (int64 [M, C], padded; valid bool [M, C]) when C <= V / 2, else every id
+    (int64 [1, V], valid None)."""
+    kept = probs > 0
+    counts = kept.sum(dim=1)
+    width = int(counts.max())  # host sync: the reference runs on the host
+    num_rows, vocab = probs.shape
+    if 2 * width > vocab:
+        return torch.arange(vocab, device=probs.device)[None, :], None
+    rows, ids = kept.nonzero(as_tuple=True)  # row-major: ids ascend within a row
+    slots = torch.arange(rows.numel(), device=probs.device) - (counts.cumsum(0) - counts)[rows]
+    index = torch.zeros(num_rows, width, dtype=torch.int64, device=probs.device)
+    valid = torch.zeros(num_rows, width, dtype=torch.bool, device=probs.device)
+    index[rows, slots] = ids
+    valid[rows, slots] = True
+    return index, valid
 
 
 def _acceptance_test(strategy: int, target_logits: torch.Tensor, layout: RaggedLayout,
@@ -353,10 +386,7 @@ def _acceptance_test(strategy: int, target_logits: torch.Tensor, layout: RaggedL
                      ) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """accepts(sub, i) -> bool [M]: does draft i of the sequences in sub pass?"""
     def accepts(sub: torch.Tensor, i: int) -> torch.Tensor:
-        probs = _target_probs(target_logits, layout, sampling, sub, i)
-        x = drafts.token(sub, i)
-        in_vocab = (x >= 0) & (x < probs.shape[1])
-        p_x = torch.where(in_vocab, probs.gather(1, x.clamp(0, probs.shape[1] - 1)[:, None]).squeeze(1), 0.0)
+        p_x = filtered_probs_at(*_target_rows(target_logits, layout, sampling, sub, i), drafts.token(sub, i))
         if strategy == TOPP:
             return p_x > 0
         key = rng.stream_key(sampling.seed[sub], sampling.position[sub] + i, rng.ACCEPT)

@@ -94,7 +94,7 @@ def test_uniforms_are_uniform_and_open():
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     p_value = float(torch.special.gammaincc(torch.tensor(19 / 2), torch.tensor(chi2 / 2)))
     assert p_value > 1e-3, (chi2, p_value)
-    noise = rng.exponential_noise(keys, 1000)
+    noise = rng.exponential_noise(keys, torch.arange(1000)[None, :])
     assert abs(float(noise.mean()) - 1.0) < 0.01  # Exp(1): mean 1, sd 1 / sqrt(2e5)
 
 

@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec.kernels defines
 import pytest
 import torch
 
-from specdec.kernels import filter_stats, filter_stats_reference, filtered_probs
+from specdec.kernels import filter_stats, filter_stats_reference, filtered_probs, filtered_probs_at
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
@@ -113,3 +113,14 @@ def test_filter_stats_dispatches_to_reference_on_cpu():
     expected = filter_stats_reference(logits, temperature, top_k, top_p)
     for name in ("row_max", "threshold", "norm"):
         assert torch.equal(getattr(got, name), getattr(expected, name))
+
+
+def test_filtered_probs_at_reads_single_tokens():
+    logits, temperature, top_k, top_p = random_rows(40, SETTINGS, seed=9)
+    stats = filter_stats_reference(logits, temperature, top_k, top_p)
+    probs = filtered_probs(logits, temperature, stats)
+    ids = torch.tensor([0, 5, 39, 17, -1, 40, 3, 2])
+    got = filtered_probs_at(logits, temperature, stats, ids)
+    inside = (ids >= 0) & (ids < 40)
+    assert torch.equal(got[inside], probs[inside.nonzero().squeeze(1), ids[inside]])
+    assert got[~inside].tolist() == [0.0, 0.0]

@@ -1,0 +1,426 @@
+"""The project's own target-model runner for the Llama family (llama, mistral,
+qwen2, qwen3, smollm3): one forward pass over a ragged batch, paged KV cache.
+
+A forward pass concatenates every item's new tokens into one [T, hidden]
+activation; norms, projections and the MLP run once over all T rows;
+attention lets each row see its own sequence's cached prefix and the earlier
+new rows of its item (``kv_pool.KVPool.attend``); the LM head runs only on the
+rows whose logits were asked for.
+
+Row invariance. Plain decoding (one query row) and verification (k + 1 rows,
+next to other sequences) must compute the same function, or a near-tie could
+flip a greedy token. Every step here gives each row a result that depends on
+that row alone, bit for bit:
+- GEMMs go through oneDNN (``gemm="onednn"``, the CPU default). Measured on
+  this project's CPU, its row results are identical for every row count
+  >= 2, in float32 and bfloat16, but a single row takes a different
+  summation order; ``Linear`` therefore never passes fewer than two rows.
+  (MKL's float32 ``F.linear`` changes results with the row count mod 4, which
+  is why it is not the default; ``gemm="aten"`` keeps it for comparison.)
+- Elementwise ops and last-dimension reductions are per row. SwiGLU widths are
+  zero-padded to a multiple of ``FFN_ALIGN`` because torch computes the
+  ragged tail of a vectorised ``silu`` with a scalar formula whose result
+  differs in the last bit, and which row holds that tail depends on T.
+- Attention is row-invariant by construction (see kv_pool).
+``tests/test_llama_engine.py`` checks 1-row vs 6-row vs 17-row logits for
+equality.
+
+Weights come from ``transformers`` (safetensors, .bin or GGUF, dequantised),
+which also standardises the config; the transformers model is dropped after
+its tensors are taken.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specdec.models import resolve_model
+from specdec.scorer_svc.engine import Engine, ForwardItem, ForwardOutput, ModelFacts
+from specdec.scorer_svc.kv_pool import KVPool, default_num_threads
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: KV pool size when neither a token count nor a memory fraction is given.
+DEFAULT_KV_CAPACITY_TOKENS = 32768
+#: SwiGLU hidden width is zero-padded to a multiple of this (see module doc).
+FFN_ALIGN = 128
+
+
+# ---- architecture ---------------------------------------------------------------
+
+
+def rope_parameters(config) -> dict:
+    """The RoPE settings as one flat dict with ``rope_type`` and
+    ``rope_theta``: transformers 5 keeps them in ``rope_parameters``, older
+    configs in ``rope_theta`` + ``rope_scaling``."""
+    params = getattr(config, "rope_parameters", None)
+    if not params:
+        params = {**(getattr(config, "rope_scaling", None) or {}),
+                  "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def unsupported_reason(config) -> str | None:
+    """Why LlamaEngine cannot run this config, or None if it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    params = rope_parameters(config)
+    if "rope_theta" not in params:
+        return "per-layer-type rope_parameters"
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        return f"rope_type {params['rope_type']!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+    if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embeddings"
+    layer_types = getattr(config, "layer_types", None) or ()
+    odd = set(layer_types) - {"full_attention", "sliding_attention"}
+    if odd:
+        return f"layer types {sorted(odd)}"
+    if config.num_attention_heads % (getattr(config, "num_key_value_heads", None) or config.num_attention_heads):
+        return "num_attention_heads is not a multiple of num_key_value_heads"
+    return None
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """What the forward pass needs from a (supported) HF config."""
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict  # flat rope parameters (``rope_parameters``)
+    layer_windows: tuple[int, ...]  # per layer: 0 = full causal attention, else sliding window
+    layer_rope: tuple[bool, ...]  # per layer: apply RoPE (SmolLM3 has NoPE layers)
+
+    @classmethod
+    def from_config(cls, config) -> "LlamaSpec":
+        reason = unsupported_reason(config)
+        if reason:
+            raise ValueError(f"LlamaEngine cannot run this model: {reason}")
+        n_layers = config.num_hidden_layers
+        window = getattr(config, "sliding_window", None) or 0
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types:
+            windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+        else:  # mistral: one window for every layer
+            windows = (window if config.model_type == "mistral" else 0,) * n_layers
+        no_rope = getattr(config, "no_rope_layers", None)  # SmolLM3: 1 = RoPE, 0 = NoPE
+        heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            rms_norm_eps=config.rms_norm_eps, max_position_embeddings=config.max_position_embeddings,
+            rope=rope_parameters(config), layer_windows=windows,
+            layer_rope=tuple(bool(x) for x in no_rope) if no_rope else (True,) * n_layers)
+
+
+def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    """float32 [head_dim // 2] inverse frequencies theta^(-2i/d), computed in
+    float32 like transformers so both rotate positions identically, then
+    scaled per ``rope_type``:
+    - linear: every frequency divided by ``factor`` (positions stretched);
+    - llama3: wavelengths longer than original_context / low_freq_factor are
+      stretched by ``factor``, those shorter than original_context /
+      high_freq_factor kept, and the band between blends the two linearly in
+      original_context / wavelength."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
+    if rope["rope_type"] == "linear":
+        return inv_freq / rope["factor"]
+    if rope["rope_type"] == "llama3":
+        context = rope["original_max_position_embeddings"]
+        low, high, factor = rope["low_freq_factor"], rope["high_freq_factor"], rope["factor"]
+        wavelen = 2 * math.pi / inv_freq
+        blend = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: stretch, 1: keep
+        return (1 - blend) * inv_freq / factor + blend * inv_freq
+    return inv_freq
+
+
+def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin float32 [max_len, head_dim // 2] of position * inv_freq."""
+    angles = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the half-split pairs (x[i], x[i + d/2]) of every head.
+
+    x: float32 [T, heads, head_dim]; cos, sin: float32 [T, head_dim // 2]"""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in transformers' order of operations:
+    normalise in float32, cast back to x's dtype, then scale.
+
+    x: [..., n] (float32 or bfloat16); weight: [n]"""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Linear:
+    """y = x W^T + b whose rows do not depend on the number of rows (module doc).
+
+    weight: [out, in]; bias: [out] or None; gemm: "onednn" (CPU) or "aten" (F.linear)"""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str) -> None:
+        self.gemm = gemm
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        # oneDNN keeps the weight in its own blocked layout; 2 is the row-count hint
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 2) if gemm == "onednn" else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out]"""
+        if self.gemm == "aten":
+            return F.linear(x, self.weight, self.bias)
+        if x.shape[0] == 1:  # oneDNN sums a lone row in another order: pad it to two
+            return self._onednn(torch.cat([x, x]))[:1]
+        return self._onednn(x.contiguous())
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (heads + 2 kv_heads) * head_dim
+    q_norm: torch.Tensor | None  # [head_dim] (qwen3)
+    k_norm: torch.Tensor | None
+    o: Linear  # heads * head_dim -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * ffn_padded ([gate | up], zero-padded)
+    down: Linear  # ffn_padded -> hidden
+    window: int
+    rope: bool
+
+
+def load_checkpoint(model: str, dtype: torch.dtype) -> tuple[object, object, dict[str, torch.Tensor]]:
+    """(config, generation_config or None, state_dict) of a causal LM, loaded
+    through transformers in ``dtype`` (GGUF weights are dequantised)."""
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(model)
+    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs())
+    return hf.config, getattr(hf, "generation_config", None), dict(hf.state_dict())
+
+
+def eos_token_ids(config, generation_config) -> tuple[int, ...]:
+    """EOS ids from the generation config, else the model config (an int or a list)."""
+    for cfg in (generation_config, config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ()
+
+
+def build_layers(spec: LlamaSpec, sd: dict[str, torch.Tensor], gemm: str) -> list[DecoderLayer]:
+    """Fused, padded, GEMM-ready decoder layers from an HF Llama-style state dict."""
+    layers = []
+    for i, (window, rope) in enumerate(zip(spec.layer_windows, spec.layer_rope)):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+
+        def cat(names: list[str], kind: str) -> torch.Tensor | None:
+            parts = [sd.get(f"{n}.{kind}") for n in names]
+            return None if parts[0] is None else torch.cat(parts)
+
+        qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+        gate, up, down = sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"], sd[mlp + "down_proj.weight"]
+        width = -(-gate.shape[0] // FFN_ALIGN) * FFN_ALIGN
+        pad_rows = lambda t: None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, width - t.shape[0]))
+        gate_up_bias = sd.get(mlp + "gate_proj.bias")
+        if gate_up_bias is not None:
+            gate_up_bias = torch.cat([pad_rows(gate_up_bias), pad_rows(sd[mlp + "up_proj.bias"])])
+        layers.append(DecoderLayer(
+            input_norm=sd[p + "input_layernorm.weight"],
+            qkv=Linear(cat(qkv, "weight"), cat(qkv, "bias"), gemm),
+            q_norm=sd.get(attn + "q_norm.weight"), k_norm=sd.get(attn + "k_norm.weight"),
+            o=Linear(sd[attn + "o_proj.weight"], sd.get(attn + "o_proj.bias"), gemm),
+            post_norm=sd[p + "post_attention_layernorm.weight"],
+            gate_up=Linear(torch.cat([pad_rows(gate), pad_rows(up)]), gate_up_bias, gemm),
+            down=Linear(F.pad(down, (0, width - down.shape[1])), sd.get(mlp + "down_proj.bias"), gemm),
+            window=window, rope=rope))
+    return layers
+
+
+# ---- engine -----------------------------------------------------------------------
+
+
+class LlamaEngine(Engine):
+    """Engine (see engine.py) running a Llama-family model with its own
+    forward pass and a paged KV pool.
+
+    dtype: weights and activations ("float32" | "bfloat16"); attention, the
+      KV cache and returned logits / hidden states are float32.
+    kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
+      DEFAULT_KV_CAPACITY_TOKENS.
+    gemm: "auto" (oneDNN on CPU, else F.linear) | "onednn" | "aten".
+    attention: "auto" ("paged" on CPU, else "sdpa") | "paged" (numba,
+      row-invariant) | "sdpa" (torch, not row-invariant).
+    num_threads: torch and attention threads (process-wide for torch);
+      default: the CPU cores this process may use."""
+
+    def __init__(self, model: str, dtype: str = "float32", kv_capacity_tokens: int | None = None,
+                 kv_memory_fraction: float | None = None, max_model_len: int | None = None,
+                 device: str = "cpu", gemm: str = "auto", attention: str = "auto",
+                 num_threads: int | None = None, block_size: int = 16) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if kv_capacity_tokens is not None and kv_memory_fraction is not None:
+            raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        self.gemm = ("onednn" if on_cpu and torch.backends.mkldnn.is_available() else "aten") \
+            if gemm == "auto" else gemm
+        self.attention = ("paged" if on_cpu else "sdpa") if attention == "auto" else attention
+        if self.gemm not in ("onednn", "aten") or self.attention not in ("paged", "sdpa"):
+            raise ValueError(f"unknown gemm {gemm!r} or attention {attention!r}")
+        if not on_cpu and (self.gemm == "onednn" or self.attention == "paged"):
+            raise ValueError("gemm='onednn' and attention='paged' run on CPU only")
+        num_threads = num_threads or default_num_threads()
+        if on_cpu:
+            torch.set_num_threads(num_threads)
+        self.dtype = DTYPES[dtype]
+
+        config, generation_config, sd = load_checkpoint(model, self.dtype)
+        self.spec = spec = LlamaSpec.from_config(config)
+        sd = {k: v.to(self.device) for k, v in sd.items()}
+        self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
+        self.final_norm = sd["model.norm.weight"]
+        self.lm_head = Linear(sd.get("lm_head.weight", self.embed), None, self.gemm)
+        self.layers = build_layers(spec, sd, self.gemm)
+        del sd
+        limit = spec.max_position_embeddings
+        self.max_model_len = min(limit, max_model_len) if max_model_len else limit
+        cos, sin = rope_tables(rope_inv_freq(spec.rope, spec.head_dim), self.max_model_len)
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
+        self.scale = spec.head_dim ** -0.5
+
+        n_layers = len(self.layers)
+        if kv_memory_fraction is not None:
+            per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
+            kv_capacity_tokens = KVPool.tokens_for_memory_fraction(kv_memory_fraction, per_token, device)
+        self.pool = KVPool(n_layers, spec.num_kv_heads, spec.head_dim,
+                           kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS,
+                           block_size=block_size, device=device, num_threads=num_threads)
+        self.facts = ModelFacts(
+            model=model, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids(config, generation_config), hidden_size=spec.hidden_size,
+            dtype=dtype, kv_capacity_tokens=self.pool.capacity_tokens)
+        log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens, %d threads",
+                 model, n_layers, dtype, self.gemm, self.attention, self.pool.capacity_tokens, num_threads)
+
+    # ---- Engine protocol -----------------------------------------------------------
+
+    def ensure_capacity(self, seq_id: str, total_len: int) -> None:
+        if total_len > self.max_model_len:
+            raise ValueError(f"{seq_id!r}: {total_len} tokens exceed max_model_len {self.max_model_len}")
+        self.pool.ensure_capacity(seq_id, total_len)
+
+    def cached_len(self, seq_id: str) -> int:
+        return self.pool.cached_len(seq_id)
+
+    def truncate(self, seq_id: str, length: int) -> None:
+        self.pool.truncate(seq_id, length)
+
+    def release(self, seq_id: str) -> bool:
+        return self.pool.release(seq_id)
+
+    def free_tokens(self) -> int:
+        return self.pool.free_tokens()
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False) -> ForwardOutput:
+        """One pass over all items' new tokens; logits (and final-norm hidden
+        states, float32) of each item's last ``num_logits`` rows, in item order."""
+        if not items:
+            return ForwardOutput(torch.empty(0, self.facts.vocab_size),
+                                 torch.empty(0, self.spec.hidden_size) if return_hidden_states else None)
+        tokens = self._check(items)
+        seq_ids = [it.seq_id for it in items]
+        counts = [len(it.token_ids) for it in items]
+        batch = self.pool.plan(seq_ids, counts)
+        positions = torch.from_numpy(batch.row_pos).to(self.device).long()
+        h = self._decoder(tokens, positions, batch)  # [T, hidden]
+        ends = np.cumsum(counts)
+        rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
+        normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
+        logits = self.lm_head(normed).float() if len(rows) else h.new_empty(0, self.facts.vocab_size).float()
+        self.pool.commit(seq_ids, counts)
+        return ForwardOutput(logits, normed.float() if return_hidden_states else None)
+
+    # ---- the model ---------------------------------------------------------------
+
+    def _check(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Validates a batch; returns its token ids, int64 [T]."""
+        if len({it.seq_id for it in items}) != len(items):
+            raise ValueError("a forward batch holds the same seq_id twice")
+        for it in items:
+            n = len(it.token_ids)
+            if n < 1 or not 0 <= it.num_logits <= n:
+                raise ValueError(f"{it.seq_id!r}: {n} tokens with num_logits {it.num_logits}")
+            if self.pool.reserved_len(it.seq_id) == 0:
+                raise KeyError(f"{it.seq_id!r}: no KV capacity ensured")
+            if self.pool.cached_len(it.seq_id) + n > self.max_model_len:
+                raise ValueError(f"{it.seq_id!r}: exceeds max_model_len {self.max_model_len}")
+        tokens = np.concatenate([np.asarray(it.token_ids, dtype=np.int64) for it in items])
+        if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
+            raise ValueError(f"token id outside [0, {self.spec.vocab_size})")
+        return torch.from_numpy(tokens).to(self.device)
+
+    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """The residual stream after the last decoder layer, [T, hidden]."""
+        eps = self.spec.rms_norm_eps
+        h = F.embedding(tokens, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim // 2]
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, batch)
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
+        return h
+
+    def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, batch) -> torch.Tensor:
+        """x: [T, hidden] normed -> [T, hidden] attention output (before the residual)."""
+        T = x.shape[0]
+        H, Hkv, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, self.spec.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, self.spec.rms_norm_eps)
+        q, k = q.float(), k.float()
+        if layer.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.pool.write(i, k, v.float(), batch)
+        attend = self.pool.attend if self.attention == "paged" else self.pool.attend_sdpa
+        out = attend(i, (q * self.scale).contiguous(), batch, layer.window)  # float32 [T, H, D]
+        return layer.o(out.view(T, H * D).to(self.dtype))
+
+    @staticmethod
+    def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: down(silu(gate x) * up x); x: [T, hidden] normed."""
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        return layer.down(F.silu(gate) * up)
