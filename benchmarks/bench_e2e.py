@@ -62,6 +62,38 @@ PROMPTS = {
 }
 
 
+PEOPLE = [("Ana Silva", "Finance", "March 3, 2021", "Tom Baker"),
+          ("Wei Chen", "Research", "July 19, 2018", "Priya Nair"),
+          ("Omar Haddad", "Sales", "January 8, 2022", "Lena Vogel"),
+          ("Grace Kim", "Legal", "October 30, 2019", "Tom Baker"),
+          ("Luis Ortega", "Research", "May 14, 2020", "Priya Nair"),
+          ("Emma Novak", "Support", "June 2, 2023", "Ravi Patel"),
+          ("Yusuf Demir", "Finance", "August 21, 2017", "Tom Baker"),
+          ("Sara Lind", "Sales", "February 9, 2024", "Lena Vogel")]
+
+
+def repeated_prompts() -> dict[str, str]:
+    """The same extraction task over many similar documents, then a growing
+    multi-turn-style request: outputs repeat across requests, which the
+    suffix proposer's global tree learns from."""
+    prompts = {}
+    for name, dept, start, manager in PEOPLE:
+        doc = (f"Staff note. {name} joined the {dept} department on {start}. {name.split()[0]} reports "
+               f"to {manager}. The badge for {name} was issued on the first day.")
+        prompts[f"extract-{name.split()[0].lower()}"] = (
+            f"{doc}\n\nExtract the employee record as JSON with the keys \"name\", \"department\", "
+            f"\"start_date\" and \"manager\". Output only the JSON.")
+    history = ""
+    for i, (name, dept, _, _) in enumerate(PEOPLE[:4]):
+        history += f"- {name} ({dept})\n"
+        prompts[f"turn-{i}"] = (f"Here is the staff list so far:\n{history}\nRepeat the whole list in the "
+                                f"same format and add one new person at the end.")
+    return prompts
+
+
+WORKLOADS = {"overlap": lambda: PROMPTS, "repeated": repeated_prompts}
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                              add_generation_prompt=True, tokenize=False)
@@ -127,6 +159,8 @@ def main() -> None:
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--engine", default="auto", choices=["auto", "hf"])
+    ap.add_argument("--workload", default="overlap", choices=sorted(WORKLOADS),
+                    help="overlap: rewrite/continue/extract prompts; repeated: similar requests in sequence")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--methods", default="none,naive,ngram,suffix,hybrid")
@@ -137,16 +171,16 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer = load_tokenizer(resolve_model(args.model))
-    prompts = {name: chat_ids(tokenizer, text) for name, text in PROMPTS.items()}
+    prompts = {name: chat_ids(tokenizer, text) for name, text in WORKLOADS[args.workload]().items()}
     methods = [m for m in args.methods.split(",") if m]
-    result = {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.k,
+    result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.k,
               "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
     print(f"starting the stack on {args.model} ({args.dtype}); logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, dtype=args.dtype, engine=args.engine, log_dir=log_dir,
                methods="naive,ngram,suffix,hybrid") as stack:
         addr = stack.gateway_addr
-        stream(addr, make_request(prompts["rewrite"], max_tokens=8, method="none"))  # warm up
+        stream(addr, make_request(next(iter(prompts.values())), max_tokens=8, method="none"))  # warm up
         for method in methods:
             k = 0 if method == "none" else args.k
             print(f"  single stream: {method} k={k}", file=sys.stderr)
@@ -166,7 +200,8 @@ def main() -> None:
         r["speedup_vs_plain"] = r["tok_s"] / plain["tok_s"]
         r["identical_to_plain"] = all(r["per_prompt"][n]["token_ids"] == plain["per_prompt"][n]["token_ids"]
                                       for n in prompts)
-    print(f"\nSingle stream, {len(prompts)} prompts x {args.max_tokens} tokens, {args.model} ({args.dtype})")
+    print(f"\nSingle stream, workload {args.workload}: {len(prompts)} prompts x {args.max_tokens} tokens, "
+          f"{args.model} ({args.dtype})")
     print(f"{'method':<22}{'k':>3}{'tok/s':>9}{'speedup':>9}{'mean acc len':>14}{'propose s':>11}"
           f"{'verify s':>10}{'network s':>11}{'identical':>11}")
     for r in result["single"]:

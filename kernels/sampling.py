@@ -133,24 +133,26 @@ def _top_p_threshold(e: torch.Tensor,  # float32 [R, V]
                      ) -> torch.Tensor:  # float32 [R]
     """Threshold after top-p for rows with top-p on (top-k's elsewhere).
 
-    The nucleus is found among the ``width`` largest e of a row, widening 4x
+    The nucleus is found among the ``width`` largest e of a row, widening 8x
     for rows whose nucleus is larger, so typical small nuclei cost a partial
     top-k rather than a full sort.
     """
     threshold = top_k_threshold.clone()
-    rows = ((top_p > 0) & (top_p < 1)).nonzero().squeeze(1)
+    on = (top_p > 0) & (top_p < 1)
+    rows = on.nonzero().squeeze(1)
     if rows.numel() == 0:
         return threshold
-    target = top_p[rows].double() * _kept_mass(e[rows], top_k_threshold[rows])
+    candidates = e if rows.numel() == e.shape[0] else e[rows]  # no copy when every row is on
+    target = top_p[rows].double() * _kept_mass(candidates, top_k_threshold[rows])
     vocab = e.shape[1]
     width = min(64, vocab)
     while rows.numel() > 0:
-        largest = torch.topk(e[rows], width, dim=-1).values  # sorted descending
+        largest = torch.topk(candidates, width, dim=-1).values  # sorted descending
         reached = (largest.cumsum(dim=-1, dtype=torch.float64) < target[:, None]).sum(dim=-1)
         if width == vocab:  # float64 rounding can leave the whole row a hair short
             reached = reached.clamp(max=vocab - 1)
         done = reached < width
         threshold[rows[done]] = largest[done].gather(1, reached[done][:, None]).squeeze(1)
-        rows, target = rows[~done], target[~done]
-        width = min(4 * width, vocab)
+        rows, target, candidates = rows[~done], target[~done], candidates[~done]
+        width = min(8 * width, vocab)
     return threshold

@@ -231,7 +231,7 @@ def _verify_group_reference(strategy: int, target_logits: torch.Tensor,  # float
     drafts = _DraftReader(draft_token_ids, draft_probs, layout)
     if strategy == GREEDY:
         def argmax_at(sub: torch.Tensor, i: int) -> torch.Tensor:
-            return target_logits.index_select(0, layout.row_start[sub] + i).argmax(dim=-1)
+            return target_logits[layout.row_start[sub] + i].argmax(dim=-1)
 
         num_accepted, tokens = _scan_matches(layout, sampling, drafts, argmax_at)
     elif strategy == TARGET_MATCH:
@@ -322,7 +322,7 @@ def _target_rows(target_logits: torch.Tensor,  # float32 [R, V]
                  offset: torch.Tensor | int,  # row offset of each sequence
                  ) -> tuple[torch.Tensor, torch.Tensor, FilterStats]:
     """Row ``offset`` of the sequences in sub: logits [M, V], temperature [M], filter stats."""
-    logits = target_logits.index_select(0, layout.row_start[sub] + offset)
+    logits = target_logits[layout.row_start[sub] + offset]
     temperature = sampling.temperature[sub]
     return logits, temperature, filter_stats_reference(logits, temperature, sampling.top_k[sub], sampling.top_p[sub])
 

@@ -136,3 +136,23 @@ def test_cli_generate_json(stories_stack, stories_path):
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["repeats"]), 20)
     assert result["token_ids"] == expected[:len(result["token_ids"])]
     assert result["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "hybrid"])
+def test_reference_text_raises_acceptance_on_an_edit(stories_stack, method):
+    """An edit task: the reference is an earlier version of what the model
+    writes (one word changed). Drafting from it raises acceptance; the output
+    stays token-identical."""
+    addr = stories_stack.gateway_addr
+    prompt = f"The {method} bird sang a song"  # a prompt no other test sent: the suffix
+    # proposer's global tree holds no earlier output for it
+    plain = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="none"))
+    words = plain.text.split(" ")
+    words[len(words) // 2] = "banana"
+    reference = " ".join(words)
+    without = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6))
+    with_ref = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6,
+                                         reference_text=reference))
+    assert with_ref.token_ids == without.token_ids == plain.token_ids
+    assert with_ref.stats.accepted_tokens > without.stats.accepted_tokens + 5
+    assert with_ref.stats.rounds < without.stats.rounds
