@@ -63,7 +63,15 @@ class SpecLoop:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+
+        def on_change(added: set[str], removed: set[str]) -> None:  # called from discovery threads
+            for addr in removed:
+                loop.call_soon_threadsafe(lambda a=addr: loop.create_task(self.conns.drop(a)))
+
+        for replicas in [self.scorers, *self.proposers.values()]:
+            replicas.subscribe(on_change)
 
     async def stop(self) -> None:
         if self._task is not None:
