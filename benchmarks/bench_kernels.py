@@ -10,6 +10,9 @@ torch reference runs (the scorer's CPU path).
     python benchmarks/bench_kernels.py --quick    # B 1/32, V 49152, fewer repeats
 
 Prints a table and writes JSON to --out (default bench_results/kernels.json).
+On CPU the table also gives the process CPU time of the reference (all
+threads), which other processes on a shared machine disturb less than the
+wall time.
 """
 from __future__ import annotations
 
@@ -58,10 +61,12 @@ def make_case(strategy: str, num_seqs: int, vocab: int, k: int, device: str, tem
     return logits.to(device), drafts.to(device), cu.to(device), sampling, draft_probs
 
 
-def time_ms(fn: Callable[[], object], repeats: int, device: str) -> float:
-    """Median wall time of fn in milliseconds, after one warm-up call."""
+def time_ms(fn: Callable[[], object], repeats: int, device: str) -> tuple[float, float | None]:
+    """Median wall time of fn in milliseconds after one warm-up call, and on
+    CPU the median process CPU time too (all threads; less sensitive than wall
+    time to other processes sharing the cores)."""
     fn()
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
         if device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -69,12 +74,13 @@ def time_ms(fn: Callable[[], object], repeats: int, device: str) -> float:
             fn()
             end.record()
             torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
+            wall.append(start.elapsed_time(end))
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            samples.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(samples)
+            wall.append((time.perf_counter() - t0) * 1000)
+            cpu.append((time.process_time() - c0) * 1000)
+    return statistics.median(wall), statistics.median(cpu) if cpu else None
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -84,25 +90,26 @@ def run(args: argparse.Namespace) -> list[dict]:
         for num_seqs in args.batch_sizes:
             for strategy in args.strategies:
                 case = make_case(strategy, num_seqs, vocab, args.k, device, args.temperature, args.top_k, args.top_p)
+                reference_ms, reference_cpu_ms = time_ms(lambda: verify(*case, use_triton=False), args.repeats, device)
                 row = {"strategy": strategy, "batch": num_seqs, "vocab": vocab, "k": args.k, "device": device,
-                       "reference_ms": time_ms(lambda: verify(*case, use_triton=False), args.repeats, device),
-                       "triton_ms": None}
+                       "reference_ms": reference_ms, "reference_cpu_ms": reference_cpu_ms, "triton_ms": None}
                 if device == "cuda":
-                    row["triton_ms"] = time_ms(lambda: verify(*case, use_triton=True), args.repeats, device)
+                    row["triton_ms"] = time_ms(lambda: verify(*case, use_triton=True), args.repeats, device)[0]
                 results.append(row)
                 print_row(row)
                 del case
     return results
 
 
-HEADER = f"{'strategy':<17} {'B':>4} {'V':>7} {'reference ms':>13} {'triton ms':>10} {'speedup':>8}"
+HEADER = (f"{'strategy':<17} {'B':>4} {'V':>7} {'reference ms':>13} {'(cpu ms)':>10} {'triton ms':>10} "
+          f"{'speedup':>8}")
 
 
 def print_row(row: dict) -> None:
-    triton = "-" if row["triton_ms"] is None else f"{row['triton_ms']:.3f}"
+    optional = lambda value: "-" if value is None else f"{value:.3f}"
     speedup = "-" if row["triton_ms"] is None else f"{row['reference_ms'] / row['triton_ms']:.1f}x"
     print(f"{row['strategy']:<17} {row['batch']:>4} {row['vocab']:>7} {row['reference_ms']:>13.3f} "
-          f"{triton:>10} {speedup:>8}", flush=True)
+          f"{optional(row['reference_cpu_ms']):>10} {optional(row['triton_ms']):>10} {speedup:>8}", flush=True)
 
 
 def main() -> None:
@@ -116,8 +123,11 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per case (default 5, quick 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/kernels.json"))
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.batch_sizes, args.vocab_sizes = [1, 32], [49152]
     if args.repeats is None:

@@ -17,8 +17,9 @@ its unnormalised probabilities
   smallest set of most probable tokens reaching ``top_p`` (ties at its edge
   kept). ``top_p <= 0`` or ``>= 1`` disables it.
 
-Masses are summed in float64 so that the reference and the kernel agree on
-the threshold even for flat distributions over large vocabularies.
+Masses are summed in float64: the reference and the kernel add in different
+orders, and float32 sums would then disagree about the top-p edge of flat
+distributions over large vocabularies.
 
 Filters are carried as three numbers per row (``FilterStats``) rather than a
 materialised ``[R, V]`` probability tensor: the verification kernels recompute

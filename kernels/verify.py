@@ -67,7 +67,7 @@ class SamplingTensors:  # one row per sequence, B sequences
     temperature: torch.Tensor  # float32 [B], 0 = greedy
     top_k: torch.Tensor  # int32 [B], 0 = disabled
     top_p: torch.Tensor  # float32 [B], 0 or 1 = disabled
-    seed: torch.Tensor  # int64 [B]
+    seed: torch.Tensor  # int64 [B] (a uint64 seed reinterpreted as two's complement)
     position: torch.Tensor  # int64 [B], context length before this round
     strategy: torch.Tensor  # int32 [B], GREEDY..TOPP
     accept_policy: torch.Tensor  # int32 [B]
@@ -100,8 +100,8 @@ class RaggedLayout:
     @staticmethod
     def build(cu_num_draft_tokens: torch.Tensor) -> RaggedLayout:  # int32 [B]
         cu = cu_num_draft_tokens.long()
-        draft_start = torch.cat([cu.new_zeros(1), cu[:-1]])
-        num_draft = cu - draft_start
+        num_draft = torch.diff(cu, prepend=cu.new_zeros(1))
+        draft_start = cu - num_draft
         # Host sync (deliberate): the output width depends on the longest draft.
         max_k = int(num_draft.max()) if cu.numel() else 0
         row_start = draft_start + torch.arange(cu.numel(), device=cu.device)

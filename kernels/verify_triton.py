@@ -210,7 +210,7 @@ def verify_groups(target_logits: torch.Tensor,  # float32 [R, V]
                   ) -> None:
     """Fills output: one filter-stats launch over the rows if any group samples,
     then one ``_verify_kernel`` launch per strategy group."""
-    num_rows, vocab_size = target_logits.shape
+    vocab_size = target_logits.shape[1]
     assert target_logits.stride(1) == 1
     stats = _row_filter_stats(target_logits, layout, sampling, groups)
     draft_ids = _nonempty(draft_token_ids.contiguous())

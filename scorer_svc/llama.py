@@ -179,27 +179,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+#: Fewest rows each GEMM path is given on CPU (smaller inputs are zero-padded):
+#: measured here, MKL's float32 sgemm gives a row the same result for every
+#: row count >= 12 (below that it uses kernels with 4-row tails), and oneDNN
+#: (float32 and bfloat16) for every row count >= 2 (one row takes a GEMV path).
+CPU_MIN_ROWS = {"aten": 12, "onednn": 2}
+
+
 class Linear:
     """y = x W^T + b whose rows do not depend on the number of rows (module doc).
 
-    weight: [out, in]; bias: [out] or None; gemm: "onednn" (CPU) or "aten" (F.linear)"""
+    weight: [out, in]; bias: [out] or None
+    gemm: "aten" (F.linear: MKL for float32 on CPU) or "onednn" (prepacked
+      oneDNN, CPU only); min_rows: see CPU_MIN_ROWS (1 = no padding)"""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str, min_rows: int) -> None:
         self.gemm = gemm
+        self.min_rows = min_rows
         self.bias = bias
         self.out_features = weight.shape[0]
-        # oneDNN keeps the weight in its own blocked layout; 2 is the row-count hint
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, 2) if gemm == "onednn" else weight
+        # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, min_rows) if gemm == "onednn" else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
+        T = x.shape[0]
+        if T < self.min_rows:
+            return self._gemm(torch.cat([x, x.new_zeros(self.min_rows - T, x.shape[1])]))[:T]
+        return self._gemm(x.contiguous())
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemm == "aten":
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 1:  # oneDNN sums a lone row in another order: pad it to two
-            return self._onednn(torch.cat([x, x]))[:1]
-        return self._onednn(x.contiguous())
-
-    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
@@ -217,14 +228,29 @@ class DecoderLayer:
     rope: bool
 
 
-def load_checkpoint(model: str, dtype: torch.dtype) -> tuple[object, object, dict[str, torch.Tensor]]:
-    """(config, generation_config or None, state_dict) of a causal LM, loaded
-    through transformers in ``dtype`` (GGUF weights are dequantised)."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class Checkpoint:
+    """A causal LM's config and weights, as transformers loaded them."""
 
-    src = resolve_model(model)
-    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs())
-    return hf.config, getattr(hf, "generation_config", None), dict(hf.state_dict())
+    name: str  # id or path as given
+    config: object  # transformers PretrainedConfig
+    generation_config: object | None
+    state_dict: dict[str, torch.Tensor]  # HF names: model.layers.{i}.self_attn.q_proj.weight, ...
+
+    @classmethod
+    def load(cls, model: str, dtype: torch.dtype = torch.float32) -> "Checkpoint":
+        """Loads through transformers in ``dtype`` (GGUF weights are dequantised)."""
+        from transformers import AutoModelForCausalLM
+
+        src = resolve_model(model)
+        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs())
+        return cls.of_model(hf, model)
+
+    @classmethod
+    def of_model(cls, hf_model, name: str) -> "Checkpoint":
+        """Takes (shares, does not copy) the tensors of a loaded transformers model."""
+        return cls(name, hf_model.config, getattr(hf_model, "generation_config", None),
+                   dict(hf_model.state_dict()))
 
 
 def eos_token_ids(config, generation_config) -> tuple[int, ...]:
@@ -236,34 +262,36 @@ def eos_token_ids(config, generation_config) -> tuple[int, ...]:
     return ()
 
 
-def build_layers(spec: LlamaSpec, sd: dict[str, torch.Tensor], gemm: str) -> list[DecoderLayer]:
-    """Fused, padded, GEMM-ready decoder layers from an HF Llama-style state dict."""
-    layers = []
-    for i, (window, rope) in enumerate(zip(spec.layer_windows, spec.layer_rope)):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
+def _pad_dim0(t: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    """Zero-pads dim 0 of t to size rows."""
+    return None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]))
 
-        def cat(names: list[str], kind: str) -> torch.Tensor | None:
-            parts = [sd.get(f"{n}.{kind}") for n in names]
-            return None if parts[0] is None else torch.cat(parts)
 
-        qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
-        gate, up, down = sd[mlp + "gate_proj.weight"], sd[mlp + "up_proj.weight"], sd[mlp + "down_proj.weight"]
-        width = -(-gate.shape[0] // FFN_ALIGN) * FFN_ALIGN
-        pad_rows = lambda t: None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, width - t.shape[0]))
-        gate_up_bias = sd.get(mlp + "gate_proj.bias")
-        if gate_up_bias is not None:
-            gate_up_bias = torch.cat([pad_rows(gate_up_bias), pad_rows(sd[mlp + "up_proj.bias"])])
-        layers.append(DecoderLayer(
-            input_norm=sd[p + "input_layernorm.weight"],
-            qkv=Linear(cat(qkv, "weight"), cat(qkv, "bias"), gemm),
-            q_norm=sd.get(attn + "q_norm.weight"), k_norm=sd.get(attn + "k_norm.weight"),
-            o=Linear(sd[attn + "o_proj.weight"], sd.get(attn + "o_proj.bias"), gemm),
-            post_norm=sd[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(torch.cat([pad_rows(gate), pad_rows(up)]), gate_up_bias, gemm),
-            down=Linear(F.pad(down, (0, width - down.shape[1])), sd.get(mlp + "down_proj.bias"), gemm),
-            window=window, rope=rope))
-    return layers
+def _cat_or_none(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if parts[0] is None else torch.cat(parts)
+
+
+def build_layer(sd: dict[str, torch.Tensor], i: int, window: int, rope: bool, gemm: str,
+                min_rows: int) -> DecoderLayer:
+    """Decoder layer i from an HF Llama-style state dict: q/k/v and gate/up
+    fused into one GEMM each, the SwiGLU width zero-padded to FFN_ALIGN."""
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
+    width = -(-sd[mlp + "gate_proj.weight"].shape[0] // FFN_ALIGN) * FFN_ALIGN
+    gate_up = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.weight", "up_proj.weight")]
+    gate_up_bias = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.bias", "up_proj.bias")]
+    down = sd[mlp + "down_proj.weight"]
+    linear = lambda w, b: Linear(w, b, gemm, min_rows)
+    return DecoderLayer(
+        input_norm=sd[p + "input_layernorm.weight"],
+        qkv=linear(torch.cat([sd[n + ".weight"] for n in qkv]), _cat_or_none([sd.get(n + ".bias") for n in qkv])),
+        q_norm=sd.get(attn + "q_norm.weight"), k_norm=sd.get(attn + "k_norm.weight"),
+        o=linear(sd[attn + "o_proj.weight"], sd.get(attn + "o_proj.bias")),
+        post_norm=sd[p + "post_attention_layernorm.weight"],
+        gate_up=linear(torch.cat(gate_up), _cat_or_none(gate_up_bias)),
+        down=linear(F.pad(down, (0, width - down.shape[1])), sd.get(mlp + "down_proj.bias")),
+        window=window, rope=rope)
 
 
 # ---- engine -----------------------------------------------------------------------
@@ -277,13 +305,16 @@ class LlamaEngine(Engine):
       KV cache and returned logits / hidden states are float32.
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
-    gemm: "auto" (oneDNN on CPU, else F.linear) | "onednn" | "aten".
+    gemm: "auto" | "aten" | "onednn". auto: on CPU, aten (MKL) for float32
+      (oneDNN's float32 sums stray from transformers' by more than 1e-4 over
+      30 layers) and onednn for bfloat16 (prepacked, about twice as fast as
+      unpacked); F.linear elsewhere.
     attention: "auto" ("paged" on CPU, else "sdpa") | "paged" (numba,
-      row-invariant) | "sdpa" (torch, not row-invariant).
+      row-invariant) | "sdpa" (torch, any device, not row-invariant).
     num_threads: torch and attention threads (process-wide for torch);
       default: the CPU cores this process may use."""
 
-    def __init__(self, model: str, dtype: str = "float32", kv_capacity_tokens: int | None = None,
+    def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16) -> None:
@@ -293,25 +324,28 @@ class LlamaEngine(Engine):
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        self.gemm = ("onednn" if on_cpu and torch.backends.mkldnn.is_available() else "aten") \
-            if gemm == "auto" else gemm
-        self.attention = ("paged" if on_cpu else "sdpa") if attention == "auto" else attention
-        if self.gemm not in ("onednn", "aten") or self.attention not in ("paged", "sdpa"):
+        if gemm == "auto":
+            gemm = "onednn" if on_cpu and dtype == "bfloat16" else "aten"
+        if attention == "auto":
+            attention = "paged" if on_cpu else "sdpa"
+        if gemm not in CPU_MIN_ROWS or attention not in ("paged", "sdpa"):
             raise ValueError(f"unknown gemm {gemm!r} or attention {attention!r}")
-        if not on_cpu and (self.gemm == "onednn" or self.attention == "paged"):
+        if not on_cpu and (gemm == "onednn" or attention == "paged"):
             raise ValueError("gemm='onednn' and attention='paged' run on CPU only")
+        self.gemm, self.attention = gemm, attention
         num_threads = num_threads or default_num_threads()
         if on_cpu:
             torch.set_num_threads(num_threads)
         self.dtype = DTYPES[dtype]
+        self.spec = spec = LlamaSpec.from_config(checkpoint.config)
 
-        config, generation_config, sd = load_checkpoint(model, self.dtype)
-        self.spec = spec = LlamaSpec.from_config(config)
-        sd = {k: v.to(self.device) for k, v in sd.items()}
+        sd = {k: v.to(self.device, self.dtype) for k, v in checkpoint.state_dict.items()}
+        min_rows = CPU_MIN_ROWS[gemm] if on_cpu else 1
         self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
         self.final_norm = sd["model.norm.weight"]
-        self.lm_head = Linear(sd.get("lm_head.weight", self.embed), None, self.gemm)
-        self.layers = build_layers(spec, sd, self.gemm)
+        self.lm_head = Linear(sd.get("lm_head.weight", self.embed), None, gemm, min_rows)
+        self.layers = [build_layer(sd, i, window, rope, gemm, min_rows)
+                       for i, (window, rope) in enumerate(zip(spec.layer_windows, spec.layer_rope))]
         del sd
         limit = spec.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
@@ -327,12 +361,19 @@ class LlamaEngine(Engine):
                            kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS,
                            block_size=block_size, device=device, num_threads=num_threads)
         self.facts = ModelFacts(
-            model=model, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
-            eos_token_ids=eos_token_ids(config, generation_config), hidden_size=spec.hidden_size,
-            dtype=dtype, kv_capacity_tokens=self.pool.capacity_tokens)
+            model=checkpoint.name, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids(checkpoint.config, checkpoint.generation_config),
+            hidden_size=spec.hidden_size, dtype=dtype, kv_capacity_tokens=self.pool.capacity_tokens)
         log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens, %d threads",
-                 model, n_layers, dtype, self.gemm, self.attention, self.pool.capacity_tokens, num_threads)
+                 checkpoint.name, n_layers, dtype, gemm, attention, self.pool.capacity_tokens, num_threads)
 
+    @classmethod
+    def from_pretrained(cls, model: str, dtype: str = "float32", **kwargs) -> "LlamaEngine":
+        """Loads ``model`` (a directory, .gguf file, shared-models name or hub
+        id) through transformers; kwargs as for the constructor."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return cls(Checkpoint.load(model, DTYPES[dtype]), dtype, **kwargs)
     # ---- Engine protocol -----------------------------------------------------------
 
     def ensure_capacity(self, seq_id: str, total_len: int) -> None:
