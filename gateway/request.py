@@ -7,13 +7,10 @@ import random
 from dataclasses import dataclass, field
 
 from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.validation import InvalidArgument, sampling_fields
 
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_MAX_TOKENS = 256
-
-
-class InvalidArgument(ValueError):
-    """A request field is bad; str(self) starts with the field's name."""
 
 
 @dataclass(frozen=True)
@@ -99,12 +96,7 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
             raise InvalidArgument(f"stop[{i}]: stop strings must not be empty")
 
     s = request.sampling
-    if not (s.temperature >= 0 and math.isfinite(s.temperature)):
-        raise InvalidArgument(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"sampling.top_k: must be >= 0, got {s.top_k}")
-    if not 0 <= s.top_p <= 1:
-        raise InvalidArgument(f"sampling.top_p: must be in [0, 1], got {s.top_p}")
+    temperature, top_k, top_p = sampling_fields(s.temperature, s.top_k, s.top_p, "sampling")
 
     sp = request.speculation
     method = sp.method or default_method
@@ -134,14 +126,13 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
         raise InvalidArgument(f"speculation.verify_strategy: unknown value {sp.verify_strategy}")
     if sp.accept_policy not in pb.AcceptPolicy.values():
         raise InvalidArgument(f"speculation.accept_policy: unknown value {sp.accept_policy}")
-    strategy = sp.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if s.temperature == 0
+    strategy = sp.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if temperature == 0
                                       else pb.VERIFY_STRATEGY_REJECTION)
     reference_ids = (list(tokenizer(sp.reference_text, add_special_tokens=False)["input_ids"])
                      if sp.reference_text else [])
     return GenParams(
         prompt_ids=prompt_ids, max_tokens=max_tokens, stop=list(request.stop),
-        ignore_eos=request.ignore_eos, temperature=float(s.temperature), top_k=int(s.top_k),
-        top_p=float(s.top_p) if s.top_p > 0 else 1.0,
+        ignore_eos=request.ignore_eos, temperature=temperature, top_k=top_k, top_p=top_p,
         seed=int(s.seed) if s.HasField("seed") else random.getrandbits(63),
         method=method, k=0 if method == "none" else k, min_n=min_n, max_n=max_n,
         max_tree_depth=depth, max_spec_factor=float(factor), min_token_prob=float(min_prob),

@@ -12,6 +12,7 @@ from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.scorer_svc.engine import Engine
 from specdec.scorer_svc.scheduler import OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
+from specdec.validation import InvalidArgument, sampling_fields
 
 log = logging.getLogger(__name__)
 
@@ -20,25 +21,10 @@ _STATUS = {OK: pb.SEQUENCE_STATUS_OK, UNKNOWN_SEQUENCE: pb.SEQUENCE_STATUS_UNKNO
            RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED}
 
 
-class InvalidArgument(ValueError):
-    """A field of the call is bad; str(self) names it."""
-
-
 def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if len(bad):
         raise InvalidArgument(f"{field}[{bad[0]}]: token id {ids[bad[0]]} outside the vocabulary [0, {vocab_size})")
-
-
-def sampling_fields(s: pb.SamplingParams, field: str) -> tuple[float, int, float]:
-    """Validated (temperature, top_k, top_p); top_p 0 means disabled (1.0)."""
-    if not (s.temperature >= 0 and np.isfinite(s.temperature)):
-        raise InvalidArgument(f"{field}.temperature: must be a finite number >= 0, got {s.temperature}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"{field}.top_k: must be >= 0, got {s.top_k}")
-    if not 0 <= s.top_p <= 1:
-        raise InvalidArgument(f"{field}.top_p: must be in [0, 1], got {s.top_p}")
-    return float(s.temperature), int(s.top_k), float(s.top_p) if s.top_p > 0 else 1.0
 
 
 def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int) -> JobSpec:
@@ -79,7 +65,8 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
             if (probs < 0).any() or not np.isfinite(probs).all() or abs(probs.sum() - 1) > 1e-3:
                 raise InvalidArgument(f"{f}.draft_probs[{j}].probs: must be >= 0 and sum to 1")
             draft_probs.append((ids.astype(np.int32), probs))
-    temperature, top_k, top_p = sampling_fields(seq.sampling, f"{f}.sampling")
+    sp = seq.sampling
+    temperature, top_k, top_p = sampling_fields(sp.temperature, sp.top_k, sp.top_p, f"{f}.sampling")
     strategy = seq.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if temperature == 0
                                        else pb.VERIFY_STRATEGY_REJECTION)
     if strategy not in pb.VerifyStrategy.values():

@@ -156,3 +156,23 @@ def test_reference_text_raises_acceptance_on_an_edit(stories_stack, method):
     assert with_ref.token_ids == without.token_ids == plain.token_ids
     assert with_ref.stats.accepted_tokens > without.stats.accepted_tokens + 5
     assert with_ref.stats.rounds < without.stats.rounds
+
+
+def test_accept_policies_and_strategies_end_to_end(stories_stack, stories_path):
+    addr = stories_stack.gateway_addr
+    plain = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="none")).token_ids
+    reject = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
+                                       accept_policy=pb.ACCEPT_POLICY_REJECT_ALL))
+    assert reject.token_ids == plain
+    assert reject.stats.draft_tokens > 0 and reject.stats.accepted_tokens == 0
+    accept = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
+                                       accept_policy=pb.ACCEPT_POLICY_ACCEPT_ALL))
+    assert accept.stats.accepted_tokens == accept.stats.draft_tokens > 0  # lossy: for debugging only
+    for strategy in (pb.VERIFY_STRATEGY_TARGET_MATCH, pb.VERIFY_STRATEGY_REJECTION):
+        greedy = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
+                                           verify_strategy=strategy))
+        assert greedy.token_ids == plain  # temperature 0: every lossless strategy is greedy
+        sampled = [stream(addr, make_request(PROMPTS["repeats"], max_tokens=24, method="ngram", k=4,
+                                             temperature=0.8, seed=99, verify_strategy=strategy)).token_ids
+                   for _ in range(2)]
+        assert sampled[0] == sampled[1]

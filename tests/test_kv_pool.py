@@ -1,0 +1,209 @@
+"""The paged KV pool: block bookkeeping, exhaustion without side effects,
+rollback, release/reuse, and attention over the pages (vs a plain softmax
+reference, and row invariance)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specdec.scorer_svc.engine import PoolExhausted
+from specdec.scorer_svc.kv_pool import PARALLEL_MIN_WORK, KVPool
+
+LAYERS, KV_HEADS, HEAD_DIM, BS = 2, 2, 8, 4
+
+
+def make_pool(capacity_tokens: int = 64, num_threads: int = 1, head_dim: int = HEAD_DIM) -> KVPool:
+    return KVPool(LAYERS, KV_HEADS, head_dim, capacity_tokens, block_size=BS, num_threads=num_threads)
+
+
+def snapshot(pool: KVPool) -> tuple:
+    return (pool.free_tokens(), pool.num_sequences(), dict(pool._lengths),
+            {s: list(t) for s, t in pool._tables.items()})
+
+
+# ---- bookkeeping --------------------------------------------------------------
+
+
+def test_ensure_capacity_reserves_whole_blocks():
+    pool = make_pool(64)
+    assert pool.free_tokens() == 64
+    pool.ensure_capacity("a", 5)  # 2 blocks of 4
+    assert pool.cached_len("a") == 0 and pool.reserved_len("a") == 8
+    assert pool.free_tokens() == 56
+    pool.ensure_capacity("a", 8)  # already covered
+    assert pool.free_tokens() == 56
+    pool.ensure_capacity("a", 9)
+    assert pool.reserved_len("a") == 12 and pool.free_tokens() == 52
+    assert pool.cached_len("unknown") == 0 and pool.reserved_len("unknown") == 0
+
+
+def test_exhaustion_raises_and_changes_nothing():
+    pool = make_pool(16)  # 4 blocks
+    pool.ensure_capacity("a", 8)
+    pool.ensure_capacity("b", 4)
+    before = snapshot(pool)
+    with pytest.raises(PoolExhausted):
+        pool.ensure_capacity("new", 5)  # needs 2 blocks, 1 free
+    with pytest.raises(PoolExhausted):
+        pool.ensure_capacity("a", 20)  # growing a live sequence past the pool
+    assert snapshot(pool) == before
+    assert pool.reserved_len("new") == 0 and pool.num_sequences() == 2
+    pool.ensure_capacity("new", 4)  # what does fit still works
+    assert pool.free_tokens() == 0
+
+
+def test_release_frees_capacity_for_reuse():
+    pool = make_pool(16)
+    pool.ensure_capacity("a", 16)
+    with pytest.raises(PoolExhausted):
+        pool.ensure_capacity("b", 1)
+    assert pool.release("a") is True
+    assert pool.release("a") is False
+    assert pool.free_tokens() == 16 and pool.cached_len("a") == 0
+    pool.ensure_capacity("b", 16)
+    assert pool.reserved_len("b") == 16
+
+
+def test_truncate_frees_blocks_past_the_kept_length():
+    pool = make_pool(64)
+    pool.ensure_capacity("a", 11)
+    pool.plan(["a"], [11])
+    pool.commit(["a"], [11])
+    assert pool.cached_len("a") == 11
+    pool.truncate("a", 5)  # keeps 2 blocks
+    assert pool.cached_len("a") == 5 and pool.reserved_len("a") == 8
+    assert pool.free_tokens() == 56
+    pool.truncate("a", 5)  # no-op
+    with pytest.raises(ValueError):
+        pool.truncate("a", 6)  # cannot grow by truncation
+    with pytest.raises(KeyError):
+        pool.truncate("zzz", 0)
+    pool.truncate("a", 0)
+    assert pool.cached_len("a") == 0 and pool.free_tokens() == 64 and pool.num_sequences() == 1
+
+
+def test_plan_places_ragged_rows_after_each_prefix():
+    pool = make_pool(64)
+    for seq, n in (("a", 3), ("b", 9)):
+        pool.ensure_capacity(seq, n)
+        pool.plan([seq], [n])
+        pool.commit([seq], [n])
+    pool.ensure_capacity("a", 5)
+    pool.ensure_capacity("b", 10)
+    batch = pool.plan(["a", "b"], [2, 1])
+    assert batch.row_seq.tolist() == [0, 0, 1]
+    assert batch.row_pos.tolist() == [3, 4, 9]
+    ta, tb = pool._tables["a"], pool._tables["b"]
+    assert batch.slot_block.tolist() == [ta[0], ta[1], tb[2]]
+    assert batch.slot_offset.tolist() == [3, 0, 1]
+    assert batch.block_tables[0, :2].tolist() == ta and batch.block_tables[1, :3].tolist() == tb
+    assert pool.cached_len("a") == 3  # plan changes nothing
+    with pytest.raises(ValueError, match="capacity"):
+        pool.plan(["a"], [6])  # 3 + 6 > 8 reserved
+
+
+def test_memory_fraction_sizing():
+    per_token = KVPool.bytes_per_token(30, 3, 64)
+    assert per_token == 2 * 30 * 3 * 64 * 4
+    small = KVPool.tokens_for_memory_fraction(0.01, per_token)
+    large = KVPool.tokens_for_memory_fraction(0.02, per_token)
+    assert 0 < small and abs(large - 2 * small) <= 0.1 * large  # proportional, modulo RAM moving
+    with pytest.raises(ValueError):
+        KVPool.tokens_for_memory_fraction(1.5, per_token)
+
+
+# ---- attention --------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """Random per-position keys, values and (pre-scaled) queries of one sequence."""
+
+    keys: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    values: torch.Tensor  # [layers, n, kv_heads, head_dim]
+    queries: torch.Tensor  # [n, heads, head_dim]
+
+
+def random_sequences(lengths: dict[str, int], heads: int, head_dim: int = HEAD_DIM, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return {s: Sequence(torch.randn(LAYERS, n, KV_HEADS, head_dim, generator=g),
+                        torch.randn(LAYERS, n, KV_HEADS, head_dim, generator=g),
+                        torch.randn(n, heads, head_dim, generator=g) * head_dim ** -0.5)
+            for s, n in lengths.items()}
+
+
+def feed(pool: KVPool, seqs: dict[str, Sequence], rows: dict[str, tuple[int, int]]):
+    """One pass like the engine's: each sequence is rolled back (or first
+    filled) to `start`, then positions [start, end) are written as new rows.
+    Returns the PagedBatch and the new rows' queries [T, heads, head_dim]."""
+    for s, (start, _) in rows.items():
+        if pool.cached_len(s) > start:
+            pool.truncate(s, start)
+        elif pool.cached_len(s) < start:
+            feed(pool, seqs, {s: (pool.cached_len(s), start)})
+    names = list(rows)
+    counts = [rows[s][1] - rows[s][0] for s in names]
+    for s in names:
+        pool.ensure_capacity(s, rows[s][1])
+    batch = pool.plan(names, counts)
+    for layer in range(LAYERS):
+        pool.write(layer, torch.cat([seqs[s].keys[layer, slice(*rows[s])] for s in names]),
+                   torch.cat([seqs[s].values[layer, slice(*rows[s])] for s in names]), batch)
+    pool.commit(names, counts)
+    return batch, torch.cat([seqs[s].queries[slice(*rows[s])] for s in names]).contiguous()
+
+
+def reference_attention(seq: Sequence, layer: int, q: torch.Tensor, pos: int, window: int) -> torch.Tensor:
+    """Plain float64 softmax attention of one row; q: [heads, head_dim] -> [heads, head_dim]."""
+    group = q.shape[0] // KV_HEADS
+    keys = seq.keys[layer, :pos + 1].transpose(0, 1).repeat_interleave(group, 0).double()  # [heads, pos+1, D]
+    values = seq.values[layer, :pos + 1].transpose(0, 1).repeat_interleave(group, 0).double()
+    scores = torch.einsum("hd,htd->ht", q.double(), keys)
+    if window:
+        scores[:, :max(0, pos + 1 - window)] = float("-inf")
+    return torch.einsum("ht,htd->hd", scores.softmax(-1), values).float()
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("sdpa", [False, True], ids=["paged", "sdpa"])
+def test_attention_matches_softmax_reference(window, sdpa):
+    heads = 6  # 3 query heads per kv head
+    pool = make_pool(128)
+    seqs = random_sequences({"a": 1, "b": 13, "c": 8}, heads)
+    rows = {"a": (0, 1), "b": (7, 13), "c": (0, 8)}  # a lone first token, a verify chunk, a prefill
+    batch, q = feed(pool, seqs, rows)
+    names = list(rows)
+    for layer in range(LAYERS):
+        out = (pool.attend_sdpa if sdpa else pool.attend)(layer, q, batch, window)
+        for row, (b, pos) in enumerate(zip(batch.row_seq, batch.row_pos)):
+            want = reference_attention(seqs[names[b]], layer, q[row], int(pos), window)
+            torch.testing.assert_close(out[row], want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_row_is_bitwise_independent_of_the_batch():
+    heads = 4
+    pool = make_pool(256, head_dim=64)
+    seqs = random_sequences({"a": 40, "b": 23, "c": 57}, heads, head_dim=64)
+    alone = {}
+    for s in seqs:
+        n = seqs[s].queries.shape[0]
+        batch, q = feed(pool, seqs, {s: (n - 1, n)})
+        alone[s] = pool.attend(1, q, batch)[0]
+    batch, q = feed(pool, seqs, {"b": (6, 23), "a": (39, 40), "c": (27, 57)})
+    out = pool.attend(1, q, batch)
+    assert torch.equal(out[16], alone["b"])  # last row of a 17-row verify chunk
+    assert torch.equal(out[17], alone["a"])  # a decode row next to it
+    assert torch.equal(out[-1], alone["c"])  # last row of a prefill chunk
+
+
+def test_threads_split_work_without_changing_results():
+    heads = 8
+    seqs = random_sequences({"a": 300, "b": 200}, heads, seed=3)
+    rows = {"a": (150, 300), "b": (100, 200)}
+    serial, threaded = make_pool(1024, num_threads=1), make_pool(1024, num_threads=2)
+    b1, q = feed(serial, seqs, rows)
+    b2, _ = feed(threaded, seqs, rows)
+    assert b2.attention_work * heads >= PARALLEL_MIN_WORK  # the threaded path really runs
+    assert torch.equal(serial.attend(0, q, b1), threaded.attend(0, q, b2))

@@ -1,0 +1,362 @@
+"""LlamaEngine: logits and greedy tokens against transformers on the real
+models, ragged batches, rollback, chunked prefill, pool exhaustion, the row
+invariance that keeps speculation lossless, the architecture variants (on
+small random models) and the load_engine factory."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy, hf_model
+
+from specdec.scorer_svc.engine import ForwardItem, PoolExhausted
+from specdec.scorer_svc.llama import Checkpoint, LlamaEngine, unsupported_reason
+from specdec.scorer_svc.loader import load_engine
+
+STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside with her dog. One day"
+CHAT = ("The scorer verifies the guesses of many sequences in one batched forward pass, so speculation "
+        "pays only when checking several tokens costs about as much as one. In short,")
+
+
+def as_ids(tokens) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int32)
+
+
+def feed(engine, items: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+    """One forward over (seq_id, new tokens, num_logits) items after ensuring
+    capacity; returns each item's logits rows."""
+    for seq, tokens, _ in items:
+        engine.ensure_capacity(seq, engine.cached_len(seq) + len(tokens))
+    out = engine.forward([ForwardItem(seq, as_ids(tokens), k) for seq, tokens, k in items])
+    return list(out.logits.split([k for _, _, k in items]))
+
+
+def greedy(engine, seq: str, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding: prefill, then one token per forward."""
+    out = []
+    logits = feed(engine, [(seq, prompt, 1)])[0]
+    for _ in range(n):
+        out.append(int(logits[-1].argmax()))
+        logits = feed(engine, [(seq, [out[-1]], 1)])[0]
+    return out
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def engine_of(model, dtype: str = "float32", **kwargs) -> LlamaEngine:
+    kwargs.setdefault("kv_capacity_tokens", 2048)
+    return LlamaEngine(Checkpoint.of_model(model, "test-model"), dtype, **kwargs)
+
+
+def check_invariance(engine, prompt: list[int]):
+    """The logits of one token are bitwise the same computed alone (plain
+    decoding), as row 0 of a 6-row chunk or of a 17-row chunk (verification),
+    and next to another sequence's chunk."""
+    prefix, chunk = prompt[:-17], prompt[-17:]
+    rows = {}
+    for n in (1, 6, 17):
+        seq = f"inv{n}"
+        feed(engine, [(seq, prefix, 0)])
+        rows[n] = feed(engine, [(seq, chunk[:n], n)])[0]
+    feed(engine, [("other", prompt[:9], 0), ("inv-mixed", prefix, 0)])
+    mixed = feed(engine, [("other", prompt[9:26], 17), ("inv-mixed", chunk[:6], 6)])[1]
+    assert torch.equal(rows[1][0], rows[6][0])
+    assert torch.equal(rows[1][0], rows[17][0])
+    assert torch.equal(rows[6], rows[17][:6])
+    assert torch.equal(rows[6], mixed)
+
+
+# ---- stories260K (tiny, real) ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    model, tok = hf_model(stories_path)
+    return model, list(tok(STORY)["input_ids"])
+
+
+def test_logits_match_transformers(stories):
+    model, prompt = stories
+    want = hf_logits(model, prompt)
+    engine = engine_of(model)
+    prefill = feed(engine, [("s", prompt[:20], 20)])[0]
+    decode = [feed(engine, [("s", [t], 1)])[0][0] for t in prompt[20:]]
+    got = torch.cat([prefill, torch.stack(decode)])
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bfloat16_is_close_to_float32(stories_path, stories):
+    _, prompt = stories
+    from transformers import AutoModelForCausalLM
+
+    fp32, _ = hf_model(stories_path)
+    hf_bf16 = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.bfloat16).eval()
+    want = hf_logits(fp32, prompt)
+    hf_err = (hf_logits(hf_bf16, prompt) - want).abs().max()
+    got = feed(engine_of(fp32, "bfloat16"), [("s", prompt, len(prompt))])[0]
+    assert (got - want).abs().max() < 2 * hf_err + 0.05  # no worse than transformers' own bf16
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype,gemm", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "onednn")])
+def test_row_count_invariance(stories, dtype, gemm):
+    model, prompt = stories
+    check_invariance(engine_of(model, dtype, gemm=gemm), prompt)
+
+
+def test_ragged_batch_equals_each_sequence_alone(stories):
+    """Decode, verify (k=5), a prefill chunk and a first prefill in one pass."""
+    model, prompt = stories
+    engine = engine_of(model)
+    prefixes = {"dec": prompt[:10], "ver": prompt[:7], "chunk": prompt[:4], "new": []}
+    new = {"dec": prompt[10:11], "ver": prompt[7:13], "chunk": prompt[4:20], "new": prompt[3:15]}
+    logits_rows = {"dec": 1, "ver": 6, "chunk": 0, "new": 12}
+    alone = {}
+    for seq in prefixes:
+        if prefixes[seq]:
+            feed(engine, [("alone-" + seq, prefixes[seq], 0)])
+        alone[seq] = feed(engine, [("alone-" + seq, new[seq], logits_rows[seq])])[0]
+        if prefixes[seq]:
+            feed(engine, [(seq, prefixes[seq], 0)])
+    batched = feed(engine, [(seq, new[seq], logits_rows[seq]) for seq in prefixes])
+    for seq, got in zip(prefixes, batched):
+        assert torch.equal(got, alone[seq]), seq
+    want = hf_logits(model, prompt[3:15])
+    assert (batched[3] - want).abs().max() < 1e-4
+
+
+def test_zero_drafts_beside_sixteen_drafts(stories):
+    model, prompt = stories
+    engine = engine_of(model)
+    feed(engine, [("a", prompt[:12], 0), ("b", prompt[:5], 0)])
+    a, b = feed(engine, [("a", prompt[12:13], 1), ("b", prompt[5:22], 17)])
+    want = hf_logits(model, prompt[:22])
+    assert a.shape == (1, 512) and b.shape == (17, 512)
+    assert (a[0] - want[12]).abs().max() < 1e-4
+    assert (b - want[5:22]).abs().max() < 1e-4
+    assert torch.equal(b.argmax(-1), want[5:22].argmax(-1))
+
+
+def test_rollback_is_as_if_rejected_tokens_were_never_seen(stories):
+    model, prompt = stories
+    engine = engine_of(model)
+    feed(engine, [("s", prompt[:10], 0)])
+    rejected = [7, 99, 300, 12, 5, 41, 250, 8]  # 8 drafts, 3 accepted below
+    feed(engine, [("s", prompt[10:11] + rejected, 9)])
+    engine.truncate("s", 14)
+    assert engine.cached_len("s") == 14
+    continued = feed(engine, [("s", prompt[20:25], 5)])[0]
+    fresh = feed(engine, [("fresh", prompt[:11] + rejected[:3] + prompt[20:25], 5)])[0]
+    assert torch.equal(continued, fresh)
+
+
+def test_chunked_prefill_equals_one_prefill(stories):
+    model, prompt = stories
+    engine = engine_of(model)
+    whole = feed(engine, [("one", prompt, 3)])[0]
+    for lo, hi in ((0, 7), (7, 20)):
+        feed(engine, [("chunks", prompt[lo:hi], 0)])
+    chunked = feed(engine, [("chunks", prompt[20:], 3)])[0]
+    assert torch.equal(whole, chunked)
+    assert torch.equal(feed(engine, [("one", [42], 1)])[0], feed(engine, [("chunks", [42], 1)])[0])
+
+
+def test_pool_exhaustion_release_and_reuse(stories):
+    model, prompt = stories
+    engine = engine_of(model, kv_capacity_tokens=64, block_size=16)  # 4 blocks
+    assert engine.facts.kv_capacity_tokens == 64
+    engine.ensure_capacity("a", 40)  # 3 blocks
+    before = (engine.free_tokens(), engine.cached_len("a"))
+    with pytest.raises(PoolExhausted):
+        engine.ensure_capacity("b", 17)  # 2 blocks, 1 free
+    with pytest.raises(PoolExhausted):
+        engine.ensure_capacity("a", 65)
+    assert (engine.free_tokens(), engine.cached_len("a"), engine.cached_len("b")) == (*before, 0)
+    assert not engine.has("b")
+    a = engine.forward([ForwardItem("a", as_ids(prompt[:40]), 1)]).logits
+    assert engine.release("a") and not engine.release("a")
+    assert engine.free_tokens() == 64
+    engine.ensure_capacity("b", 64)
+    b = engine.forward([ForwardItem("b", as_ids(prompt[:40]), 1)]).logits
+    assert torch.equal(a, b)  # reused blocks hold no trace of "a"
+
+
+def test_greedy_matches_transformers_generate(stories_path, stories):
+    model, prompt = stories
+    assert greedy(engine_of(model), "g", prompt, 32) == hf_greedy(stories_path, tuple(prompt), 32)
+
+
+def test_hidden_states_are_the_final_norm_output(stories):
+    model, prompt = stories
+    engine = engine_of(model)
+    engine.ensure_capacity("h", 12)
+    out = engine.forward([ForwardItem("h", as_ids(prompt[:8]), 0)], return_hidden_states=True)
+    assert out.logits.shape == (0, 512) and out.hidden_states.shape == (0, 64)
+    out = engine.forward([ForwardItem("h", as_ids(prompt[8:12]), 4)], return_hidden_states=True)
+    with torch.inference_mode():
+        want = model(torch.tensor([prompt[:12]]), output_hidden_states=True).hidden_states[-1][0, -4:]
+    assert out.hidden_states.dtype == torch.float32 and out.hidden_states.shape == (4, 64)
+    assert (out.hidden_states - want).abs().max() < 1e-4
+
+
+def test_facts_and_input_validation(stories):
+    model, prompt = stories
+    engine = engine_of(model, max_model_len=100, kv_capacity_tokens=500)
+    f = engine.facts
+    assert (f.vocab_size, f.max_model_len, f.eos_token_ids, f.hidden_size, f.dtype) == (512, 100, (2,), 64, "float32")
+    assert f.kv_capacity_tokens == 496  # whole blocks of 16
+    assert engine.forward([]).logits.shape == (0, 512)
+    with pytest.raises(ValueError):
+        engine.ensure_capacity("x", 101)  # past max_model_len
+    with pytest.raises(KeyError):
+        engine.forward([ForwardItem("x", as_ids([1, 2]), 1)])  # capacity never ensured
+    engine.ensure_capacity("x", 10)
+    engine.ensure_capacity("y", 10)
+    for bad in ([ForwardItem("x", as_ids([1]), 1), ForwardItem("x", as_ids([2]), 1)],  # same seq twice
+                [ForwardItem("x", as_ids([1, 2]), 3)],  # more logits than tokens
+                [ForwardItem("x", as_ids([512]), 1)],  # outside the vocabulary
+                [ForwardItem("x", as_ids(range(17)), 1)]):  # past the reserved block of 16
+        with pytest.raises(ValueError):
+            engine.forward(bad)
+    assert engine.cached_len("x") == 0  # a refused batch changes nothing
+
+
+# ---- architecture variants on small random models ------------------------------------
+
+
+def random_model(config):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights large enough that every feature moves the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=100, max_position_embeddings=128, rms_norm_eps=1e-5)
+
+
+def variant_configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+
+    llama3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    return {
+        "llama3-rope-untied-biases": LlamaConfig(**SMALL, rope_parameters=llama3, tie_word_embeddings=False,
+                                                 attention_bias=True, mlp_bias=True),
+        "linear-rope": LlamaConfig(**SMALL, rope_parameters={"rope_type": "linear", "rope_theta": 500.0,
+                                                             "factor": 4.0}),
+        "qwen2-bias-sliding-layers": Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=6,
+                                                 max_window_layers=1),
+        "qwen3-qk-norm": Qwen3Config(**SMALL, head_dim=32),
+        "mistral-sliding-window": MistralConfig(**SMALL, sliding_window=8),
+        "smollm3-nope-layers": SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    }
+
+
+@pytest.mark.parametrize("name", list(variant_configs()))
+def test_architecture_variant_matches_transformers(name):
+    config = variant_configs()[name]
+    assert unsupported_reason(config) is None
+    model = random_model(config)
+    tokens = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = hf_logits(model, tokens)
+    engine = engine_of(model)
+    got = torch.cat([feed(engine, [("v", tokens[:25], 25)])[0]] +
+                    [feed(engine, [("v", [t], 1)])[0] for t in tokens[25:]])
+    assert (got - want).abs().max() < 1e-4
+    shifted = hf_logits(model, tokens[1:])  # the logits depend on position: the check has teeth
+    assert (shifted[-5:] - want[-5:]).abs().max() > 1e-2
+
+
+def test_unsupported_configs_are_named():
+    from transformers import GPT2Config, LlamaConfig
+
+    assert "gpt2" in unsupported_reason(GPT2Config())
+    assert "dynamic" in unsupported_reason(
+        LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}))
+    assert "gelu" in unsupported_reason(LlamaConfig(**SMALL, hidden_act="gelu"))
+
+
+# ---- load_engine --------------------------------------------------------------------
+
+
+def test_load_engine_runs_llama_models_on_the_llama_engine(stories_path, stories, caplog):
+    _, prompt = stories
+    with caplog.at_level(logging.WARNING):
+        engine = load_engine(stories_path, max_model_len=256, kv_memory_fraction=0.001)
+    assert isinstance(engine, LlamaEngine) and not caplog.records
+    assert engine.facts.max_model_len == 256 and engine.facts.kv_capacity_tokens > 0
+    engine.ensure_capacity("s", 8)
+    assert engine.forward([ForwardItem("s", as_ids(prompt[:8]), 1)]).logits.shape == (1, 512)
+
+
+def test_load_engine_falls_back_for_other_architectures(tmp_path, caplog):
+    from transformers import GPT2Config
+
+    from specdec.scorer_svc.hf_engine import HFEngine
+
+    random_model(GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        engine = load_engine(str(tmp_path), kv_capacity_tokens=128)
+    assert isinstance(engine, HFEngine)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "fallback" in r.getMessage()]
+    assert len(warnings) == 1 and "gpt2" in warnings[0].getMessage()
+
+
+# ---- SmolLM2-135M (real, GGUF) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_path):
+    """(HF float32 model, prompt ids, float32 engine, bfloat16 engine), loaded once."""
+    model, tok = hf_model(smollm_path)
+    prompt = list(tok(CHAT)["input_ids"])
+    return model, prompt, engine_of(model, "float32"), engine_of(model, "bfloat16")
+
+
+@pytest.mark.smollm
+def test_smollm_logits_match_transformers(smollm):
+    model, prompt, engine, _ = smollm
+    want = hf_logits(model, prompt)
+    n = len(prompt)
+    got = torch.cat([feed(engine, [("m", prompt[:n - 4], n - 4)])[0]] +
+                    [feed(engine, [("m", [t], 1)])[0] for t in prompt[n - 4:]])
+    assert (got - want).abs().max() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.smollm
+def test_smollm_bfloat16_is_close_to_float32(smollm):
+    model, prompt, _, engine = smollm
+    want = hf_logits(model, prompt)
+    got = feed(engine, [("m", prompt, len(prompt))])[0]
+    assert (got - want).abs().max() < 3.0  # transformers' own bf16 differs by ~1.3 here
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("which", ["float32", "bfloat16"])
+def test_smollm_row_count_invariance(smollm, which):
+    _, prompt, fp32, bf16 = smollm
+    check_invariance(fp32 if which == "float32" else bf16, prompt)
+
+
+@pytest.mark.smollm
+def test_smollm_greedy_matches_transformers_generate(smollm_path, smollm):
+    _, prompt, engine, _ = smollm
+    assert greedy(engine, "g", prompt, 32) == hf_greedy(smollm_path, tuple(prompt), 32)
