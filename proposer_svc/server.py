@@ -137,11 +137,16 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         return method
 
 
-async def serve(host: str, port: int, methods: list[str], metrics_port: int = 0) -> None:
+async def serve(host: str, port: int, methods: list[str], metrics_port: int = 0,
+                max_cached_requests: int = 1000) -> None:
     from specdec.proposer_svc.registry import build_proposers
+    from specdec.proposer_svc.suffix import SuffixConfig
     from specdec.servers import Server, start_metrics
 
-    proposers = build_proposers(methods)
+    try:
+        proposers = build_proposers(methods, SuffixConfig(max_cached_requests=max_cached_requests))
+    except ValueError as e:
+        raise SystemExit(f"--methods: {e}") from None
     server = Server(host, port, ["Proposer"])
     pb_grpc.add_ProposerServicer_to_server(ProposerServicer(proposers), server.server)
     start_metrics(metrics_port)

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("proposer", help="run a proposer service")
     _add_common(p, DEFAULT_PROPOSER_PORT)
     p.add_argument("--methods", default=CPU_METHODS, help="comma-separated methods to serve")
+    p.add_argument("--max-cached-requests", type=int, default=1000,
+                   help="suffix/hybrid: finished outputs kept in the global tree (oldest evicted)")
 
     p = sub.add_parser("gateway", help="run the gateway service")
     _add_common(p, DEFAULT_GATEWAY_PORT)
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.proposer_svc.server import serve
 
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        asyncio.run(serve(args.host, args.port, methods, args.metrics_port))
+        asyncio.run(serve(args.host, args.port, methods, args.metrics_port, args.max_cached_requests))
     elif args.command == "gateway":
         from specdec.gateway.server import serve
 

@@ -176,3 +176,16 @@ def test_accept_policies_and_strategies_end_to_end(stories_stack, stories_path):
                                              temperature=0.8, seed=99, verify_strategy=strategy)).token_ids
                    for _ in range(2)]
         assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("method", ["suffix", "hybrid"])
+def test_finished_outputs_feed_the_global_suffix_tree(stories_stack, method):
+    """A request's output, once finished, is drafted from by later requests
+    served by the same proposer replica."""
+    addr = stories_stack.gateway_addr
+    prompt = f"The {method} fox and the little frog"  # unseen by other tests
+    first = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=8))
+    second = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=8))
+    assert first.token_ids == second.token_ids
+    assert second.stats.accepted_tokens > first.stats.accepted_tokens + 10
+    assert second.stats.rounds < first.stats.rounds
