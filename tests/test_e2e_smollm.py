@@ -47,3 +47,17 @@ def test_greedy_matches_transformers_on_smollm(smollm_stack, expected, prompt, m
     assert len(gen.token_ids) == MAX_TOKENS or gen.finish_reason == "stop"
     if method == "ngram" and prompt == "copy":
         assert gen.stats.accepted_tokens >= 5 and gen.stats.rounds < len(gen.token_ids)
+
+
+def test_chat_prompt_uses_the_chat_template(smollm_stack, smollm_path):
+    from conftest import hf_model
+
+    tok = hf_model(smollm_path)[1]
+    messages = [("system", "You are terse."), ("user", "Name three colours.")]
+    rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                       add_generation_prompt=True, tokenize=False)
+    ids = tuple(tok(rendered, add_special_tokens=False)["input_ids"])
+    gen = stream(smollm_stack.gateway_addr, make_request(chat=messages, max_tokens=16, method="ngram", k=3))
+    assert gen.stats.prompt_tokens == len(ids)
+    assert gen.token_ids == hf_greedy(smollm_path, ids, 16)[:len(gen.token_ids)]
+    assert gen.text == tok.decode(gen.token_ids, skip_special_tokens=True)
