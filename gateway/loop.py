@@ -234,6 +234,8 @@ class SpecLoop:
             elif result.status == pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE:
                 seq.scorer_primed = False  # re-prefill from our history next round
                 progressed = True
+            elif result.status == pb.SEQUENCE_STATUS_INVALID:
+                seq.fail(RequestFailed("INVALID_ARGUMENT", result.message))
             else:
                 self._stall(seq, RequestFailed("RESOURCE_EXHAUSTED", result.message))
         return progressed

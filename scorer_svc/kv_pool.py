@@ -3,12 +3,11 @@ per-sequence block tables, rollback by length, and attention over the pages.
 
 Layout (one tensor pair for all layers, zero-filled, float32 on CPU):
 
-    key_cache   [layers, num_blocks, kv_heads, head_dim, block_size]  keys transposed per block
-    value_cache [layers, num_blocks, kv_heads, block_size, head_dim]
+    key_cache, value_cache  [layers, num_blocks, kv_heads, block_size, head_dim]
 
 Token ``t`` of a sequence lives in block ``table[t // block_size]`` at offset
-``t % block_size``. Keys are stored transposed so that the scores of one
-block are ``head_dim`` vector FMAs ``block_size`` lanes wide.
+``t % block_size``; each token's head vector is contiguous, so a score is one
+vectorised dot product and a weighted value one vectorised FMA row.
 
 Why paged: sequences grow by a few tokens per round and shrink on rollback;
 fixed-size blocks make both O(1) bookkeeping, never move cached data, and let
@@ -24,14 +23,14 @@ Row invariance (what keeps speculation lossless): the attention output of a
 query row depends only on its query vector, its position and its sequence's
 cached keys and values, never on how many other rows (drafts, other
 sequences) share the pass. ``_paged_attention`` guarantees it by
-construction: one serial routine computes each (row, head) by walking the
-row's visible keys block by block, in ascending order, with the same block
-boundaries whatever else is in the batch; a masked lane never takes part in
-the sums. Threads only split the (row, head) units between them.
+construction: one serial routine computes each (row, kv head) from the row's
+visible keys only, in ascending position order, with loops whose trip counts
+depend on the row's position alone, so the compiled code takes the same path
+(vector body and remainder alike) whatever else is in the batch. Threads only
+split the (row, kv head) units between them.
 """
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,10 +47,9 @@ from specdec.scorer_svc.engine import PoolExhausted
 #: on the calling thread only; a thread hand-off costs more than it saves.
 PARALLEL_MIN_WORK = 1 << 16
 
-# Reassociation lets LLVM vectorize the lane loops; every loop a row's result
-# depends on has the same trip count for that row in any batch, so the
-# compiled code takes the same path and the result is reproducible. No
-# nnan/ninf: masked scores are -inf.
+# Reassociation lets LLVM vectorize the dot products and sums; every loop a
+# row's result depends on has the same trip count for that row in any batch,
+# so the compiled code takes the same path and the result is reproducible.
 _FASTMATH = {"reassoc", "contract"}
 
 
@@ -81,14 +79,16 @@ class KVPool:
         self.capacity_tokens = self.num_blocks * block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, self.num_blocks, num_kv_heads)
-        self.key_cache = torch.zeros(*shape, head_dim, block_size, dtype=torch.float32, device=device)
-        self.value_cache = torch.zeros(*shape, block_size, head_dim, dtype=torch.float32, device=device)
+        shape = (num_layers, self.num_blocks, num_kv_heads, block_size, head_dim)
+        self.key_cache = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.value_cache = torch.zeros(shape, dtype=torch.float32, device=device)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # popped from the end
         self._tables: dict[str, list[int]] = {}  # seq_id -> its blocks, in token order
         self._lengths: dict[str, int] = {}  # seq_id -> tokens cached
         self._workers = ThreadPoolExecutor(num_threads - 1) if num_threads > 1 else None
         self._num_threads = num_threads
+        if self.key_cache.device.type == "cpu":
+            _warm_up()
 
     # ---- sizing -------------------------------------------------------------
 
@@ -118,7 +118,7 @@ class KVPool:
         missing = -(-total_len // self.block_size) - len(table)
         if missing > len(self._free):
             raise PoolExhausted(
-                f"{seq_id}: needs {missing} more KV blocks of {self.block_size} tokens, {len(self._free)} free")
+                f"{seq_id!r}: needs {missing} more KV blocks of {self.block_size} tokens, {len(self._free)} free")
         if seq_id not in self._tables:
             self._tables[seq_id] = table
             self._lengths[seq_id] = 0
@@ -138,7 +138,7 @@ class KVPool:
         if seq_id not in self._tables:
             raise KeyError(f"unknown sequence {seq_id!r}")
         if not 0 <= length <= self._lengths[seq_id]:
-            raise ValueError(f"{seq_id}: cannot truncate {self._lengths[seq_id]} cached tokens to {length}")
+            raise ValueError(f"{seq_id!r}: cannot truncate {self._lengths[seq_id]} cached tokens to {length}")
         table = self._tables[seq_id]
         keep = -(-length // self.block_size)
         self._free.extend(reversed(table[keep:]))
@@ -194,8 +194,8 @@ class KVPool:
         """Stores the new rows' keys and values.
 
         key, value: float32 [T, kv_heads, head_dim]"""
-        self.key_cache[layer, batch.slot_block, :, :, batch.slot_offset] = key
-        self.value_cache[layer, batch.slot_block, :, batch.slot_offset, :] = value
+        self.key_cache[layer, batch.slot_block, :, batch.slot_offset] = key
+        self.value_cache[layer, batch.slot_block, :, batch.slot_offset] = value
 
     def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch, window: int = 0) -> torch.Tensor:
         """Causal attention of every row over its own sequence's cached keys
@@ -230,8 +230,8 @@ class KVPool:
         tables = torch.from_numpy(batch.block_tables).to(dev).long()
         B, nblk = tables.shape
         L = nblk * self.block_size
-        keys = self.key_cache[layer][tables].permute(0, 2, 1, 4, 3).reshape(B, self.num_kv_heads, L, D)
-        values = self.value_cache[layer][tables].permute(0, 2, 1, 3, 4).reshape(B, self.num_kv_heads, L, D)
+        keys, values = (cache[layer][tables].transpose(1, 2).reshape(B, self.num_kv_heads, L, D)
+                        for cache in (self.key_cache, self.value_cache))
         row_seq = torch.from_numpy(batch.row_seq).to(dev).long()
         row_pos = torch.from_numpy(batch.row_pos).to(dev).long()
         counts = torch.bincount(row_seq, minlength=B)
@@ -255,59 +255,90 @@ def default_num_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _warm_up() -> None:
+    """Compiles (or loads from numba's cache) the attention kernel for the
+    argument types ``attend`` passes, so the first request does not wait."""
+    one = np.zeros((1, 1, 1), np.float32)
+    _paged_attention(one, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32),
+                     np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0, 0, 1, one)
+
+
+# e^x for x <= 0 as 2^k * e^r, k = round(x / ln 2), |r| <= ln(2) / 2: r by
+# Cody-Waite reduction, e^r by its degree-7 Taylor polynomial (error < 1e-8),
+# 2^k from a table, so that a loop of them vectorises (libm's expf does not).
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693145751953125)  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI * k is exact
+_LN2_LO = np.float32(1.428606765330187e-06)
+_POW2 = np.array([2.0 ** k for k in range(-127, 1)], dtype=np.float32)  # 2^-127 .. 2^0
+
+
+@numba.njit(fastmath=_FASTMATH, inline="always", cache=True)
+def _exp_nonpositive(x):
+    x = max(x, np.float32(-87.0))  # e^-87 ~ 1.6e-38: still a normal float32
+    k = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - k * _LN2_HI - k * _LN2_LO
+    p = np.float32(1.0 / 5040)
+    for c in (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
+        p = p * r + np.float32(c)
+    return p * _POW2[np.int32(k) + 127]
+
+
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
 def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window,
                      unit_begin, unit_step, out):
-    """Online-softmax attention for the (row, head) units unit_begin,
-    unit_begin + unit_step, ...; unit u is row u // heads, head u % heads.
+    """Softmax attention for the (row, kv head) units unit_begin,
+    unit_begin + unit_step, ...; unit u is row u // kv_heads, kv head
+    u % kv_heads with its `group` query heads.
 
-    query [T, H, D] float32 (pre-scaled); key_cache [num_blocks, Hkv, D, bs];
-    value_cache [num_blocks, Hkv, bs, D]; block_tables int32 [B, max_blocks];
+    query [T, H, D] float32 (pre-scaled); key_cache, value_cache
+    [num_blocks, kv_heads, bs, D]; block_tables int32 [B, max_blocks];
     row_seq, row_pos int32 [T]; out [T, H, D] float32.
 
-    Per unit: for each block holding visible keys, in ascending order, score
-    all bs lanes, take the max over the visible lanes [lo, hi), rescale the
-    running sum and accumulator once, then add the visible lanes one by one."""
+    Per unit, over the n visible keys first..pos: all G x n scores, then per
+    head the max, the weights e^(s - max) and their sum, then the weighted
+    sum of the values, each loop in position order."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
-    bs = key_cache.shape[3]
+    bs = key_cache.shape[2]
     group = H // kv_heads
-    scores = np.empty(bs, np.float32)
+    scores = np.empty((group, row_pos.max() + 1), np.float32)
     acc = np.empty(D, np.float32)
-    for unit in range(unit_begin, T * H, unit_step):
-        row = unit // H
-        head = unit % H
-        g = head // group
+    for unit in range(unit_begin, T * kv_heads, unit_step):
+        row = unit // kv_heads
+        g = unit % kv_heads
         pos = row_pos[row]
         first = max(0, pos - window + 1) if window > 0 else 0
+        n = pos + 1 - first
         table = block_tables[row_seq[row]]
-        q = query[row, head]
-        m = np.float32(-np.inf)
-        total = np.float32(0.0)
-        acc[:] = 0.0
+        q = query[row, g * group:(g + 1) * group]  # [group, D]
         for blk_i in range(first // bs, pos // bs + 1):
-            keys = key_cache[table[blk_i], g]  # [D, bs]
-            values = value_cache[table[blk_i], g]  # [bs, D]
-            scores[:] = 0.0
+            keys = key_cache[table[blk_i], g]  # [bs, D]
+            base = blk_i * bs - first
+            for j in range(max(-base, 0), min(n - base, bs)):
+                key = keys[j]
+                for h in range(group):
+                    s = np.float32(0.0)
+                    for d in range(D):
+                        s += q[h, d] * key[d]
+                    scores[h, base + j] = s
+        for h in range(group):
+            weights = scores[h]
+            m = weights[0]
+            for i in range(1, n):
+                m = max(m, weights[i])
+            total = np.float32(0.0)
+            for i in range(n):
+                weights[i] = _exp_nonpositive(weights[i] - m)
+                total += weights[i]
+            acc[:] = 0.0
+            for blk_i in range(first // bs, pos // bs + 1):
+                values = value_cache[table[blk_i], g]  # [bs, D]
+                base = blk_i * bs - first
+                for j in range(max(-base, 0), min(n - base, bs)):
+                    w = weights[base + j]
+                    value = values[j]
+                    for d in range(D):
+                        acc[d] += w * value[d]
+            inv = np.float32(1.0) / total
             for d in range(D):
-                qd = q[d]
-                for j in range(bs):
-                    scores[j] += qd * keys[d, j]
-            lo = max(first - blk_i * bs, 0)
-            hi = min(pos - blk_i * bs + 1, bs)
-            m_new = m
-            for j in range(lo, hi):
-                m_new = max(m_new, scores[j])
-            alpha = np.float32(math.exp(m - m_new))  # 0 on the first block (m = -inf)
-            total *= alpha
-            for d in range(D):
-                acc[d] *= alpha
-            for j in range(lo, hi):
-                p = np.float32(math.exp(scores[j] - m_new))
-                total += p
-                for d in range(D):
-                    acc[d] += p * values[j, d]
-            m = m_new
-        inv = np.float32(1.0) / total
-        for d in range(D):
-            out[row, head, d] = acc[d] * inv
+                out[row, g * group + h, d] = acc[d] * inv

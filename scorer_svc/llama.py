@@ -11,19 +11,32 @@ Row invariance. Plain decoding (one query row) and verification (k + 1 rows,
 next to other sequences) must compute the same function, or a near-tie could
 flip a greedy token. Every step here gives each row a result that depends on
 that row alone, bit for bit:
-- GEMMs go through oneDNN (``gemm="onednn"``, the CPU default). Measured on
-  this project's CPU, its row results are identical for every row count
-  >= 2, in float32 and bfloat16, but a single row takes a different
-  summation order; ``Linear`` therefore never passes fewer than two rows.
-  (MKL's float32 ``F.linear`` changes results with the row count mod 4, which
-  is why it is not the default; ``gemm="aten"`` keeps it for comparison.)
-- Elementwise ops and last-dimension reductions are per row. SwiGLU widths are
-  zero-padded to a multiple of ``FFN_ALIGN`` because torch computes the
-  ragged tail of a vectorised ``silu`` with a scalar formula whose result
-  differs in the last bit, and which row holds that tail depends on T.
+- GEMMs: measured on this project's CPU, oneDNN (float32 and bfloat16) gives
+  a row the same result for every row count >= 2 (a lone row takes a GEMV
+  path), and MKL's float32 sgemm for every row count >= 12 (below that it
+  uses kernels with 4-row tails). ``Linear`` zero-pads smaller inputs up to
+  that count (``CPU_MIN_ROWS``).
+- Elementwise ops and last-dimension reductions are per row, with one
+  catch: torch finishes a vectorised loop's ragged tail with a scalar
+  formula (for ``silu`` it differs in the last bit), and with several
+  threads a loop over [T, width] may be split inside a row, at a point that
+  depends on T. SwiGLU widths are therefore zero-padded to a multiple of
+  ``FFN_ALIGN``, which keeps every split and every row a whole number of
+  vectors. (The other elementwise ops here - add, mul, rsqrt, casts - are
+  correctly rounded on either path.)
 - Attention is row-invariant by construction (see kv_pool).
-``tests/test_llama_engine.py`` checks 1-row vs 6-row vs 17-row logits for
-equality.
+``tests/test_llama_engine.py`` checks that decoding token by token and
+verifying 6-, 17- or 421-row chunks give bitwise equal logits.
+
+GEMM paths (``gemm``), SmolLM2-135M on 2 cores (benchmarks/bench_forward.py):
+oneDNN prepacked is the default for both dtypes. A decode step takes about
+28 ms in bfloat16 (4 rows cost the same, 16 rows 1.5x) and 40-45 ms in
+float32. MKL float32 (``"aten"``) needs 12 rows for invariance, so even a
+decode step costs 90-100 ms, but it sums like transformers (which runs MKL):
+logits within 5e-5 of transformers on SmolLM2, against up to 1.5e-4 for
+oneDNN float32. Both are about 1e-4 from a float64 reference: float32
+rounding over 30 layers (oneDNN's float32 GEMM is ~2.5x less accurate per
+product than MKL's), not an error.
 
 Weights come from ``transformers`` (safetensors, .bin or GGUF, dequantised),
 which also standardises the config; the transformers model is dropped after
@@ -31,6 +44,7 @@ its tensors are taken.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -52,6 +66,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_KV_CAPACITY_TOKENS = 32768
 #: SwiGLU hidden width is zero-padded to a multiple of this (see module doc).
 FFN_ALIGN = 128
+#: Default threading: with fewer weight bytes per decoder layer than this, a
+#: decode step's GEMMs take microseconds and a second thread costs more than
+#: it saves (on a busy machine far more: each parallel region waits for a
+#: free core), so the engine runs on one thread.
+MULTITHREAD_MIN_LAYER_BYTES = 4 << 20
 
 
 # ---- architecture ---------------------------------------------------------------
@@ -179,10 +198,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-#: Fewest rows each GEMM path is given on CPU (smaller inputs are zero-padded):
-#: measured here, MKL's float32 sgemm gives a row the same result for every
-#: row count >= 12 (below that it uses kernels with 4-row tails), and oneDNN
-#: (float32 and bfloat16) for every row count >= 2 (one row takes a GEMV path).
+#: Fewest rows each GEMM path is given on CPU; smaller inputs are zero-padded
+#: (see "Row invariance" in the module doc).
 CPU_MIN_ROWS = {"aten": 12, "onednn": 2}
 
 
@@ -216,6 +233,8 @@ class Linear:
 
 @dataclass
 class DecoderLayer:
+    """One decoder layer's weights, ready for the forward pass."""
+
     input_norm: torch.Tensor  # [hidden]
     qkv: Linear  # hidden -> (heads + 2 kv_heads) * head_dim
     q_norm: torch.Tensor | None  # [head_dim] (qwen3)
@@ -282,7 +301,7 @@ def build_layer(sd: dict[str, torch.Tensor], i: int, window: int, rope: bool, ge
     gate_up = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.weight", "up_proj.weight")]
     gate_up_bias = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.bias", "up_proj.bias")]
     down = sd[mlp + "down_proj.weight"]
-    linear = lambda w, b: Linear(w, b, gemm, min_rows)
+    linear = functools.partial(Linear, gemm=gemm, min_rows=min_rows)
     return DecoderLayer(
         input_norm=sd[p + "input_layernorm.weight"],
         qkv=linear(torch.cat([sd[n + ".weight"] for n in qkv]), _cat_or_none([sd.get(n + ".bias") for n in qkv])),
@@ -305,14 +324,13 @@ class LlamaEngine(Engine):
       KV cache and returned logits / hidden states are float32.
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
-    gemm: "auto" | "aten" | "onednn". auto: on CPU, aten (MKL) for float32
-      (oneDNN's float32 sums stray from transformers' by more than 1e-4 over
-      30 layers) and onednn for bfloat16 (prepacked, about twice as fast as
-      unpacked); F.linear elsewhere.
+    gemm: "auto" (onednn on CPU, else aten) | "onednn" (prepacked oneDNN, CPU
+      only) | "aten" (F.linear: MKL for float32 on CPU); see the module doc.
     attention: "auto" ("paged" on CPU, else "sdpa") | "paged" (numba,
       row-invariant) | "sdpa" (torch, any device, not row-invariant).
     num_threads: torch and attention threads (process-wide for torch);
-      default: the CPU cores this process may use."""
+      default: the CPU cores this process may use, or 1 for small models
+      (MULTITHREAD_MIN_LAYER_BYTES)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
@@ -325,7 +343,7 @@ class LlamaEngine(Engine):
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if gemm == "auto":
-            gemm = "onednn" if on_cpu and dtype == "bfloat16" else "aten"
+            gemm = "onednn" if on_cpu and torch.backends.mkldnn.is_available() else "aten"
         if attention == "auto":
             attention = "paged" if on_cpu else "sdpa"
         if gemm not in CPU_MIN_ROWS or attention not in ("paged", "sdpa"):
@@ -333,13 +351,16 @@ class LlamaEngine(Engine):
         if not on_cpu and (gemm == "onednn" or attention == "paged"):
             raise ValueError("gemm='onednn' and attention='paged' run on CPU only")
         self.gemm, self.attention = gemm, attention
-        num_threads = num_threads or default_num_threads()
-        if on_cpu:
-            torch.set_num_threads(num_threads)
         self.dtype = DTYPES[dtype]
         self.spec = spec = LlamaSpec.from_config(checkpoint.config)
 
         sd = {k: v.to(self.device, self.dtype) for k, v in checkpoint.state_dict.items()}
+        layer_bytes = sum(v.nbytes for k, v in sd.items() if k.startswith("model.layers.")) / len(spec.layer_rope)
+        if num_threads is None:
+            num_threads = default_num_threads() if layer_bytes >= MULTITHREAD_MIN_LAYER_BYTES else 1
+        self.num_threads = num_threads
+        if on_cpu:
+            torch.set_num_threads(num_threads)
         min_rows = CPU_MIN_ROWS[gemm] if on_cpu else 1
         self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
         self.final_norm = sd["model.norm.weight"]
@@ -374,6 +395,7 @@ class LlamaEngine(Engine):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         return cls(Checkpoint.load(model, DTYPES[dtype]), dtype, **kwargs)
+
     # ---- Engine protocol -----------------------------------------------------------
 
     def ensure_capacity(self, seq_id: str, total_len: int) -> None:
@@ -409,7 +431,10 @@ class LlamaEngine(Engine):
         ends = np.cumsum(counts)
         rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
         normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
-        logits = self.lm_head(normed).float() if len(rows) else h.new_empty(0, self.facts.vocab_size).float()
+        if len(rows):
+            logits = self.lm_head(normed).float()
+        else:  # a prefill chunk: skip the LM head
+            logits = torch.empty(0, self.facts.vocab_size, device=self.device)
         self.pool.commit(seq_ids, counts)
         return ForwardOutput(logits, normed.float() if return_hidden_states else None)
 

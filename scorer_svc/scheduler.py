@@ -45,7 +45,7 @@ LIVE_SEQUENCES = Gauge("specdec_scorer_live_sequences", "Sequences holding KV ca
 FREE_KV_TOKENS = Gauge("specdec_scorer_free_kv_tokens", "KV tokens still free")
 
 # Job outcomes besides OK (mirrors the proto's SequenceStatus without importing it).
-OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED = "ok", "unknown_sequence", "resource_exhausted"
+OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED, INVALID = "ok", "unknown_sequence", "resource_exhausted", "invalid"
 
 
 @dataclass
@@ -216,10 +216,12 @@ class Scheduler:
             job.context_len_before = state.context_len
         try:  # KV holds context_len - 1 tokens, the feed adds k + 1
             self.engine.ensure_capacity(spec.seq_id, job.context_len_before + k)
-        except PoolExhausted as e:
+        except (PoolExhausted, ValueError) as e:  # ValueError: beyond the model's context
             if spec.context is not None:
                 self.engine.release(spec.seq_id)
-            return JobResult(RESOURCE_EXHAUSTED, message=f"KV cache pool full: {e}")
+            if isinstance(e, PoolExhausted):
+                return JobResult(RESOURCE_EXHAUSTED, message=f"KV cache pool full: {e}")
+            return JobResult(INVALID, message=str(e))
         if spec.context is not None:
             self._seqs[spec.seq_id] = _SeqState(len(spec.context), int(spec.context[-1]))
         return None

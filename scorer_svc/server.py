@@ -11,14 +11,14 @@ import numpy as np
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.scorer_svc.engine import Engine
-from specdec.scorer_svc.scheduler import OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
+from specdec.scorer_svc.scheduler import INVALID, OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
 from specdec.validation import InvalidArgument, sampling_fields
 
 log = logging.getLogger(__name__)
 
 MAX_DRAFT_TOKENS = 16
 _STATUS = {OK: pb.SEQUENCE_STATUS_OK, UNKNOWN_SEQUENCE: pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE,
-           RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED}
+           RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED, INVALID: pb.SEQUENCE_STATUS_INVALID}
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
@@ -120,30 +120,32 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                             live_sequences=self.scheduler.live_sequences)
 
 
-async def serve(host: str, port: int, model: str, dtype: str, kv_tokens: int | None,
-                max_batch_size: int, max_tokens_per_forward: int, device: str,
-                engine_kind: str = "auto", metrics_port: int = 0) -> None:
+async def serve(args) -> None:
+    """Runs the scorer from the `specdec scorer` command-line arguments."""
     from specdec.servers import Server, start_metrics
 
-    server = Server(host, port, ["Scorer"])  # bind first: fail fast on a taken port
-    await server.set_serving(False)
-    engine = build_engine(model, dtype, kv_tokens, device, engine_kind)
-    scheduler = Scheduler(engine, max_batch_size, max_tokens_per_forward)
+    server = Server(args.host, args.port, ["Scorer"])  # bind first: fail fast on a taken port
+    engine = build_engine(args.model, args.dtype, args.kv_tokens, args.device, args.engine,
+                          kv_memory_fraction=args.kv_memory_fraction, gemm=args.gemm)
+    scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward)
     pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler), server.server)
-    start_metrics(metrics_port)
-    log.info("scorer: %s (%s), vocab %d, context %d, KV %d tokens", model, dtype,
-             engine.facts.vocab_size, engine.facts.max_model_len, engine.facts.kv_capacity_tokens)
-    print(f"scorer listening on {host}:{server.port}", flush=True)
+    start_metrics(args.metrics_port)
+    f = engine.facts
+    log.info("scorer: %s (%s, %s), vocab %d, context %d, KV %d tokens", args.model, f.dtype,
+             type(engine).__name__, f.vocab_size, f.max_model_len, f.kv_capacity_tokens)
+    print(f"scorer listening on {args.host}:{server.port}", flush=True)
     await server.run_until_signal(on_stop=scheduler.stop)
 
 
-def build_engine(model: str, dtype: str, kv_tokens: int | None, device: str, engine_kind: str) -> Engine:
+def build_engine(model: str, dtype: str, kv_tokens: int | None, device: str, engine_kind: str,
+                 kv_memory_fraction: float | None = None, gemm: str = "auto") -> Engine:
     """`auto`: the project's Llama runner for Llama-family models, else the
-    transformers fallback; `hf`: always the transformers engine."""
+    transformers fallback (load_engine logs why); `hf`: always transformers."""
     if engine_kind == "hf":
         from specdec.scorer_svc.hf_engine import HFEngine
 
         return HFEngine(model, dtype, kv_capacity_tokens=kv_tokens or 65536, device=device)
     from specdec.scorer_svc.loader import load_engine
 
-    return load_engine(model, dtype=dtype, kv_capacity_tokens=kv_tokens, device=device)
+    return load_engine(model, dtype=dtype, kv_capacity_tokens=kv_tokens,
+                       kv_memory_fraction=kv_memory_fraction, device=device, gemm=gemm)

@@ -33,7 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, DEFAULT_SCORER_PORT)
     p.add_argument("--model", default=default_model(), help="HF id, directory or .gguf file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default 32768)")
+    p.add_argument("--kv-memory-fraction", type=float, default=None,
+                   help="KV pool size as a fraction of free memory (instead of --kv-tokens)")
+    p.add_argument("--gemm", default="auto", choices=["auto", "onednn", "aten"],
+                   help="CPU GEMM path: auto = oneDNN (fast, flat up to ~8 rows); aten = MKL float32 "
+                        "(closest to transformers, slower)")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences per forward pass")
     p.add_argument("--max-tokens-per-forward", type=int, default=512, help="token budget per forward")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -108,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "scorer":
         from specdec.scorer_svc.server import serve
 
-        asyncio.run(serve(args.host, args.port, args.model, args.dtype, args.kv_tokens,
-                          args.max_batch_size, args.max_tokens_per_forward, args.device,
-                          args.engine, args.metrics_port))
+        if args.kv_tokens is not None and args.kv_memory_fraction is not None:
+            raise SystemExit("give --kv-tokens or --kv-memory-fraction, not both")
+        asyncio.run(serve(args))
     elif args.command == "proposer":
         from specdec.proposer_svc.server import serve
 

@@ -1,0 +1,192 @@
+"""Times LlamaEngine forward passes the way the scorer runs them, and plain
+greedy decoding against transformers ``generate``.
+
+Forward grid: for each (dtype, GEMM path), batch B in {1, 8, 32} sequences
+with a cached prefix of 64-128 tokens each, and q in {1, 2, 4, 8, 16} new
+tokens per sequence (q = 1 is plain decoding, q = k + 1 verifies k drafts),
+logits for all B * q rows. The "x q=1" column is the cost of verifying q
+tokens relative to decoding one: speculation pays when it stays near 1.
+
+Decode: single-stream greedy decoding of --decode-tokens tokens (prefill
+included, stopping early only if transformers emits EOS) with each engine
+configuration and with transformers ``generate`` in float32 and bfloat16;
+tokens/s, the ratio to transformers in the same dtype, and whether the
+tokens are the same.
+
+    python benchmarks/bench_forward.py                       # SmolLM2, full grid
+    python benchmarks/bench_forward.py --batches 1,8 --queries 1,4,16 --reps 2
+
+Prints tables and writes JSON to --out (default bench_results/forward.json).
+Wall times are the minimum over --reps runs (other processes on a shared
+machine only ever add time); CPU is the process CPU time of that run (all
+threads).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.models import default_model, load_tokenizer, resolve_model
+from specdec.scorer_svc.engine import ForwardItem
+from specdec.scorer_svc.kv_pool import default_num_threads
+from specdec.scorer_svc.llama import Checkpoint, LlamaEngine
+
+PROMPT = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. One night, "
+          "a storm rolled in from the sea and")
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of fn()."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def bench_forward(engine: LlamaEngine, batch: int, queries: list[int], reps: int, seed: int) -> list[dict]:
+    """Forward times for batch sequences with 64-128 cached tokens, q new tokens each."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.facts.vocab_size
+    seqs = [f"b{batch}-{i}" for i in range(batch)]
+    prefixes = rng.integers(64, 129, size=batch)
+    for seq, n in zip(seqs, prefixes):
+        engine.ensure_capacity(seq, int(n))
+    engine.forward([ForwardItem(s, rng.integers(0, vocab, n).astype(np.int32), 0) for s, n in zip(seqs, prefixes)])
+    rows = []
+    for q in queries:
+        items = [ForwardItem(s, rng.integers(0, vocab, q).astype(np.int32), q) for s in seqs]
+
+        def once():
+            engine.forward(items)
+
+        samples = []
+        for _ in range(reps + 1):  # the first run warms up
+            for seq, n in zip(seqs, prefixes):
+                engine.truncate(seq, int(n))
+                engine.ensure_capacity(seq, int(n) + q)
+            samples.append(timed(once))
+        wall, cpu = min(samples[1:])
+        rows.append({"batch": batch, "q": q, "rows": batch * q, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3,
+                     "median_wall_ms": statistics.median(s[0] for s in samples[1:]) * 1e3,
+                     "tokens_per_s": batch * q / wall})
+    for seq in seqs:
+        engine.release(seq)
+    base = {r["batch"]: r["wall_ms"] for r in rows if r["q"] == 1}
+    for r in rows:
+        r["vs_q1"] = r["wall_ms"] / base[r["batch"]] if r["batch"] in base else None
+    return rows
+
+
+def engine_greedy(engine: LlamaEngine, prompt: list[int], n: int) -> list[int]:
+    seq = "decode"
+    engine.ensure_capacity(seq, len(prompt) + n)
+    out = []
+    logits = engine.forward([ForwardItem(seq, np.asarray(prompt, dtype=np.int32), 1)]).logits
+    while len(out) < n:
+        out.append(int(logits[-1].argmax()))
+        if len(out) < n:
+            logits = engine.forward([ForwardItem(seq, np.asarray(out[-1:], dtype=np.int32), 1)]).logits
+    engine.release(seq)
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def best_rate(fn, reps: int) -> tuple[float, list[int]]:
+    """(tokens/s of the fastest of reps runs, the tokens)."""
+    tokens = fn()  # warm-up
+    return max(len(tokens) / timed(fn)[0] for _ in range(reps)), tokens
+
+
+def print_forward(label: str, rows: list[dict]) -> None:
+    print(f"\n== forward: {label} (wall ms, min of reps; x q=1 = cost relative to one decode step)")
+    print(f"{'batch':>5} {'q':>3} {'rows':>5} {'wall ms':>9} {'cpu ms':>9} {'x q=1':>6} {'tok/s':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['q']:>3} {r['rows']:>5} {r['wall_ms']:>9.1f} {r['cpu_ms']:>9.1f} "
+              f"{r['vs_q1']:>6.2f} {r['tokens_per_s']:>8.1f}")
+
+
+def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
+                 hf_tokens: list[int], hf_rate: float) -> tuple[dict, list[dict]]:
+    """(the decode row, the forward rows) of one dtype / GEMM path."""
+    batches = [int(b) for b in args.batches.split(",")]
+    queries = [int(q) for q in args.queries.split(",")]
+    capacity = max(batches) * (128 + max(queries)) + 1024
+    engine = LlamaEngine(checkpoint, dtype, kv_capacity_tokens=capacity, gemm=gemm, num_threads=args.threads)
+    rate, tokens = best_rate(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), len(tokens))
+    decode = {"engine": "LlamaEngine", "dtype": dtype, "gemm": gemm, "tokens": len(tokens),
+              "tokens_per_s": rate, "vs_transformers": rate / hf_rate, "agree_with_hf": agree}
+    rows = [r for b in batches for r in bench_forward(engine, b, queries, args.reps, seed=b)]
+    for r in rows:
+        r.update(dtype=dtype, gemm=gemm)
+    return decode, rows
+
+
+def print_decode(rows: list[dict], n: int, reps: int) -> None:
+    print(f"\n== single-stream greedy decode, up to {n} tokens (prefill included), best of {reps}")
+    print(f"{'engine':<22} {'dtype':<9} {'gemm':<7} {'tok/s':>7} {'vs HF':>6}  first tokens equal to HF's")
+    for r in rows:
+        print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<7} {r['tokens_per_s']:>7.1f} "
+              f"{r.get('vs_transformers', 1.0):>6.2f}  {r['agree_with_hf']}/{r['tokens']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--configs", default="float32:onednn,float32:aten,bfloat16:onednn,bfloat16:aten",
+                    help="dtype:gemm pairs")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--queries", default="1,2,4,8,16")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--decode-reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--out", default="bench_results/forward.json")
+    args = ap.parse_args()
+    configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    torch.set_num_threads(args.threads)  # transformers runs on as many threads as the engines
+
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(args.model)
+    t0 = time.perf_counter()
+    hf = {"float32": AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **src.hf_kwargs()).eval()}
+    hf["bfloat16"] = copy.deepcopy(hf["float32"]).to(torch.bfloat16)
+    checkpoint = Checkpoint.of_model(hf["float32"], args.model)  # engines cast it to their dtype
+    print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {args.threads} threads")
+    prompt = list(load_tokenizer(src)(PROMPT)["input_ids"])
+
+    results = {"model": args.model, "threads": args.threads, "machine": platform.processor() or platform.machine(),
+               "cpu_count": os.cpu_count(), "torch": torch.__version__, "forward": [], "decode": []}
+    for dtype in sorted({d for d, _ in configs}):
+        hf_rate, hf_tokens = best_rate(lambda: hf_greedy(hf[dtype], prompt, args.decode_tokens), args.decode_reps)
+        results["decode"].append({"engine": "transformers generate", "dtype": dtype, "gemm": "-",
+                                  "tokens": len(hf_tokens), "tokens_per_s": hf_rate, "agree_with_hf": len(hf_tokens)})
+        for gemm in [g for d, g in configs if d == dtype]:
+            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate)
+            results["decode"].append(decode)
+            results["forward"] += rows
+            print_forward(f"{dtype} / {gemm}", rows)
+    print_decode(results["decode"], args.decode_tokens, args.decode_reps)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
