@@ -61,3 +61,18 @@ def test_chat_prompt_uses_the_chat_template(smollm_stack, smollm_path):
     assert gen.stats.prompt_tokens == len(ids)
     assert gen.token_ids == hf_greedy(smollm_path, ids, 16)[:len(gen.token_ids)]
     assert gen.text == tok.decode(gen.token_ids, skip_special_tokens=True)
+
+
+def test_bfloat16_speculation_equals_bfloat16_plain_decoding(smollm_path, tmp_path_factory, expected):
+    """The serving default for speed is bfloat16 (oneDNN): there the target is the
+    bfloat16 model, and speculative output must equal its own plain decoding."""
+    stack = start_stack(smollm_path, tmp_path_factory, "smollm-bf16", dtype="bfloat16",
+                        methods="ngram,suffix")
+    try:
+        for prompt_ids, _ in expected.values():
+            req = lambda method, k: make_request(list(prompt_ids), max_tokens=MAX_TOKENS, method=method, k=k)
+            plain = stream(stack.gateway_addr, req("none", 0)).token_ids
+            for method, k in [("ngram", 3), ("ngram", 8), ("suffix", 5)]:
+                assert stream(stack.gateway_addr, req(method, k)).token_ids == plain
+    finally:
+        stack.stop()
