@@ -110,15 +110,22 @@ class Sequence:
 
     def _apply_stop_strings(self) -> None:
         """Ends the text before the first stop string; the tokens are kept up
-        to the one that completed it."""
+        to the one that completed it (later tokens of the round are dropped)."""
         if not self.params.stop:
             return
         longest = max(map(len, self.params.stop))
         start = max(0, self._emitted_chars - longest)
-        hits = [i for i in (self._text.find(s, start) for s in self.params.stop) if i >= 0]
-        if hits:
-            self._text = self._text[:min(hits)]
-            self.finish_reason = pb.FINISH_REASON_STOP
+        hits = [(i, i + len(s)) for s, i in ((s, self._text.find(s, start)) for s in self.params.stop) if i >= 0]
+        if not hits:
+            return
+        cut, end = min(hits)
+        output = self.tokens[self.num_prompt:]
+        for n in range(self._emitted_tokens + 1, len(output) + 1):
+            if len(self.tokenizer.decode(output[:n], skip_special_tokens=True)) >= end:
+                del self.tokens[self.num_prompt + n:]
+                break
+        self._text = self._text[:cut]
+        self.finish_reason = pb.FINISH_REASON_STOP
 
     def _emit(self) -> None:
         """Streams new tokens and the text that can no longer change: a

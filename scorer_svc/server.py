@@ -2,6 +2,7 @@
 and back. All model work happens in the scheduler's worker thread."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -120,21 +121,57 @@ class ScorerServicer(pb_grpc.ScorerServicer):
                             live_sequences=self.scheduler.live_sequences)
 
 
-async def serve(args) -> None:
-    """Runs the scorer from the `specdec scorer` command-line arguments."""
+def serve(args) -> None:
+    """Runs the scorer from the `specdec scorer` arguments: the model and the
+    scheduler's worker on the main thread, the gRPC server on an asyncio
+    loop in a background thread."""
+    import signal
+    import threading
+
     from specdec.servers import Server, start_metrics
 
-    server = Server(args.host, args.port, ["Scorer"])  # bind first: fail fast on a taken port
     engine = build_engine(args.model, args.dtype, args.kv_tokens, args.device, args.engine,
                           kv_memory_fraction=args.kv_memory_fraction, gemm=args.gemm)
-    scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward)
-    pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler), server.server)
+    scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False)
+    started = threading.Event()
+    state: dict = {}
+
+    async def grpc_main() -> None:
+        server = Server(args.host, args.port, ["Scorer"])
+        pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler), server.server)
+        state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
+        await server.server.start()
+        await server.set_serving(True)
+        f = engine.facts
+        log.info("scorer: %s (%s, %s), vocab %d, context %d, KV %d tokens", args.model, f.dtype,
+                 type(engine).__name__, f.vocab_size, f.max_model_len, f.kv_capacity_tokens)
+        print(f"scorer listening on {args.host}:{server.port}", flush=True)
+        started.set()
+        await state["stop"].wait()
+        await server.set_serving(False)
+        await server.server.stop(5)
+
+    def grpc_thread() -> None:
+        try:
+            asyncio.run(grpc_main())
+        except BaseException as e:  # e.g. the port is taken
+            state["error"] = e
+        finally:
+            started.set()
+            scheduler.stop()  # a server that failed to start ends the process
+
+    thread = threading.Thread(target=grpc_thread, name="scorer-grpc", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: scheduler.stop())
+    thread.start()
     start_metrics(args.metrics_port)
-    f = engine.facts
-    log.info("scorer: %s (%s, %s), vocab %d, context %d, KV %d tokens", args.model, f.dtype,
-             type(engine).__name__, f.vocab_size, f.max_model_len, f.kv_capacity_tokens)
-    print(f"scorer listening on {args.host}:{server.port}", flush=True)
-    await server.run_until_signal(on_stop=scheduler.stop)
+    scheduler.run()  # until SIGINT / SIGTERM
+    log.info("stopping")
+    if "loop" in state:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+    thread.join(10)
+    if "error" in state:
+        raise SystemExit(f"scorer failed: {state['error']}")
 
 
 def build_engine(model: str, dtype: str, kv_tokens: int | None, device: str, engine_kind: str,

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.kv_tokens is not None and args.kv_memory_fraction is not None:
             raise SystemExit("give --kv-tokens or --kv-memory-fraction, not both")
-        asyncio.run(serve(args))
+        serve(args)
     elif args.command == "proposer":
         from specdec.proposer_svc.server import serve
 

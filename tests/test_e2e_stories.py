@@ -76,7 +76,7 @@ def test_concurrent_streams_equal_solo_runs(stories_stack):
     assert together == solo
 
 
-def test_max_tokens_and_stop_strings(stories_stack):
+def test_max_tokens_and_stop_strings(stories_stack, stories_path):
     gen = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=5, method="ngram", k=8))
     assert len(gen.token_ids) == 5 and gen.finish_reason == "length"
     full = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=40))
@@ -86,6 +86,10 @@ def test_max_tokens_and_stop_strings(stories_stack):
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index(stop)]
     assert stop not in cut.text
+    # tokens end with the one that completed the stop string
+    assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    tok = hf_model(stories_path)[1]
+    assert stop in tok.decode(cut.token_ids) and stop not in tok.decode(cut.token_ids[:-1])
 
 
 def _code_and_details(request, addr):
