@@ -21,6 +21,9 @@ PROPOSE_BATCHES = Counter("specdec_proposer_batches_total", "Propose messages ha
 DRAFT_TOKENS = Counter("specdec_proposer_draft_tokens_total", "Draft tokens returned", ["method"])
 LIVE_SEQUENCES = Gauge("specdec_proposer_live_sequences", "Sequences with proposer state")
 BATCH_SECONDS = Histogram("specdec_proposer_batch_seconds", "Compute time per Propose message")
+PROPOSER_STATE = Gauge("specdec_proposer_state", "Proposer gauges: memory_bytes, tree_nodes, "
+                       "cached_requests, live_sequences", ["method", "key"])
+STATE_EVERY_S = 1.0  # how often the proposer gauges are refreshed
 
 
 class InvalidUpdate(ValueError):
@@ -55,6 +58,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         self.proposers = proposers
         self._method_of: dict[str, str] = {}  # seq_id -> method name
         self._owner: dict[str, object] = {}  # seq_id -> the stream that opened it
+        self._state_at = float("-inf")  # when the proposer gauges were last refreshed
 
     async def Propose(self, request_iterator, context):
         """Sequences belong to the stream that opened them: when the stream
@@ -67,6 +71,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 response.compute_s = time.perf_counter() - start
                 BATCH_SECONDS.observe(response.compute_s)
                 PROPOSE_BATCHES.inc()
+                self._refresh_state()
                 yield response
         finally:
             for seq_id in [s for s, o in self._owner.items() if o is owner]:
@@ -102,6 +107,17 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 DRAFT_TOKENS.labels(method).inc(len(drafts[i].token_ids))
         LIVE_SEQUENCES.set(len(self._method_of))
         return pb.ProposeResponse(batch_id=request.batch_id, drafts=drafts)
+
+    def _refresh_state(self) -> None:
+        """Exports each proposer's stats() (bounded memory, tree size) at most
+        once per STATE_EVERY_S."""
+        now = time.monotonic()
+        if now - self._state_at < STATE_EVERY_S:
+            return
+        self._state_at = now
+        for method, proposer in self.proposers.items():
+            for key, value in proposer.stats().items():
+                PROPOSER_STATE.labels(method, key).set(value)
 
     def _stop(self, seq_id: str, completed: bool) -> None:
         method = self._method_of.pop(seq_id, None)

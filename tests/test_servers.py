@@ -14,7 +14,7 @@ from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
 def test_health_reflection_and_metrics_on_a_real_server():
     port, metrics = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "proposer", "--methods", "naive,ngram",
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "proposer", "--methods", "ngram,suffix",
                              "--port", str(port), "--metrics-port", str(metrics)])
     try:
         addr = f"127.0.0.1:{port}"
@@ -33,6 +33,9 @@ def test_health_reflection_and_metrics_on_a_real_server():
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
         assert "specdec_proposer_batches_total 1.0" in text
         assert 'specdec_proposer_draft_tokens_total{method="ngram"} 2.0' in text
+        # bounded proposer memory is reported (suffix trees included)
+        assert 'specdec_proposer_state{key="live_sequences",method="ngram"} 1.0' in text
+        assert 'specdec_proposer_state{key="memory_bytes",method="suffix"}' in text
     finally:
         proc.terminate()
         proc.wait(30)
