@@ -45,10 +45,26 @@ def processes(stories_path, tmp_path_factory):
     stack.stop()
 
 
-async def _generate(loop: SpecLoop, tokenizer, limits, prompt: str, on_round=None) -> Sequence:
+def _sequence(tokenizer, limits, prompt: str) -> Sequence:
     params = parse_request(make_request(prompt, max_tokens=48, method="ngram", k=4), tokenizer, limits,
                            ("none", "ngram"), "ngram", 4)
-    seq = Sequence("t", params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+    return Sequence("t", params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+
+
+def _covering(tokenizer, limits, ring: ReplicaSet, owners: set[str]) -> list[tuple[str, Sequence]]:
+    """Sequences for PROMPTS, plus repeats until every address in ``owners``
+    owns at least one of them on ``ring`` (ports, hence ring positions, are
+    random per run: without this a run may put every sequence on one replica)."""
+    out: list[tuple[str, Sequence]] = []
+    for i in range(200):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        out.append((prompt, _sequence(tokenizer, limits, prompt)))
+        if i + 1 >= len(PROMPTS) and owners <= {ring.pick(s.seq_id) for _, s in out}:
+            return out
+    raise AssertionError(f"no sequence id lands on {owners} in 200 tries")
+
+
+async def _run(loop: SpecLoop, seq: Sequence, on_round=None) -> Sequence:
     loop.submit(seq)
     while True:
         item = await seq.out.get()
@@ -57,6 +73,10 @@ async def _generate(loop: SpecLoop, tokenizer, limits, prompt: str, on_round=Non
             on_round(seq)
         if item.finish_reason:
             return seq
+
+
+async def _generate(loop: SpecLoop, tokenizer, limits, prompt: str) -> Sequence:
+    return await _run(loop, _sequence(tokenizer, limits, prompt))
 
 
 def test_proposers_added_and_removed_through_endpointslices(processes, stories_path):
@@ -80,19 +100,24 @@ def test_proposers_added_and_removed_through_endpointslices(processes, stories_p
                 assert seq.proposer_addr == p0 and seq.stats.draft_tokens > 0
             # a second replica becomes ready: new sequences spread over both at once
             discovery.handle_event("ADDED", endpoint_slice(NGRAM_SVC, "ngram-b", [p1]))
-            seqs = await asyncio.gather(*(_generate(loop, tokenizer, limits, p) for p in PROMPTS))
+            batch = _covering(tokenizer, limits, ngram, {p0, p1})
+            seqs = await asyncio.gather(*(_run(loop, s) for _, s in batch))
             assert {s.proposer_addr for s in seqs} == {p0, p1}
-            assert all(s.tokens[s.num_prompt:] == plain[p] for s, p in zip(seqs, PROMPTS))
+            assert all(s.tokens[s.num_prompt:] == plain[p] for s, (p, _) in zip(seqs, batch))
 
             # p0 stops being ready mid-generation: its sequences re-open on p1
-            def drop_p0_once(seq, fired=[]):
-                if not fired and seq.proposer_addr == p0:
-                    fired.append(True)
+            batch = _covering(tokenizer, limits, ngram, {p0, p1})
+            moved: list[str] = []
+
+            def drop_p0_once(seq):
+                if not moved and seq.proposer_addr == p0:
+                    moved.append(seq.seq_id)
                     discovery.handle_event("MODIFIED", endpoint_slice(NGRAM_SVC, "ngram-a", [p0], ready=False))
-            seqs = await asyncio.gather(*(_generate(loop, tokenizer, limits, p, drop_p0_once) for p in PROMPTS))
+            seqs = await asyncio.gather(*(_run(loop, s, drop_p0_once) for _, s in batch))
+            assert moved, "no sequence was being served by p0 when it went away"
             assert ngram.addresses() == [p1]
             assert all(s.proposer_addr == p1 for s in seqs)
-            assert all(s.tokens[s.num_prompt:] == plain[p] for s, p in zip(seqs, PROMPTS))
+            assert all(s.tokens[s.num_prompt:] == plain[p] for s, (p, _) in zip(seqs, batch))
         finally:
             await loop.stop()
 
