@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from specdec.gateway import metrics
 from specdec.gateway.clients import Connections
 from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.sequence import RequestFailed, Sequence
@@ -59,6 +60,7 @@ class SpecLoop:
         self._task: asyncio.Task | None = None
         self._proposer_releases: dict[str, list[pb.SequenceRelease]] = {}
         self._scorer_releases: dict[str, list[str]] = {}
+        self._placement = metrics.Placement()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -87,6 +89,8 @@ class SpecLoop:
     async def _run(self) -> None:
         while True:
             if not self._live:
+                metrics.LIVE.set(0)
+                self._placement.update({})
                 self._wake.clear()
                 await self._flush_releases()
                 await self._wake.wait()
@@ -103,8 +107,16 @@ class SpecLoop:
         live = list(self._live)
         if not live:
             return
+        metrics.LIVE.set(len(live))
+        start = time.perf_counter()
         drafts = await self._propose(live)
+        proposed = time.perf_counter()
         progressed = await self._verify(live, drafts)
+        end = time.perf_counter()
+        metrics.PHASE_SECONDS.labels("propose").observe(proposed - start)
+        metrics.PHASE_SECONDS.labels("verify").observe(end - proposed)
+        metrics.ROUND_SECONDS.observe(end - start)
+        self._update_placement(live)
         self._retire()
         if not progressed:
             await asyncio.sleep(self.config.stall_sleep_s)
@@ -119,6 +131,8 @@ class SpecLoop:
             if replicas is None or seq.draft_budget() == 0:
                 continue
             if seq.proposer_addr not in replicas.addresses():
+                if seq.proposer_addr is not None:  # its replica went away
+                    metrics.MOVES.labels("proposer").inc()
                 seq.proposer_addr, seq.proposer_len = replicas.pick(seq.seq_id, self.conns.down()), 0
             if seq.proposer_addr is not None:
                 by_addr.setdefault(seq.proposer_addr, []).append(seq)
@@ -139,6 +153,8 @@ class SpecLoop:
             log.warning("proposer %s failed (%s): %d sequences go on without drafts",
                         addr, type(e).__name__, len(seqs))
             self.conns.mark_down(addr, self.config.replica_down_s)
+            metrics.REPLICA_FAILURES.labels("proposer", addr).inc()
+            metrics.MOVES.labels("proposer").inc(len(seqs))
             for seq in seqs:
                 seq.proposer_addr, seq.proposer_len = None, 0
             return {}
@@ -176,6 +192,7 @@ class SpecLoop:
                or (len(draft.probs) not in (0, len(ids))))
         if bad:
             log.warning("proposer %s sent invalid drafts for %s; dropped", seq.proposer_addr, seq.seq_id)
+            metrics.INVALID_DRAFTS.labels(seq.proposer_addr).inc()
             return _Drafts(NO_DRAFTS, [])
         return _Drafts(ids, list(draft.probs))
 
@@ -186,6 +203,8 @@ class SpecLoop:
         by_addr: dict[str, list[Sequence]] = {}
         for seq in live:
             if seq.scorer_addr not in self.scorers.addresses() or seq.scorer_addr in self.conns.down():
+                if seq.scorer_addr is not None:  # its replica went away or is failing
+                    metrics.MOVES.labels("scorer").inc()
                 seq.scorer_addr, seq.scorer_primed = self.scorers.pick(seq.seq_id, self.conns.down()), False
             if seq.scorer_addr is None:
                 self._stall(seq, RequestFailed("UNAVAILABLE", "no scorer replica is available"))
@@ -217,6 +236,8 @@ class SpecLoop:
                 return True
             log.warning("scorer %s failed (%s); its %d sequences move", addr, e.code().name, len(seqs))
             self.conns.mark_down(addr, self.config.replica_down_s)
+            metrics.REPLICA_FAILURES.labels("scorer", addr).inc()
+            metrics.MOVES.labels("scorer").inc(len(seqs))
             for seq in seqs:
                 seq.scorer_addr, seq.scorer_primed = None, False
                 self._stall(seq, RequestFailed("UNAVAILABLE", f"scorer call failed: {e.code().name}"))
@@ -229,7 +250,9 @@ class SpecLoop:
             if result.status == pb.SEQUENCE_STATUS_OK:
                 seq.scorer_primed, seq.retries = True, 0
                 k = len(drafts[seq.seq_id].token_ids) if seq.seq_id in drafts else 0
+                before = seq.num_output
                 seq.commit(list(result.output_token_ids), k, result.num_accepted)
+                _count_round(seq, before, k, result.num_accepted)
                 progressed = True
             elif result.status == pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE:
                 seq.scorer_primed = False  # re-prefill from our history next round
@@ -239,6 +262,14 @@ class SpecLoop:
             else:
                 self._stall(seq, RequestFailed("RESOURCE_EXHAUSTED", result.message))
         return progressed
+
+    def _update_placement(self, live: list[Sequence]) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for seq in live:
+            for kind, addr in (("proposer", seq.proposer_addr), ("scorer", seq.scorer_addr)):
+                if addr is not None and not seq.done:
+                    counts[kind, addr] = counts.get((kind, addr), 0) + 1
+        self._placement.update(counts)
 
     def _stall(self, seq: Sequence, error: RequestFailed) -> None:
         """A round without progress for seq; after too many the request fails."""
@@ -256,6 +287,7 @@ class SpecLoop:
             if not seq.done:
                 keep.append(seq)
                 continue
+            _count_end(seq)
             if seq.proposer_addr is not None and seq.proposer_len:
                 completed = seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED
                 self._proposer_releases.setdefault(seq.proposer_addr, []).append(
@@ -282,3 +314,25 @@ class SpecLoop:
                 await self.conns.scorer(addr).Release(pb.ReleaseRequest(seq_ids=seq_ids), timeout=10)
             except grpc.aio.AioRpcError as e:
                 log.warning("release on scorer %s failed: %s", addr, e.code().name)
+
+
+def _count_round(seq: Sequence, output_before: int, num_drafts: int, num_accepted: int) -> None:
+    method = seq.params.method
+    if seq.stats.rounds == 1:
+        metrics.TTFT.observe(seq.stats.ttft_s)
+    metrics.ROUNDS.labels(method).inc()
+    metrics.OUTPUT_TOKENS.labels(method).inc(max(0, seq.num_output - output_before))
+    metrics.DRAFT_TOKENS.labels(method).inc(num_drafts)
+    metrics.ACCEPTED_TOKENS.labels(method).inc(num_accepted)
+
+
+def _count_end(seq: Sequence) -> None:
+    if seq.failed:
+        outcome = seq.failure_code
+    elif seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        outcome = pb.FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
+    else:
+        outcome = "cancelled"
+    metrics.REQUESTS.labels(outcome).inc()
+    metrics.PROMPT_TOKENS.inc(seq.num_prompt)
+    metrics.LATENCY.observe(time.perf_counter() - seq.started)

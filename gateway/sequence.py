@@ -61,6 +61,7 @@ class Sequence:
         self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self.cancelled = False
         self.failed = False
+        self.failure_code = ""  # gRPC code name when failed
         self.stats = Stats()
         self.started = time.perf_counter()
         self._text = ""  # decoded output text so far
@@ -154,6 +155,7 @@ class Sequence:
 
     def fail(self, error: RequestFailed) -> None:
         self.failed = True
+        self.failure_code = error.code
         self.out.put_nowait(error)
 
     def final_stats(self) -> pb.GenerationStats:

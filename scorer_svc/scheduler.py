@@ -46,6 +46,9 @@ ACCEPTED_TOKENS = Counter("specdec_scorer_accepted_tokens_total", "Draft tokens 
 DRAFT_TOKENS = Counter("specdec_scorer_draft_tokens_total", "Draft tokens verified")
 LIVE_SEQUENCES = Gauge("specdec_scorer_live_sequences", "Sequences holding KV cache")
 FREE_KV_TOKENS = Gauge("specdec_scorer_free_kv_tokens", "KV tokens still free")
+EXPIRED = Counter("specdec_scorer_expired_sequences_total",
+                  "Sequences whose KV cache was freed after idle_timeout_s without a Verify (a gateway "
+                  "that died or lost them); a later Verify for one gets UNKNOWN_SEQUENCE and re-prefills")
 
 # Job outcomes besides OK (mirrors the proto's SequenceStatus without importing it).
 OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED, INVALID = "ok", "unknown_sequence", "resource_exhausted", "invalid"
@@ -82,6 +85,7 @@ class JobResult:
 class _SeqState:
     context_len: int  # tokens the gateway holds (pending included)
     pending: int  # last context token, not yet in the KV cache
+    last_used: float = field(default_factory=time.monotonic)  # for idle expiry
 
 
 @dataclass
@@ -110,10 +114,18 @@ class _Call:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_batch_size: int = 256,
-                 max_tokens_per_forward: int = 512, background: bool = True) -> None:
+                 max_tokens_per_forward: int = 512, background: bool = True,
+                 idle_timeout_s: float = 600.0) -> None:
         if max_batch_size < 1 or max_tokens_per_forward < 17:
             raise ValueError("max_batch_size >= 1 and max_tokens_per_forward >= 17 required")
+        if idle_timeout_s < 0:
+            raise ValueError("idle_timeout_s must be >= 0 (0: never expire)")
         self.engine = engine
+        # A sequence nobody verified for this long is released: the gateway
+        # that owned it died or forgot it (a live gateway touches each of its
+        # sequences every round). 0 keeps sequences until released.
+        self.idle_timeout_s = idle_timeout_s
+        self._next_sweep = time.monotonic()
         self.max_batch_size = max_batch_size
         self.max_tokens_per_forward = max_tokens_per_forward
         self._seqs: dict[str, _SeqState] = {}
@@ -158,6 +170,7 @@ class Scheduler:
         """The worker loop; returns after stop()."""
         while not self._stopped:
             self._drain_inbox(block=not self._active)
+            self._expire_idle()
             if self._active:
                 try:
                     self._step()
@@ -178,6 +191,22 @@ class Scheduler:
                 seq_ids, fut, loop = payload
                 n = sum(self._release(s) for s in seq_ids)
                 loop.call_soon_threadsafe(_set_result, fut, n)
+
+    def _expire_idle(self) -> None:
+        if not self.idle_timeout_s:
+            return
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + min(1.0, self.idle_timeout_s / 4)
+        stale = [seq_id for seq_id, state in self._seqs.items()
+                 if seq_id not in self._busy and now - state.last_used > self.idle_timeout_s]
+        for seq_id in stale:
+            self._release(seq_id)
+        if stale:
+            EXPIRED.inc(len(stale))
+            log.warning("released %d sequences idle for more than %.0f s (their gateway is gone?)",
+                        len(stale), self.idle_timeout_s)
 
     def _release(self, seq_id: str) -> bool:
         self._seqs.pop(seq_id, None)
@@ -218,6 +247,7 @@ class Scheduler:
                     detail = f"scorer holds context_len {state.context_len}"
                     self._release(spec.seq_id)
                 return JobResult(UNKNOWN_SEQUENCE, message=f"{detail}; resend the context")
+            state.last_used = time.monotonic()
             job.feed = np.concatenate([[state.pending], spec.draft_token_ids]).astype(np.int32)
             job.context_len_before = state.context_len
         try:  # KV holds context_len - 1 tokens, the feed adds k + 1

@@ -132,7 +132,8 @@ def serve(args) -> None:
 
     engine = build_engine(args.model, args.dtype, args.kv_tokens, args.device, args.engine,
                           kv_memory_fraction=args.kv_memory_fraction, gemm=args.gemm)
-    scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False)
+    scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
+                          idle_timeout_s=args.idle_timeout_s)
     started = threading.Event()
     state: dict = {}
 

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(closest to transformers, slower)")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences per forward pass")
     p.add_argument("--max-tokens-per-forward", type=int, default=512, help="token budget per forward")
+    p.add_argument("--idle-timeout-s", type=float, default=600.0,
+                   help="free the KV cache of a sequence not verified for this long (a gateway that "
+                        "died); 0: never")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--engine", default="auto", choices=["auto", "hf"],
                    help="auto: own Llama runner when the architecture allows; hf: transformers")

@@ -58,6 +58,17 @@ class Service:
     name: str
     addr: str
     proc: subprocess.Popen
+    metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1 (0: off)
+
+    def metrics(self) -> dict[str, float]:
+        """The service's current Prometheus samples, keyed like
+        ``name{label="value",...}`` (as exposed, labels in exposition order)."""
+        import urllib.request
+
+        if not self.metrics_port:
+            raise RuntimeError(f"{self.name} was started without a metrics port")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            return parse_metrics(r.read().decode())
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -71,6 +82,16 @@ class Service:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Samples of a Prometheus text exposition, ``{'name{labels}': value}``."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
 
 
 @dataclass
@@ -90,6 +111,7 @@ class Stack:
     log_level: str = "WARNING"
     extra_gateway_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # children's output goes to files here, else inherited
+    metrics: bool = False  # give every service a Prometheus port (Service.metrics())
     services: list[Service] = field(default_factory=list)
 
     @property
@@ -101,13 +123,16 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str], port: int) -> Service:
         cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", str(port), "--log-level", self.log_level]
+        metrics_port = free_port() if self.metrics else 0
+        if metrics_port:
+            cmd += ["--metrics-port", str(metrics_port)]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 preexec_fn=_die_with_parent)
-        service = Service(name, f"127.0.0.1:{port}", proc)
+        service = Service(name, f"127.0.0.1:{port}", proc, metrics_port)
         self.services.append(service)
         return service
 

@@ -45,32 +45,71 @@ def _model_info(addr) -> pb.ModelInfo:
         return pb_grpc.ScorerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
 
 
+def _busiest(stack, kind: str):
+    """The replica of ``kind`` holding the most live sequences right now,
+    read from the gateway's specdec_gateway_replica_sequences gauge."""
+    samples = stack.by_name("gateway")[0].metrics()
+    replicas = stack.by_name(kind)
+
+    def load(service):
+        key = f'specdec_gateway_replica_sequences{{kind="{kind}",replica="{service.addr}"}}'
+        return samples.get(key, 0.0)
+    victim = max(replicas, key=load)
+    assert load(victim) > 0, samples
+    return victim
+
+
+def _moves(stack, kind: str) -> float:
+    return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
+
+
 def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory):
-    stack = start_stack(stories_path, tmp_path_factory, "two-proposers", num_proposers=2,
+    stack = start_stack(stories_path, tmp_path_factory, "two-proposers", num_proposers=2, metrics=True,
                         methods="ngram", extra_gateway_args=["--propose-timeout-ms", "2000"])
     try:
         undisturbed = _run_all(stack.gateway_addr)
-        victim = stack.by_name("proposer")[0]
-        disturbed = _run_all(stack.gateway_addr, on_first=victim.kill)
-        assert victim.proc.poll() is not None
+        assert _moves(stack, "proposer") == 0
+        killed = []
+
+        def kill_busiest():
+            killed.append(_busiest(stack, "proposer"))
+            killed[0].kill()
+        disturbed = _run_all(stack.gateway_addr, on_first=kill_busiest)
+        assert killed[0].proc.poll() is not None
+        assert _moves(stack, "proposer") > 0  # its sequences really did move
         assert disturbed == undisturbed
         again = _run_all(stack.gateway_addr)  # the survivor serves everyone
         assert again == undisturbed
+        # the gateway's request counters saw all twelve requests and their tokens
+        samples = stack.by_name("gateway")[0].metrics()
+        ended = sum(v for k, v in samples.items() if k.startswith("specdec_gateway_requests_total{"))
+        assert ended == 3 * len(PROMPTS)
+        tokens = sum(map(len, undisturbed + disturbed + again))
+        assert samples['specdec_gateway_output_tokens_total{method="ngram"}'] == tokens
+        assert samples['specdec_gateway_accepted_tokens_total{method="ngram"}'] > 0
     finally:
         stack.stop()
 
 
 def test_killing_a_scorer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory):
-    stack = start_stack(stories_path, tmp_path_factory, "two-scorers", num_scorers=2, methods="ngram")
+    stack = start_stack(stories_path, tmp_path_factory, "two-scorers", num_scorers=2, methods="ngram",
+                        metrics=True)
     try:
         undisturbed = _run_all(stack.gateway_addr)
         scorers = stack.by_name("scorer")
-        for s in scorers:  # both replicas hold sequences before the kill
+        for s in scorers:
             assert _model_info(s.addr).kv_capacity_tokens > 0
-        disturbed = _run_all(stack.gateway_addr, on_first=scorers[0].kill)
-        assert scorers[0].proc.poll() is not None
+        killed = []
+
+        def kill_busiest():
+            killed.append(_busiest(stack, "scorer"))
+            killed[0].kill()
+        disturbed = _run_all(stack.gateway_addr, on_first=kill_busiest)
+        assert killed[0].proc.poll() is not None
+        assert _moves(stack, "scorer") > 0  # its sequences were re-prefilled elsewhere
         assert disturbed == undisturbed
-        scorers[1].kill()
+        scorers.remove(killed[0])
+        scorers[0].kill()
         with pytest.raises(grpc.RpcError) as info:
             stream(stack.gateway_addr, make_request("Once upon a time", max_tokens=8), timeout=120)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

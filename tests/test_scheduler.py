@@ -153,6 +153,41 @@ def test_pool_exhaustion_is_reported_and_never_evicts(stories_path):
     assert unknown.status == UNKNOWN_SEQUENCE
 
 
+def test_idle_sequences_expire_and_free_their_kv_cache(stories_path, engine):
+    """A sequence that nobody verifies for idle_timeout_s (its gateway died)
+    gives its KV cache back; one that keeps being verified stays; the expired
+    one asking again is told to re-prefill, and re-prefill gives the same
+    tokens as a sequence that never expired."""
+    prompt = prompt_ids(stories_path)
+    free_at_start = engine.free_tokens()
+
+    async def run():
+        sched = Scheduler(engine, max_batch_size=8, max_tokens_per_forward=64, idle_timeout_s=0.6)
+        try:
+            (a,), _, _ = await sched.verify([spec("a", context=prompt)])
+            (b,), _, _ = await sched.verify([spec("b", context=prompt)])
+            held = engine.free_tokens()
+            for i in range(8):  # b is touched every 0.15 s, a is not
+                await asyncio.sleep(0.15)
+                (b,), _, _ = await sched.verify([spec("b", context_len=len(prompt) + 1 + i)])
+                assert b.status == OK
+            (late,), _, _ = await sched.verify([spec("a", context_len=len(prompt) + 1)])
+            again, _, _ = await sched.verify([spec("a", context=prompt + a.output_token_ids)])
+            live = sched.live_sequences
+            await sched.release(["a", "b"])
+            return a, late, again[0], held, live
+        finally:
+            sched.stop()
+
+    a, late, again, held, live = asyncio.run(run())
+    assert held < free_at_start
+    assert late.status == UNKNOWN_SEQUENCE and "resend" in late.message
+    assert again.status == OK and live == 2
+    expected = hf_greedy(stories_path, tuple(prompt), 2)
+    assert a.output_token_ids + again.output_token_ids == expected
+    assert engine.free_tokens() == free_at_start
+
+
 def test_hidden_states_for_output_positions(stories_path, counting):
     prompt = prompt_ids(stories_path)
     expected = hf_greedy(stories_path, tuple(prompt), 3)

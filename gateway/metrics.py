@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics (served with ``--metrics-port``).
+
+Request-level figures (finish reasons, tokens, acceptance, time to first
+token, latency) and the placement of work: live sequences per replica and
+how often a sequence had to move because its replica failed or went away.
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+REQUESTS = Counter("specdec_gateway_requests_total",
+                   "Requests ended, by outcome: stop, length, cancelled, or the gRPC code of a failure",
+                   ["outcome"])
+PROMPT_TOKENS = Counter("specdec_gateway_prompt_tokens_total", "Prompt tokens of ended requests")
+OUTPUT_TOKENS = Counter("specdec_gateway_output_tokens_total", "Output tokens committed", ["method"])
+ROUNDS = Counter("specdec_gateway_sequence_rounds_total",
+                 "Sequence-rounds that committed tokens (output / rounds = mean accepted length)", ["method"])
+DRAFT_TOKENS = Counter("specdec_gateway_draft_tokens_total", "Draft tokens sent for verification", ["method"])
+ACCEPTED_TOKENS = Counter("specdec_gateway_accepted_tokens_total", "Draft tokens accepted", ["method"])
+TTFT = Histogram("specdec_gateway_ttft_seconds", "Time from request to its first output token",
+                 buckets=_LATENCY_BUCKETS)
+LATENCY = Histogram("specdec_gateway_request_seconds", "Time from request to its end", buckets=_LATENCY_BUCKETS)
+LIVE = Gauge("specdec_gateway_live_sequences", "Sequences being generated")
+ON_REPLICA = Gauge("specdec_gateway_replica_sequences",
+                   "Live sequences placed on a replica in the last round", ["kind", "replica"])
+ROUND_SECONDS = Histogram("specdec_gateway_round_seconds", "Wall time of one propose + verify round",
+                          buckets=_LATENCY_BUCKETS)
+PHASE_SECONDS = Histogram("specdec_gateway_phase_seconds", "Wall time of a round's phase", ["phase"],
+                          buckets=_LATENCY_BUCKETS)
+REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
+                           "Calls to a replica that failed or timed out", ["kind", "replica"])
+MOVES = Counter("specdec_gateway_sequence_moves_total",
+                "Sequences that left their replica (failure or removal) and re-opened on another", ["kind"])
+INVALID_DRAFTS = Counter("specdec_gateway_invalid_drafts_total",
+                         "Drafts dropped because a proposer sent garbage", ["replica"])
+
+
+class Placement:
+    """Keeps ``specdec_gateway_replica_sequences`` to the replicas seen in the
+    last round, removing the series of replicas that are gone."""
+
+    def __init__(self) -> None:
+        self._shown: set[tuple[str, str]] = set()
+
+    def update(self, counts: dict[tuple[str, str], int]) -> None:
+        for key in self._shown - counts.keys():
+            ON_REPLICA.remove(*key)
+        for key, n in counts.items():
+            ON_REPLICA.labels(*key).set(n)
+        self._shown = set(counts)
