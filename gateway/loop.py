@@ -22,6 +22,7 @@ import grpc
 import numpy as np
 
 from specdec.gateway import metrics
+from specdec.gateway.adaptive import CostModel, plan_draft_lengths
 from specdec.gateway.clients import Connections
 from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.sequence import RequestFailed, Sequence
@@ -39,6 +40,7 @@ class LoopConfig:
     replica_down_s: float = 5.0  # keep new work off a replica whose call failed
     max_stalled_rounds: int = 200  # rounds without progress before a request fails
     stall_sleep_s: float = 0.05
+    adaptive_draft_length: bool = True  # default for requests that do not choose
 
 
 @dataclass
@@ -61,6 +63,7 @@ class SpecLoop:
         self._proposer_releases: dict[str, list[pb.SequenceRelease]] = {}
         self._scorer_releases: dict[str, list[str]] = {}
         self._placement = metrics.Placement()
+        self._costs: dict[str, CostModel] = {}  # Verify time per scorer replica
 
     # ------------------------------------------------------------ lifecycle
 
@@ -166,7 +169,9 @@ class SpecLoop:
                 seq.proposer_len = 0  # re-open next round
                 continue
             seq.proposer_len = len(seq.tokens)
-            drafts[seq.seq_id] = self._checked_drafts(seq, draft)
+            checked = self._checked_drafts(seq, draft)
+            seq.acceptance.proposed(len(seq.tokens), checked.token_ids.tolist())
+            drafts[seq.seq_id] = checked
         return drafts
 
     def _sequence_update(self, seq: Sequence) -> pb.SequenceUpdate:
@@ -215,6 +220,8 @@ class SpecLoop:
 
     async def _verify_on(self, addr: str, seqs: list[Sequence], drafts: dict[str, _Drafts]) -> bool:
         await self._flush_scorer_releases(addr)
+        cost = self._costs.setdefault(addr, CostModel())
+        fed = self._trim_drafts(seqs, drafts, cost)
         request = pb.VerifyRequest()
         for seq in seqs:
             d = drafts.get(seq.seq_id, _Drafts(NO_DRAFTS, []))
@@ -243,6 +250,7 @@ class SpecLoop:
                 self._stall(seq, RequestFailed("UNAVAILABLE", f"scorer call failed: {e.code().name}"))
             return False
         rpc_s = time.perf_counter() - start
+        cost.observe(fed, response.compute_s)
         progressed = False
         for seq, result in zip(seqs, response.results):
             seq.stats.verify_s += response.compute_s
@@ -262,6 +270,25 @@ class SpecLoop:
             else:
                 self._stall(seq, RequestFailed("RESOURCE_EXHAUSTED", result.message))
         return progressed
+
+    def _trim_drafts(self, seqs: list[Sequence], drafts: dict[str, _Drafts], cost: CostModel) -> int:
+        """Keeps the draft tokens worth verifying on this scorer replica this
+        round (adaptive sequences only); returns the tokens the call feeds."""
+        base = [1 if seq.scorer_primed else len(seq.tokens) for seq in seqs]
+        proposed = [len(drafts[s.seq_id].token_ids) if s.seq_id in drafts else 0 for s in seqs]
+        adaptive = [s.params.adaptive for s in seqs]
+        if any(adaptive) and any(proposed):
+            # fixed-length sequences' drafts are part of the round's cost, not candidates
+            plan = plan_draft_lengths([p if a else 0 for p, a in zip(proposed, adaptive)],
+                                      [s.acceptance.rate for s in seqs],
+                                      [b + (0 if a else p) for b, p, a in zip(base, proposed, adaptive)],
+                                      cost.estimate())
+            for seq, keep, n, a in zip(seqs, plan, proposed, adaptive):
+                if a and keep < n:
+                    d = drafts[seq.seq_id]
+                    drafts[seq.seq_id] = _Drafts(d.token_ids[:keep], d.probs[:keep])
+                    metrics.TRIMMED_DRAFTS.labels(seq.params.method).inc(n - keep)
+        return sum(base) + sum(len(drafts[s.seq_id].token_ids) for s in seqs if s.seq_id in drafts)
 
     def _update_placement(self, live: list[Sequence]) -> None:
         counts: dict[tuple[str, str], int] = {}

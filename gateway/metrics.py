@@ -33,6 +33,9 @@ REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",
                 "Sequences that left their replica (failure or removal) and re-opened on another", ["kind"])
+TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
+                         "Proposed draft tokens not verified because the adaptive draft length "
+                         "judged them not worth their cost", ["method"])
 INVALID_DRAFTS = Counter("specdec_gateway_invalid_drafts_total",
                          "Drafts dropped because a proposer sent garbage", ["replica"])
 

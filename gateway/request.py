@@ -40,6 +40,7 @@ class GenParams:
     verify_strategy: int
     accept_policy: int
     reference_ids: list[int] = field(default_factory=list)
+    adaptive: bool = True  # trim each round's drafts to what pays off (gateway/adaptive.py)
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> list[int]:
@@ -77,7 +78,8 @@ def _prompt_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> 
 
 
 def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
-                  methods: tuple[str, ...], default_method: str, default_k: int) -> GenParams:
+                  methods: tuple[str, ...], default_method: str, default_k: int,
+                  default_adaptive: bool = True) -> GenParams:
     """Validates a request against the model and the methods the gateway serves."""
     prompt_ids = _prompt_ids(request, tokenizer, limits)
     room = limits.max_model_len - len(prompt_ids)
@@ -126,8 +128,18 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
         raise InvalidArgument(f"speculation.verify_strategy: unknown value {sp.verify_strategy}")
     if sp.accept_policy not in pb.AcceptPolicy.values():
         raise InvalidArgument(f"speculation.accept_policy: unknown value {sp.accept_policy}")
+    if sp.draft_length not in pb.DraftLength.values():
+        raise InvalidArgument(f"speculation.draft_length: unknown value {sp.draft_length}")
     strategy = sp.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if temperature == 0
                                       else pb.VERIFY_STRATEGY_REJECTION)
+    # Greedy output does not depend on the drafts at all. A sampled output is
+    # exact in distribution for any draft length, but which sample a seed
+    # gives depends on the drafts: by default sampled requests keep the fixed
+    # length, so a seed reproduces the output whatever the load.
+    if sp.draft_length == pb.DRAFT_LENGTH_UNSPECIFIED:
+        adaptive = default_adaptive and temperature == 0
+    else:
+        adaptive = sp.draft_length == pb.DRAFT_LENGTH_ADAPTIVE
     reference_ids = (list(tokenizer(sp.reference_text, add_special_tokens=False)["input_ids"])
                      if sp.reference_text else [])
     return GenParams(
@@ -137,4 +149,4 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
         method=method, k=0 if method == "none" else k, min_n=min_n, max_n=max_n,
         max_tree_depth=depth, max_spec_factor=float(factor), min_token_prob=float(min_prob),
         verify_strategy=int(strategy), accept_policy=int(sp.accept_policy),
-        reference_ids=reference_ids)
+        reference_ids=reference_ids, adaptive=adaptive)

@@ -8,6 +8,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.request import GenParams
 from specdec.protos.v1 import specdec_pb2 as pb
 
@@ -73,6 +74,7 @@ class Sequence:
         self.proposer_addr: str | None = None
         self.proposer_len = 0  # tokens the proposer holds; 0 = must (re)open
         self.retries = 0  # consecutive rounds without progress (pool full, no replica)
+        self.acceptance = AcceptanceEstimate()  # how well this sequence's drafts do
 
     # ------------------------------------------------------------- queries
 
@@ -105,6 +107,7 @@ class Sequence:
             if self.num_output >= self.params.max_tokens or len(self.tokens) >= self.max_model_len:
                 self.finish_reason = pb.FINISH_REASON_LENGTH
                 break
+        self.acceptance.resolve(self.tokens)
         self._text = self.tokenizer.decode(self.tokens[self.num_prompt:], skip_special_tokens=True)
         self._apply_stop_strings()
         self._emit()

@@ -31,7 +31,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         try:
             params = parse_request(request, self.tokenizer, self.limits, self.methods,
-                                   self.default_method, self.default_k)
+                                   self.default_method, self.default_k,
+                                   self.loop.config.adaptive_draft_length)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         seq = Sequence(request.request_id or uuid.uuid4().hex[:16], params, self.tokenizer,
@@ -114,7 +115,8 @@ async def serve(args) -> None:
     scorers, proposers, discovery = build_discovery(args)
     discovery.start()
     loop = SpecLoop(scorers, proposers, vocab_size=0, config=LoopConfig(
-        propose_timeout_s=args.propose_timeout_ms / 1000))
+        propose_timeout_s=args.propose_timeout_ms / 1000,
+        adaptive_draft_length=args.draft_length == "adaptive"))
     limits = await fetch_limits(loop, tokenizer, args.scorer_wait_s)
     loop.vocab_size = limits.vocab_size
     if args.default_method != "none" and args.default_method not in proposers:

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-k", type=int, default=5, help="draft tokens per round by default")
     p.add_argument("--propose-timeout-ms", type=float, default=500.0,
                    help="a proposer slower than this costs the round its drafts")
+    p.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive: verify only the drafts whose expected acceptance pays for their "
+                        "cost on the scorer (measured online); fixed: every draft, up to k. "
+                        "Requests may choose (speculation.draft_length)")
     p.add_argument("--scorer-wait-s", type=float, default=600.0, help="wait this long for a scorer at start")
 
     p = sub.add_parser("serve", help="start scorer, proposers and gateway on loopback")
@@ -95,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--reference-file", help="text the proposers may also draft from")
+    p.add_argument("--draft-length", choices=["adaptive", "fixed"], default=None,
+                   help="verify only the drafts worth their cost, or all of them (default: the gateway's)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.add_argument("--timeout", type=float, default=600.0)
     return parser

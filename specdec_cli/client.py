@@ -90,6 +90,8 @@ def generate_command(args) -> int:
         None if args.chat else args.prompt, chat=[("user", args.prompt)] if args.chat else None,
         max_tokens=args.max_tokens, method=args.method, k=args.k, temperature=args.temperature,
         top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop, reference_text=reference)
+    if args.draft_length:
+        request.speculation.draft_length = pb.DraftLength.Value(f"DRAFT_LENGTH_{args.draft_length.upper()}")
 
     def echo(text: str) -> None:
         sys.stdout.write(text)

@@ -21,6 +21,12 @@ class AcceptPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCEPT_POLICY_ACCEPT_ALL: _ClassVar[AcceptPolicy]
     ACCEPT_POLICY_REJECT_ALL: _ClassVar[AcceptPolicy]
 
+class DraftLength(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_LENGTH_UNSPECIFIED: _ClassVar[DraftLength]
+    DRAFT_LENGTH_ADAPTIVE: _ClassVar[DraftLength]
+    DRAFT_LENGTH_FIXED: _ClassVar[DraftLength]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -41,6 +47,9 @@ VERIFY_STRATEGY_TOPP: VerifyStrategy
 ACCEPT_POLICY_NORMAL: AcceptPolicy
 ACCEPT_POLICY_ACCEPT_ALL: AcceptPolicy
 ACCEPT_POLICY_REJECT_ALL: AcceptPolicy
+DRAFT_LENGTH_UNSPECIFIED: DraftLength
+DRAFT_LENGTH_ADAPTIVE: DraftLength
+DRAFT_LENGTH_FIXED: DraftLength
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -90,7 +99,7 @@ class ChatPrompt(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "min_n", "max_n", "verify_strategy", "accept_policy", "reference_text", "max_tree_depth", "max_spec_factor", "min_token_prob")
+    __slots__ = ("method", "num_speculative_tokens", "min_n", "max_n", "verify_strategy", "accept_policy", "reference_text", "max_tree_depth", "max_spec_factor", "min_token_prob", "draft_length")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_N_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +110,7 @@ class SpeculationParams(_message.Message):
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     min_n: int
@@ -111,7 +121,8 @@ class SpeculationParams(_message.Message):
     max_tree_depth: int
     max_spec_factor: float
     min_token_prob: float
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., reference_text: _Optional[str] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ...) -> None: ...
+    draft_length: DraftLength
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., reference_text: _Optional[str] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., draft_length: _Optional[_Union[DraftLength, str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "chat", "max_tokens", "stop", "ignore_eos", "sampling", "speculation")

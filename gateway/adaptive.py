@@ -1,0 +1,135 @@
+"""Adaptive draft length: how many of a round's proposed draft tokens are
+worth verifying.
+
+A draft token is worth its place in the scorer's forward pass when the output
+it is expected to add outweighs what it costs. Both sides are measured while
+serving:
+
+- Cost. Each scorer replica's Verify time is fitted online as
+  ``fixed + per_token * tokens`` (``CostModel``). On a GPU, or on a CPU with a
+  small batch, ``per_token`` is small next to ``fixed`` (reading the weights)
+  and every draft is nearly free; with many sequences in the batch the pass
+  becomes compute bound and each extra row costs.
+- Gain. Each sequence keeps an estimate ``a`` of the chance that its next
+  draft token is accepted (``AcceptanceEstimate``); the j-th draft token of a
+  round is accepted with probability about ``a ** j``. The estimate learns
+  from every proposed draft, also the tokens that were not verified: once the
+  sequence's later output is known, the gateway checks how far the whole
+  draft matched it. So a sequence whose drafts were trimmed to nothing still
+  finds out when its proposer starts guessing well again.
+
+``plan_draft_lengths`` then maximises the expected output tokens per second
+of the round: draft tokens are taken in decreasing order of ``a ** j`` while
+each one raises ``(expected tokens) / (expected time)``. With one sequence
+and a cheap pass that keeps every draft; with a large batch it keeps only the
+drafts likely to be accepted, down to plain decoding. Speculation stays
+lossless whatever length is chosen: this changes speed, never tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class CostModel:
+    """Verify time of one scorer replica, ``fixed + per_token * tokens``, fitted
+    by least squares with exponential forgetting (recent rounds weigh most)."""
+
+    def __init__(self, forget: float = 0.97, min_samples: int = 8) -> None:
+        self.forget = forget
+        self.min_samples = min_samples
+        self.samples = 0
+        self._w = self._x = self._xx = self._y = self._xy = 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        f = self.forget
+        self._w = f * self._w + 1.0
+        self._x = f * self._x + tokens
+        self._xx = f * self._xx + tokens * tokens
+        self._y = f * self._y + seconds
+        self._xy = f * self._xy + tokens * seconds
+        self.samples += 1
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(fixed_s, per_token_s), or None until the rounds seen so far had
+        enough different token counts to tell the two apart."""
+        if self.samples < self.min_samples:
+            return None
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < 1e-9 * max(1.0, mean_x * mean_x) or var_x < 0.25:
+            return None
+        per_token = (self._xy / self._w - mean_x * mean_y) / var_x
+        per_token = max(0.0, per_token)
+        fixed = max(0.0, mean_y - per_token * mean_x)
+        if fixed == 0.0 and per_token == 0.0:
+            return None
+        return fixed, per_token
+
+
+@dataclass
+class AcceptanceEstimate:
+    """The chance that a sequence's next draft token is accepted, learnt from
+    how far each proposed draft matched the output that followed it."""
+
+    prior: float = 0.6
+    prior_weight: float = 1.0
+    decay: float = 0.9  # per resolved draft: recent drafts weigh most
+    accepted: float = 0.0
+    rejected: float = 0.0
+    _pending: list[tuple[int, list[int]]] = field(default_factory=list)  # (start, draft tokens)
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (
+            self.accepted + self.rejected + self.prior_weight)
+
+    def proposed(self, start: int, draft: list[int]) -> None:
+        """A draft proposed to continue the context at token index ``start``."""
+        if draft:
+            self._pending.append((start, list(draft)))
+
+    def resolve(self, tokens: list[int]) -> None:
+        """Scores pending drafts against the context as it now stands; a draft
+        is resolved at its first mismatch or once it is fully covered."""
+        keep = []
+        for start, draft in self._pending:
+            known = tokens[start:start + len(draft)]
+            matched = 0
+            while matched < len(known) and known[matched] == draft[matched]:
+                matched += 1
+            if matched < len(known) or len(known) == len(draft):
+                self.accepted = self.decay * self.accepted + matched
+                self.rejected = self.decay * self.rejected + (matched < len(draft))
+            else:
+                keep.append((start, draft))
+        self._pending = keep
+
+
+def plan_draft_lengths(proposed: list[int], rates: list[float], base_tokens: list[int],
+                       cost: tuple[float, float] | None) -> list[int]:
+    """Draft tokens to verify per sequence.
+
+    proposed: draft tokens each sequence's proposer returned; rates: their
+    acceptance estimates; base_tokens: tokens each sequence feeds anyway (1,
+    or a prefill); cost: the scorer replica's (fixed_s, per_token_s), None
+    when not known yet (everything proposed is verified)."""
+    if cost is None or cost[1] <= 0.0:
+        return list(proposed)
+    fixed, per_token = cost
+    gain = float(len(proposed))  # every sequence outputs one token per round
+    time = fixed + per_token * sum(base_tokens)
+    take = [0] * len(proposed)
+    # candidates in decreasing expected gain; a ** j falls with j, so each
+    # sequence's tokens come in order
+    candidates = sorted(((rates[i] ** j, i) for i, n in enumerate(proposed) for j in range(1, n + 1)),
+                        key=lambda c: -c[0])
+    for g, i in candidates:
+        if g * time <= per_token * gain:  # would not raise gain / time
+            break
+        take[i] += 1
+        gain += g
+        time += per_token
+    return take

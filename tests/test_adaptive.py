@@ -1,0 +1,208 @@
+"""Adaptive draft length (gateway/adaptive.py): the cost fit, the acceptance
+estimate and the planner, on hand-made numbers. The end-to-end tests run
+with the adaptive policy on (the gateway's default) and check that output is
+unchanged."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.gateway.adaptive import AcceptanceEstimate, CostModel, plan_draft_lengths
+
+
+def test_cost_model_recovers_a_linear_cost():
+    model = CostModel(forget=0.99, min_samples=8)
+    rng = random.Random(0)
+    for _ in range(200):
+        tokens = rng.randint(8, 200)
+        model.observe(tokens, 0.030 + 0.0004 * tokens + rng.gauss(0, 0.0005))
+    fixed, per_token = model.estimate()
+    assert fixed == pytest.approx(0.030, abs=0.002)
+    assert per_token == pytest.approx(0.0004, rel=0.05)
+
+
+def test_cost_model_waits_for_samples_and_for_varied_token_counts():
+    model = CostModel(min_samples=8)
+    for _ in range(7):
+        model.observe(40, 0.05)
+    assert model.estimate() is None  # too few rounds
+    model.observe(40, 0.05)
+    assert model.estimate() is None  # every round fed the same count: the slope is unknown
+    model.observe(0, 1.0)  # ignored: nothing was fed
+    model.observe(10, float("nan"))  # ignored
+    assert model.samples == 8
+
+
+def test_cost_model_forgets_old_rounds():
+    model = CostModel(forget=0.9)
+    for t in range(1, 60):
+        model.observe(t % 7 + 1, 0.01 * (t % 7 + 1))  # 10 ms per token, no fixed part
+    for t in range(1, 80):
+        model.observe(t % 7 + 1, 0.05 + 0.001 * (t % 7 + 1))  # the machine changed
+    fixed, per_token = model.estimate()
+    assert fixed == pytest.approx(0.05, abs=0.003) and per_token == pytest.approx(0.001, abs=0.0005)
+
+
+def test_acceptance_learns_from_the_output_that_followed_each_draft():
+    est = AcceptanceEstimate(prior=0.5, prior_weight=2.0, decay=1.0)
+    tokens = [1, 2, 3]
+    est.proposed(3, [4, 5, 6, 7])  # will match 2 of 4
+    est.proposed(3, [9])  # wrong at once
+    tokens += [4]
+    est.resolve(tokens)  # first draft not decided yet, second rejected
+    assert (est.accepted, est.rejected) == (0, 1)
+    tokens += [5, 8, 6]
+    est.resolve(tokens)
+    assert (est.accepted, est.rejected) == (2, 2)
+    est.proposed(len(tokens), [1, 1])
+    tokens += [1, 1, 0]
+    est.resolve(tokens)  # fully matched: two accepted, no rejection
+    assert (est.accepted, est.rejected) == (4, 2)
+    assert est.rate == pytest.approx((4 + 1) / (6 + 2))
+    assert not est._pending
+
+
+def test_acceptance_estimate_stays_strictly_between_zero_and_one():
+    good, bad = AcceptanceEstimate(), AcceptanceEstimate()
+    tokens = []
+    for i in range(100):
+        good.proposed(len(tokens), [i % 5] * 3)
+        bad.proposed(len(tokens), [99])
+        tokens += [i % 5] * 3
+        good.resolve(tokens)
+        bad.resolve(tokens)
+    assert 0.9 < good.rate < 1.0 and 0.0 < bad.rate < 0.1
+
+
+def test_plan_keeps_every_draft_while_the_cost_is_unknown_or_flat():
+    assert plan_draft_lengths([5, 0, 3], [0.1, 0.9, 0.5], [1, 1, 40], None) == [5, 0, 3]
+    assert plan_draft_lengths([5, 0, 3], [0.1, 0.9, 0.5], [1, 1, 40], (0.03, 0.0)) == [5, 0, 3]
+
+
+def test_plan_one_sequence_on_a_weight_bound_pass_keeps_good_drafts():
+    # 25 ms to read the weights, 0.2 ms per extra row: drafts are almost free
+    assert plan_draft_lengths([5], [0.5], [1], (0.025, 0.0002)) == [5]
+    # a hopeless proposer is not worth even a cheap row at some depth
+    take = plan_draft_lengths([8], [0.05], [1], (0.025, 0.0002))
+    assert 0 < take[0] < 8
+
+
+def test_plan_large_compute_bound_batch_keeps_only_likely_drafts():
+    n = 32
+    rates = [0.9] * 8 + [0.3] * 24
+    take = plan_draft_lengths([5] * n, rates, [1] * n, (0.025, 0.002))
+    assert all(t == 0 for t in take[8:])  # unlikely drafts fall back to plain decoding
+    assert all(t > 0 for t in take[:8])
+    fewer = plan_draft_lengths([5] * n, rates, [1] * n, (0.025, 0.01))
+    assert sum(fewer) <= sum(take)
+
+
+def _throughput(take, rates, base, cost):
+    fixed, per_token = cost
+    gain = sum(1 + sum(r ** j for j in range(1, t + 1)) for t, r in zip(take, rates))
+    return gain / (fixed + per_token * (sum(base) + sum(take)))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_is_at_least_as_good_as_all_or_nothing(seed):
+    """On the planner's own model, its choice beats verifying every draft and
+    verifying none, and no single-token change improves it."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    proposed = [rng.randint(0, 8) for _ in range(n)]
+    rates = [rng.uniform(0.02, 0.98) for _ in range(n)]
+    base = [1 if rng.random() < 0.8 else rng.randint(2, 100) for _ in range(n)]
+    cost = (rng.uniform(0.005, 0.05), rng.uniform(0.00001, 0.005))
+    take = plan_draft_lengths(proposed, rates, base, cost)
+    assert all(0 <= t <= p for t, p in zip(take, proposed))
+    best = _throughput(take, rates, base, cost)
+    assert best >= _throughput(proposed, rates, base, cost) - 1e-12
+    assert best >= _throughput([0] * n, rates, base, cost) - 1e-12
+    for i in range(n):
+        for delta in (-1, 1):
+            other = list(take)
+            other[i] += delta
+            if 0 <= other[i] <= proposed[i]:
+                assert _throughput(other, rates, base, cost) <= best + 1e-12
+
+
+# ---- in the gateway's loop, against real scorer and proposer processes ------------------
+
+PROMPTS = ["Once upon a time", "Tom had a red ball.", "The sun was hot. The sun was hot. The",
+           "Lily went to the park with her mom.", "Ben and his dog ran fast.", "A little bird sang."]
+
+
+@pytest.fixture(scope="module")
+def processes(stories_path, tmp_path_factory):
+    from conftest import start_stack
+
+    stack = start_stack(stories_path, tmp_path_factory, "adaptive", methods="ngram")
+    yield stack
+    stack.stop()
+
+
+def test_trimmed_drafts_never_change_tokens(processes, stories_path):
+    """A scorer made (on paper) expensive per token: the adaptive sequences'
+    drafts get trimmed, fixed-length ones beside them do not, and every
+    output equals plain greedy decoding."""
+    import asyncio
+
+    from specdec.client import make_request
+    from specdec.gateway import metrics
+    from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
+    from specdec.gateway.loop import SpecLoop
+    from specdec.gateway.request import ModelLimits, parse_request
+    from specdec.gateway.sequence import Sequence
+    from specdec.models import load_tokenizer, resolve_model
+    from specdec.protos.v1 import specdec_pb2 as pb
+
+    scorer = processes.by_name("scorer")[0].addr
+    proposer = processes.by_name("proposer")[0].addr
+    tokenizer = load_tokenizer(resolve_model(stories_path))
+    limits = ModelLimits(512, 512, (2,))
+
+    def sequence(prompt, method, draft_length):
+        request = make_request(prompt, max_tokens=40, method=method, k=6, draft_length=draft_length)
+        params = parse_request(request, tokenizer, limits, ("none", "ngram"), "ngram", 6)
+        return Sequence("t", params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+
+    async def run_all(loop, seqs):
+        async def one(seq):
+            loop.submit(seq)
+            while True:
+                item = await seq.out.get()
+                assert isinstance(item, pb.GenerateResponse), item
+                if item.finish_reason:
+                    return seq.tokens[seq.num_prompt:]
+        return await asyncio.gather(*(one(s) for s in seqs))
+
+    def trimmed():
+        return metrics.TRIMMED_DRAFTS.labels("ngram")._value.get()
+
+    async def run():
+        scorers, ngram = ReplicaSet("scorer"), ReplicaSet("proposer-ngram")
+        StaticDiscovery({"scorer": (scorers, [scorer]), "ngram": (ngram, [proposer])}).start()
+        loop = SpecLoop(scorers, {"ngram": ngram}, vocab_size=512)
+        # 1 ms per pass plus 20 ms per token, as if fitted over many rounds
+        loop._costs[scorer] = paper = CostModel(forget=1.0, min_samples=1)
+        for t in range(1, 10_001):
+            paper.observe(t % 50 + 1, 0.001 + 0.02 * (t % 50 + 1))
+        loop.start()
+        try:
+            plain = await run_all(loop, [sequence(p, "none", pb.DRAFT_LENGTH_FIXED) for p in PROMPTS])
+            before = trimmed()
+            adaptive = [sequence(p, "ngram", pb.DRAFT_LENGTH_ADAPTIVE) for p in PROMPTS]
+            fixed = [sequence(p, "ngram", pb.DRAFT_LENGTH_FIXED) for p in PROMPTS]
+            outs = await run_all(loop, adaptive + fixed)
+            return plain, outs, trimmed() - before, adaptive, fixed
+        finally:
+            await loop.stop()
+
+    plain, outs, cut, adaptive, fixed = asyncio.run(run())
+    assert outs == plain + plain
+    assert cut > 0
+    # fixed-length sequences verified every draft their proposer returned
+    assert sum(s.stats.draft_tokens for s in fixed) > sum(s.stats.draft_tokens for s in adaptive)
+    for seq in fixed:
+        assert seq.params.adaptive is False
