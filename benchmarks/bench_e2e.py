@@ -5,7 +5,9 @@ default model, in one run:
   hybrid on a prompt set with high input-output overlap (rewrite / continue /
   extract-from-text tasks), plus transformers `generate` on the same model;
 * concurrency: aggregate tokens/s of 1, 8 and 32 concurrent greedy streams,
-  plain against ngram.
+  plain against ngram;
+* each speculative method with a fixed draft length (every draft verified)
+  and with the adaptive one (drafts trimmed to what pays off, --draft-lengths).
 
 Every speculative run is checked token for token against plain decoding.
 Prints tables and writes JSON (--out).
@@ -27,6 +29,7 @@ from pathlib import Path
 from specdec.client import make_request, stream
 from specdec.launcher import Stack
 from specdec.models import default_model, load_tokenizer, resolve_model
+from specdec.protos.v1 import specdec_pb2 as pb
 
 DOC = ("The Riverside Community Garden opened in April 2019 on a former parking lot owned by the city. "
        "It has 48 raised beds, a tool shed, two rain barrels and a compost area run by volunteers. "
@@ -100,10 +103,19 @@ def chat_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
-def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, max_tokens: int) -> dict:
+DRAFT_LENGTH = {"fixed": pb.DRAFT_LENGTH_FIXED, "adaptive": pb.DRAFT_LENGTH_ADAPTIVE}
+
+
+def label(method: str, draft_length: str) -> str:
+    return method if method in ("none", "naive") or draft_length == "fixed" else f"{method}+adaptive"
+
+
+def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, max_tokens: int,
+               draft_length: str = "fixed") -> dict:
     rows = {}
     for name, ids in prompts.items():
-        gen = stream(addr, make_request(ids, max_tokens=max_tokens, method=method, k=k))
+        gen = stream(addr, make_request(ids, max_tokens=max_tokens, method=method, k=k,
+                                        draft_length=DRAFT_LENGTH[draft_length]))
         s = gen.stats
         rows[name] = {"tokens": s.output_tokens, "wall_s": s.wall_s, "tok_s": s.output_tokens / s.wall_s,
                       "rounds": s.rounds, "mean_accepted_length": s.mean_accepted_length,
@@ -113,7 +125,7 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
     tokens = sum(r["tokens"] for r in rows.values())
     wall = sum(r["wall_s"] for r in rows.values())
     rounds = sum(r["rounds"] for r in rows.values())
-    return {"method": method, "k": k, "per_prompt": rows, "tokens": tokens, "wall_s": wall,
+    return {"method": label(method, draft_length), "k": k, "per_prompt": rows, "tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "mean_accepted_length": tokens / rounds,
             "propose_s": sum(r["propose_s"] for r in rows.values()),
             "verify_s": sum(r["verify_s"] for r in rows.values()),
@@ -121,15 +133,15 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
 
 
 def run_concurrent(addr: str, prompt_list: list[list[int]], streams: int, method: str, k: int,
-                   max_tokens: int) -> dict:
+                   max_tokens: int, draft_length: str = "fixed") -> dict:
     jobs = [prompt_list[i % len(prompt_list)] for i in range(streams)]
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        gens = list(pool.map(lambda ids: stream(addr, make_request(ids, max_tokens=max_tokens,
-                                                                   method=method, k=k)), jobs))
+        gens = list(pool.map(lambda ids: stream(addr, make_request(
+            ids, max_tokens=max_tokens, method=method, k=k, draft_length=DRAFT_LENGTH[draft_length])), jobs))
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
-    return {"streams": streams, "method": method, "k": k, "tokens": tokens, "wall_s": wall,
+    return {"streams": streams, "method": label(method, draft_length), "k": k, "tokens": tokens, "wall_s": wall,
             "tok_s": tokens / wall, "token_ids": [g.token_ids for g in gens],
             "mean_accepted_length": statistics.mean(g.stats.mean_accepted_length for g in gens)}
 
@@ -154,6 +166,14 @@ def run_transformers(model: str, prompts: dict[str, list[int]], max_tokens: int,
             "token_ids": outs}
 
 
+def variants(methods: list[str], policies: list[str]) -> list[tuple[str, str]]:
+    """(method, draft-length policy) pairs; plain and naive have no drafts to trim."""
+    out = []
+    for m in methods:
+        out += [(m, "fixed")] if m in ("none", "naive") else [(m, p) for p in policies]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model())
@@ -165,7 +185,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--methods", default="none,naive,ngram,suffix,hybrid")
     ap.add_argument("--concurrency", default="1,8,32", help="stream counts for the aggregate table ('' skips)")
-    ap.add_argument("--concurrency-max-tokens", type=int, default=48)
+    ap.add_argument("--concurrency-max-tokens", type=int, default=160,
+                    help="tokens per stream in the concurrency table (long enough that decoding, not prefill, dominates)")
+    ap.add_argument("--draft-lengths", default="fixed,adaptive",
+                    help="draft-length policies to run for the speculative methods")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
@@ -173,6 +196,9 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_model(args.model))
     prompts = {name: chat_ids(tokenizer, text) for name, text in WORKLOADS[args.workload]().items()}
     methods = [m for m in args.methods.split(",") if m]
+    policies = [p for p in args.draft_lengths.split(",") if p]
+    if not policies or set(policies) - set(DRAFT_LENGTH):
+        raise SystemExit(f"--draft-lengths: choose from {sorted(DRAFT_LENGTH)}")
     result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.k,
               "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
@@ -181,16 +207,16 @@ def main() -> None:
                methods="naive,ngram,suffix,hybrid") as stack:
         addr = stack.gateway_addr
         stream(addr, make_request(next(iter(prompts.values())), max_tokens=8, method="none"))  # warm up
-        for method in methods:
+        for method, policy in variants(methods, policies):
             k = 0 if method == "none" else args.k
-            print(f"  single stream: {method} k={k}", file=sys.stderr)
-            result["single"].append(run_single(addr, prompts, method, k, args.max_tokens))
+            print(f"  single stream: {label(method, policy)} k={k}", file=sys.stderr)
+            result["single"].append(run_single(addr, prompts, method, k, args.max_tokens, policy))
         for n in [int(c) for c in args.concurrency.split(",") if c]:
-            for method in ("none", "ngram"):
+            for method, policy in variants(["none", "ngram"], policies):
                 k = 0 if method == "none" else args.k
-                print(f"  {n} concurrent streams: {method}", file=sys.stderr)
+                print(f"  {n} concurrent streams: {label(method, policy)}", file=sys.stderr)
                 result["concurrent"].append(run_concurrent(addr, list(prompts.values()), n, method, k,
-                                                           args.concurrency_max_tokens))
+                                                           args.concurrency_max_tokens, policy))
     if not args.no_transformers:
         print("  transformers generate", file=sys.stderr)
         result["transformers"] = run_transformers(args.model, prompts, args.max_tokens, args.dtype)
@@ -217,13 +243,14 @@ def main() -> None:
         print(f"our plain decoding / transformers generate = {t['plain_over_transformers']:.2f}x")
     if result["concurrent"]:
         print(f"\nAggregate throughput, {args.concurrency_max_tokens} tokens per stream")
-        print(f"{'streams':>8}{'plain tok/s':>13}{'ngram tok/s':>13}{'ngram/plain':>13}{'identical':>11}")
+        print(f"{'streams':>8}{'method':>16}{'tok/s':>10}{'vs plain':>10}{'mean acc len':>14}{'identical':>11}")
         by = {(r["streams"], r["method"]): r for r in result["concurrent"]}
-        for n in sorted({r["streams"] for r in result["concurrent"]}):
-            p, g = by[(n, "none")], by[(n, "ngram")]
-            same = p["token_ids"] == g["token_ids"]
-            g["identical_to_plain"] = same
-            print(f"{n:>8}{p['tok_s']:>13.2f}{g['tok_s']:>13.2f}{g['tok_s'] / p['tok_s']:>12.2f}x{str(same):>11}")
+        for r in result["concurrent"]:
+            p = by[(r["streams"], "none")]
+            r["identical_to_plain"] = r["token_ids"] == p["token_ids"]
+            r["speedup_vs_plain"] = r["tok_s"] / p["tok_s"]
+            print(f"{r['streams']:>8}{r['method']:>16}{r['tok_s']:>10.2f}{r['speedup_vs_plain']:>9.2f}x"
+                  f"{r['mean_accepted_length']:>14.2f}{str(r['identical_to_plain']):>11}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")

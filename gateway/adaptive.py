@@ -10,16 +10,16 @@ serving:
   small batch, ``per_token`` is small next to ``fixed`` (reading the weights)
   and every draft is nearly free; with many sequences in the batch the pass
   becomes compute bound and each extra row costs.
-- Gain. Each sequence keeps an estimate ``a`` of the chance that its next
-  draft token is accepted (``AcceptanceEstimate``); the j-th draft token of a
-  round is accepted with probability about ``a ** j``. The estimate learns
+- Gain. Each sequence keeps an estimate of the chance that each of its draft
+  tokens is accepted (``AcceptanceEstimate``: a first-token rate and a
+  continuation rate, leaning on its method's rate while young). It learns
   from every proposed draft, also the tokens that were not verified: once the
   sequence's later output is known, the gateway checks how far the whole
   draft matched it. So a sequence whose drafts were trimmed to nothing still
   finds out when its proposer starts guessing well again.
 
 ``plan_draft_lengths`` then maximises the expected output tokens per second
-of the round: draft tokens are taken in decreasing order of ``a ** j`` while
+of the round: draft tokens are taken in decreasing order of that chance while
 each one raises ``(expected tokens) / (expected time)``. With one sequence
 and a cheap pass that keeps every draft; with a large batch it keeps only the
 drafts likely to be accepted, down to plain decoding. Speculation stays
@@ -28,7 +28,6 @@ lossless whatever length is chosen: this changes speed, never tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 
 class CostModel:
@@ -69,22 +68,44 @@ class CostModel:
         return fixed, per_token
 
 
-@dataclass
 class AcceptanceEstimate:
-    """The chance that a sequence's next draft token is accepted, learnt from
-    how far each proposed draft matched the output that followed it."""
+    """How likely a sequence's draft tokens are to be accepted, learnt from how
+    far each proposed draft matched the output that followed it.
 
-    prior: float = 0.6
-    prior_weight: float = 1.0
-    decay: float = 0.9  # per resolved draft: recent drafts weigh most
-    accepted: float = 0.0
-    rejected: float = 0.0
-    _pending: list[tuple[int, list[int]]] = field(default_factory=list)  # (start, draft tokens)
+    Two rates: ``first``, that a draft's first token is accepted, and
+    ``cont``, that a token is accepted given the one before it was (a proposer
+    that copies a passage is often wrong about where a copy starts and rarely
+    once it is in one). The j-th token of a draft is then accepted with
+    probability ``first * cont ** (j - 1)``. A sequence with little history
+    leans on ``parent``, the running estimate of all sequences of its method.
+    """
+
+    def __init__(self, parent: "AcceptanceEstimate | None" = None, prior: float = 0.6,
+                 prior_weight: float = 1.0, decay: float = 0.9) -> None:
+        self.parent = parent
+        self.prior = prior
+        self.prior_weight = prior_weight
+        self.decay = decay  # per resolved draft: recent drafts weigh most
+        self.first_hit = self.first_miss = 0.0
+        self.cont_hit = self.cont_miss = 0.0
+        self._pending: list[tuple[int, list[int]]] = []  # (start, draft tokens)
 
     @property
-    def rate(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (
-            self.accepted + self.rejected + self.prior_weight)
+    def first(self) -> float:
+        prior = self.parent.first if self.parent is not None else self.prior
+        return (self.first_hit + prior * self.prior_weight) / (
+            self.first_hit + self.first_miss + self.prior_weight)
+
+    @property
+    def cont(self) -> float:
+        prior = self.parent.cont if self.parent is not None else self.prior
+        return (self.cont_hit + prior * self.prior_weight) / (
+            self.cont_hit + self.cont_miss + self.prior_weight)
+
+    def gains(self, n: int) -> list[float]:
+        """Acceptance probability of draft positions 1..n."""
+        first, cont = self.first, self.cont
+        return [first * cont ** j for j in range(n)]
 
     def proposed(self, start: int, draft: list[int]) -> None:
         """A draft proposed to continue the context at token index ``start``."""
@@ -101,35 +122,43 @@ class AcceptanceEstimate:
             while matched < len(known) and known[matched] == draft[matched]:
                 matched += 1
             if matched < len(known) or len(known) == len(draft):
-                self.accepted = self.decay * self.accepted + matched
-                self.rejected = self.decay * self.rejected + (matched < len(draft))
+                self.record(matched, len(draft))
             else:
                 keep.append((start, draft))
         self._pending = keep
 
+    def record(self, matched: int, length: int) -> None:
+        """One resolved draft of ``length`` tokens whose first ``matched`` were right."""
+        d = self.decay
+        self.first_hit, self.first_miss = d * self.first_hit + (matched > 0), d * self.first_miss + (matched == 0)
+        if matched > 0:  # positions 2..length, each given its predecessor was right
+            missed = matched < length
+            self.cont_hit = d * self.cont_hit + (matched - 1)
+            self.cont_miss = d * self.cont_miss + missed
+        if self.parent is not None:
+            self.parent.record(matched, length)
 
-def plan_draft_lengths(proposed: list[int], rates: list[float], base_tokens: list[int],
+
+def plan_draft_lengths(gains: list[list[float]], base_tokens: list[int],
                        cost: tuple[float, float] | None) -> list[int]:
     """Draft tokens to verify per sequence.
 
-    proposed: draft tokens each sequence's proposer returned; rates: their
-    acceptance estimates; base_tokens: tokens each sequence feeds anyway (1,
-    or a prefill); cost: the scorer replica's (fixed_s, per_token_s), None
-    when not known yet (everything proposed is verified)."""
+    gains: per sequence, the acceptance probability of each proposed draft
+    token (non-increasing); base_tokens: tokens each sequence feeds anyway
+    (1, or a prefill); cost: the scorer replica's (fixed_s, per_token_s),
+    None when not known yet (everything proposed is verified)."""
     if cost is None or cost[1] <= 0.0:
-        return list(proposed)
+        return [len(g) for g in gains]
     fixed, per_token = cost
-    gain = float(len(proposed))  # every sequence outputs one token per round
+    expected = float(len(gains))  # every sequence outputs one token per round
     time = fixed + per_token * sum(base_tokens)
-    take = [0] * len(proposed)
-    # candidates in decreasing expected gain; a ** j falls with j, so each
-    # sequence's tokens come in order
-    candidates = sorted(((rates[i] ** j, i) for i, n in enumerate(proposed) for j in range(1, n + 1)),
-                        key=lambda c: -c[0])
+    take = [0] * len(gains)
+    # candidates in decreasing expected gain; each sequence's come in order
+    candidates = sorted(((g, i) for i, seq in enumerate(gains) for g in seq), key=lambda c: -c[0])
     for g, i in candidates:
-        if g * time <= per_token * gain:  # would not raise gain / time
+        if g * time <= per_token * expected:  # would not raise expected / time
             break
         take[i] += 1
-        gain += g
+        expected += g
         time += per_token
     return take

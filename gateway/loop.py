@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from specdec.gateway import metrics
-from specdec.gateway.adaptive import CostModel, plan_draft_lengths
+from specdec.gateway.adaptive import AcceptanceEstimate, CostModel, plan_draft_lengths
 from specdec.gateway.clients import Connections
 from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.sequence import RequestFailed, Sequence
@@ -64,6 +64,7 @@ class SpecLoop:
         self._scorer_releases: dict[str, list[str]] = {}
         self._placement = metrics.Placement()
         self._costs: dict[str, CostModel] = {}  # Verify time per scorer replica
+        self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
 
     # ------------------------------------------------------------ lifecycle
 
@@ -74,9 +75,18 @@ class SpecLoop:
         def on_change(added: set[str], removed: set[str]) -> None:  # called from discovery threads
             for addr in removed:
                 loop.call_soon_threadsafe(lambda a=addr: loop.create_task(self.conns.drop(a)))
+                loop.call_soon_threadsafe(self._forget_replica, addr)
 
         for replicas in [self.scorers, *self.proposers.values()]:
             replicas.subscribe(on_change)
+
+    def _forget_replica(self, addr: str) -> None:
+        if self._costs.pop(addr, None) is not None:
+            for part in ("fixed", "per_token"):
+                try:
+                    metrics.VERIFY_COST.remove(addr, part)
+                except KeyError:
+                    pass
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -84,6 +94,7 @@ class SpecLoop:
         await self.conns.close()
 
     def submit(self, seq: Sequence) -> None:
+        seq.acceptance.parent = self._acceptance.setdefault(seq.params.method, AcceptanceEstimate(decay=0.995))
         self._live.append(seq)
         self._wake.set()
 
@@ -222,6 +233,8 @@ class SpecLoop:
         await self._flush_scorer_releases(addr)
         cost = self._costs.setdefault(addr, CostModel())
         fed = self._trim_drafts(seqs, drafts, cost)
+        # the fit describes verification rounds; prefill costs per token differ
+        decode_only = all(seq.scorer_primed for seq in seqs)
         request = pb.VerifyRequest()
         for seq in seqs:
             d = drafts.get(seq.seq_id, _Drafts(NO_DRAFTS, []))
@@ -250,7 +263,8 @@ class SpecLoop:
                 self._stall(seq, RequestFailed("UNAVAILABLE", f"scorer call failed: {e.code().name}"))
             return False
         rpc_s = time.perf_counter() - start
-        cost.observe(fed, response.compute_s)
+        if decode_only:
+            cost.observe(fed, response.compute_s)
         progressed = False
         for seq, result in zip(seqs, response.results):
             seq.stats.verify_s += response.compute_s
@@ -279,10 +293,14 @@ class SpecLoop:
         adaptive = [s.params.adaptive for s in seqs]
         if any(adaptive) and any(proposed):
             # fixed-length sequences' drafts are part of the round's cost, not candidates
-            plan = plan_draft_lengths([p if a else 0 for p, a in zip(proposed, adaptive)],
-                                      [s.acceptance.rate for s in seqs],
+            estimate = cost.estimate()
+            if estimate is not None:
+                metrics.VERIFY_COST.labels(seqs[0].scorer_addr, "fixed").set(estimate[0])
+                metrics.VERIFY_COST.labels(seqs[0].scorer_addr, "per_token").set(estimate[1])
+            plan = plan_draft_lengths([s.acceptance.gains(p if a else 0)
+                                       for s, p, a in zip(seqs, proposed, adaptive)],
                                       [b + (0 if a else p) for b, p, a in zip(base, proposed, adaptive)],
-                                      cost.estimate())
+                                      estimate)
             for seq, keep, n, a in zip(seqs, plan, proposed, adaptive):
                 if a and keep < n:
                     d = drafts[seq.seq_id]

@@ -33,6 +33,8 @@ REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",
                 "Sequences that left their replica (failure or removal) and re-opened on another", ["kind"])
+VERIFY_COST = Gauge("specdec_gateway_verify_cost_seconds",
+                    "Fitted Verify time of a scorer replica: fixed + per_token * tokens fed", ["replica", "part"])
 TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
                          "Proposed draft tokens not verified because the adaptive draft length "
                          "judged them not worth their cost", ["method"])

@@ -50,17 +50,29 @@ def test_acceptance_learns_from_the_output_that_followed_each_draft():
     est.proposed(3, [4, 5, 6, 7])  # will match 2 of 4
     est.proposed(3, [9])  # wrong at once
     tokens += [4]
-    est.resolve(tokens)  # first draft not decided yet, second rejected
-    assert (est.accepted, est.rejected) == (0, 1)
+    est.resolve(tokens)  # first draft not decided yet, second rejected at its first token
+    assert (est.first_hit, est.first_miss, est.cont_hit, est.cont_miss) == (0, 1, 0, 0)
     tokens += [5, 8, 6]
-    est.resolve(tokens)
-    assert (est.accepted, est.rejected) == (2, 2)
+    est.resolve(tokens)  # first token right, then one continuation right, one wrong
+    assert (est.first_hit, est.first_miss, est.cont_hit, est.cont_miss) == (1, 1, 1, 1)
     est.proposed(len(tokens), [1, 1])
     tokens += [1, 1, 0]
-    est.resolve(tokens)  # fully matched: two accepted, no rejection
-    assert (est.accepted, est.rejected) == (4, 2)
-    assert est.rate == pytest.approx((4 + 1) / (6 + 2))
+    est.resolve(tokens)  # fully matched
+    assert (est.first_hit, est.first_miss, est.cont_hit, est.cont_miss) == (2, 1, 2, 1)
+    assert est.first == pytest.approx((2 + 1) / (3 + 2)) and est.cont == pytest.approx((2 + 1) / (3 + 2))
+    assert est.gains(3) == pytest.approx([0.6, 0.36, 0.216])
     assert not est._pending
+
+
+def test_copying_proposer_learns_a_high_continuation_rate():
+    """Wrong about where a copy starts half the time, right once inside it:
+    deep draft positions are worth more than a single rate would say."""
+    est = AcceptanceEstimate()
+    for i in range(200):
+        est.record(0 if i % 2 else 5, 5)
+    assert 0.4 < est.first < 0.6 and est.cont > 0.9
+    g = est.gains(5)
+    assert g[4] > 0.35 and all(a >= b for a, b in zip(g, g[1:]))
 
 
 def test_acceptance_estimate_stays_strictly_between_zero_and_one():
@@ -72,35 +84,53 @@ def test_acceptance_estimate_stays_strictly_between_zero_and_one():
         tokens += [i % 5] * 3
         good.resolve(tokens)
         bad.resolve(tokens)
-    assert 0.9 < good.rate < 1.0 and 0.0 < bad.rate < 0.1
+    assert 0.9 < good.first < 1.0 and 0.9 < good.cont < 1.0
+    assert 0.0 < bad.first < 0.1
+
+
+def test_young_sequences_lean_on_their_methods_estimate():
+    method = AcceptanceEstimate(decay=0.995)
+    for _ in range(300):
+        AcceptanceEstimate(parent=method).record(4, 4)  # other sequences: always right
+    young = AcceptanceEstimate(parent=method)
+    assert young.first > 0.95 and young.cont > 0.95
+    for _ in range(30):
+        young.record(0, 4)  # this one's drafts are always wrong
+    assert young.first < 0.1
+    assert method.first > 0.8  # 30 bad drafts among ~200 remembered move it a little
+
+
+def geometric(n: int, a: float) -> list[float]:
+    return [a ** j for j in range(1, n + 1)]
 
 
 def test_plan_keeps_every_draft_while_the_cost_is_unknown_or_flat():
-    assert plan_draft_lengths([5, 0, 3], [0.1, 0.9, 0.5], [1, 1, 40], None) == [5, 0, 3]
-    assert plan_draft_lengths([5, 0, 3], [0.1, 0.9, 0.5], [1, 1, 40], (0.03, 0.0)) == [5, 0, 3]
+    gains = [geometric(5, 0.1), [], geometric(3, 0.5)]
+    assert plan_draft_lengths(gains, [1, 1, 40], None) == [5, 0, 3]
+    assert plan_draft_lengths(gains, [1, 1, 40], (0.03, 0.0)) == [5, 0, 3]
 
 
 def test_plan_one_sequence_on_a_weight_bound_pass_keeps_good_drafts():
     # 25 ms to read the weights, 0.2 ms per extra row: drafts are almost free
-    assert plan_draft_lengths([5], [0.5], [1], (0.025, 0.0002)) == [5]
+    assert plan_draft_lengths([geometric(5, 0.5)], [1], (0.025, 0.0002)) == [5]
     # a hopeless proposer is not worth even a cheap row at some depth
-    take = plan_draft_lengths([8], [0.05], [1], (0.025, 0.0002))
+    take = plan_draft_lengths([geometric(8, 0.05)], [1], (0.025, 0.0002))
     assert 0 < take[0] < 8
 
 
 def test_plan_large_compute_bound_batch_keeps_only_likely_drafts():
     n = 32
     rates = [0.9] * 8 + [0.3] * 24
-    take = plan_draft_lengths([5] * n, rates, [1] * n, (0.025, 0.002))
+    take = plan_draft_lengths([geometric(5, r) for r in rates], [1] * n, (0.025, 0.002))
     assert all(t == 0 for t in take[8:])  # unlikely drafts fall back to plain decoding
     assert all(t > 0 for t in take[:8])
-    fewer = plan_draft_lengths([5] * n, rates, [1] * n, (0.025, 0.01))
+    fewer = plan_draft_lengths([geometric(5, r) for r in rates], [1] * n, (0.025, 0.01))
     assert sum(fewer) <= sum(take)
 
 
-def _throughput(take, rates, base, cost):
+def _throughput(take, gains, base, cost):
     fixed, per_token = cost
-    gain = sum(1 + sum(r ** j for j in range(1, t + 1)) for t, r in zip(take, rates))
+    gain = sum(1 + sum(g[:t]) for t, g in zip(take, gains))
     return gain / (fixed + per_token * (sum(base) + sum(take)))
 
 
@@ -111,20 +141,20 @@ def test_plan_is_at_least_as_good_as_all_or_nothing(seed):
     rng = random.Random(seed)
     n = rng.randint(1, 40)
     proposed = [rng.randint(0, 8) for _ in range(n)]
-    rates = [rng.uniform(0.02, 0.98) for _ in range(n)]
+    gains = [AcceptanceEstimate(prior=rng.uniform(0.02, 0.98)).gains(p) for p in proposed]
     base = [1 if rng.random() < 0.8 else rng.randint(2, 100) for _ in range(n)]
     cost = (rng.uniform(0.005, 0.05), rng.uniform(0.00001, 0.005))
-    take = plan_draft_lengths(proposed, rates, base, cost)
+    take = plan_draft_lengths(gains, base, cost)
     assert all(0 <= t <= p for t, p in zip(take, proposed))
-    best = _throughput(take, rates, base, cost)
-    assert best >= _throughput(proposed, rates, base, cost) - 1e-12
-    assert best >= _throughput([0] * n, rates, base, cost) - 1e-12
+    best = _throughput(take, gains, base, cost)
+    assert best >= _throughput(proposed, gains, base, cost) - 1e-12
+    assert best >= _throughput([0] * n, gains, base, cost) - 1e-12
     for i in range(n):
         for delta in (-1, 1):
             other = list(take)
             other[i] += delta
             if 0 <= other[i] <= proposed[i]:
-                assert _throughput(other, rates, base, cost) <= best + 1e-12
+                assert _throughput(other, gains, base, cost) <= best + 1e-12
 
 
 # ---- in the gateway's loop, against real scorer and proposer processes ------------------

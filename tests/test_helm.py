@@ -168,6 +168,7 @@ BAD_VALUES = {
     "volume-without-source.yaml": "/model/volume",
     "bad-dtype.yaml": "/scorer/dtype",
     "pdb-bad-percent.yaml": "/proposers/suffix/pdb/maxUnavailable",
+    "bad-draft-length.yaml": "/speculation/draftLength",
 }
 
 
@@ -324,6 +325,9 @@ def test_gateway_discovers_the_scorer_and_every_enabled_proposer(values, methods
 def test_speculation_defaults_reach_the_gateway():
     args = container(docs_of(render("many-proposers.yaml"), "Deployment")["gateway"])["args"]
     assert flag(args, "--default-method") == ["suffix"] and flag(args, "--default-k") == ["8"]
+    assert flag(args, "--draft-length") == ["fixed"]
+    args = container(docs_of(render("minimal-cpu.yaml"), "Deployment")["gateway"])["args"]
+    assert flag(args, "--draft-length") == ["adaptive"]
 
 
 def test_gateway_may_watch_endpointslices_and_nothing_else_gets_a_token():
