@@ -39,6 +39,61 @@ class Stats:
             self.accepted_at[i] += i < num_accepted
 
 
+class IncrementalDecoder:
+    """The text of a growing token list, without decoding all of it each
+    round (which is quadratic in the output length).
+
+    It keeps the exact text of a prefix (a checkpoint) and decodes only a
+    window from a few tokens before the checkpoint: the text is the
+    checkpoint's text plus what the window adds beyond the checkpoint. The
+    context tokens make tokenizers that drop a word's leading space at the
+    start of a decode, or that merge bytes into one character, give the same
+    text as decoding everything. A checkpoint is only set where that holds
+    and the text around it is clean; otherwise the full decode is used.
+
+    Byte-fallback tokenizers decode a run of byte tokens as a whole, so one
+    bad byte garbles its whole run. Where the output holds such garbage
+    (U+FFFD), the text may differ from a full decode inside the garbled part
+    only; text without it is always exact."""
+
+    CONTEXT = 8  # tokens decoded before the checkpoint
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._reset()
+
+    def _reset(self) -> None:
+        self._at = 0  # checkpoint: token count whose text is known exactly
+        self._text = ""  # decode(tokens[:_at])
+        self._head = ""  # decode(tokens[_at - CONTEXT:_at])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def text(self, ids: list[int]) -> str:
+        if self._at > len(ids):  # tokens were taken back (a stop string)
+            self._reset()
+        start = max(0, self._at - self.CONTEXT)
+        window = self._decode(ids[start:])
+        if not window.startswith(self._head):
+            self._reset()
+            return self._decode(ids)
+        text = self._text + window[len(self._head):]
+        if len(ids) - self._at > 3 * self.CONTEXT:
+            self._advance(ids, text, start)
+        return text
+
+    def _advance(self, ids: list[int], text: str, start: int) -> None:
+        at = len(ids) - self.CONTEXT
+        part = self._decode(ids[start:at])
+        head = self._decode(ids[max(0, at - self.CONTEXT):at])
+        if not part.startswith(self._head) or "\ufffd" in part or "\ufffd" in head:
+            return
+        known = self._text + part[len(self._head):]
+        if text.startswith(known):
+            self._at, self._text, self._head = at, known, head
+
+
 class RequestFailed(Exception):
     """Ends a request with a gRPC status (code name, message)."""
 
@@ -66,6 +121,7 @@ class Sequence:
         self.stats = Stats()
         self.started = time.perf_counter()
         self._text = ""  # decoded output text so far
+        self._decoder = IncrementalDecoder(tokenizer)
         self._emitted_chars = 0
         self._emitted_tokens = 0
         # where the sequence's state lives
@@ -108,7 +164,7 @@ class Sequence:
                 self.finish_reason = pb.FINISH_REASON_LENGTH
                 break
         self.acceptance.resolve(self.tokens)
-        self._text = self.tokenizer.decode(self.tokens[self.num_prompt:], skip_special_tokens=True)
+        self._text = self._decoder.text(self.tokens[self.num_prompt:])
         self._apply_stop_strings()
         self._emit()
 
