@@ -48,15 +48,18 @@ def _model_info(addr) -> pb.ModelInfo:
 def _busiest(stack, kind: str):
     """The replica of ``kind`` holding the most live sequences right now,
     read from the gateway's specdec_gateway_replica_sequences gauge."""
-    samples = stack.by_name("gateway")[0].metrics()
     replicas = stack.by_name(kind)
+    for _ in range(40):  # the gauge is set at the end of the round that sent the first delta
+        samples = stack.by_name("gateway")[0].metrics()
 
-    def load(service):
-        key = f'specdec_gateway_replica_sequences{{kind="{kind}",replica="{service.addr}"}}'
-        return samples.get(key, 0.0)
-    victim = max(replicas, key=load)
-    assert load(victim) > 0, samples
-    return victim
+        def load(service):
+            key = f'specdec_gateway_replica_sequences{{kind="{kind}",replica="{service.addr}"}}'
+            return samples.get(key, 0.0)
+        victim = max(replicas, key=load)
+        if load(victim) > 0:
+            return victim
+        time.sleep(0.05)
+    raise AssertionError(f"no {kind} replica holds a live sequence: {samples}")
 
 
 def _moves(stack, kind: str) -> float:
