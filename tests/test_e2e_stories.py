@@ -115,6 +115,8 @@ BAD_REQUESTS = {
     "negative temperature": (make_request("Hi", temperature=-1.0), "temperature"),
     "top_p above 1": (make_request("Hi", temperature=1.0, top_p=1.5), "top_p"),
     "no chat template": (make_request(chat=[("user", "Hi")]), "chat"),
+    "unknown draft_length": (make_request("Hi", method="ngram", draft_length=7), "speculation.draft_length"),
+    "unknown accept_policy": (make_request("Hi", method="ngram", accept_policy=9), "speculation.accept_policy"),
 }
 
 
