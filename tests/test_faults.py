@@ -62,6 +62,19 @@ def _busiest(stack, kind: str):
     raise AssertionError(f"no {kind} replica holds a live sequence: {samples}")
 
 
+def _run_killing_busiest(stack, kind: str):
+    """Runs all PROMPTS, killing the busiest ``kind`` replica on the first
+    delta; returns (outputs, the killed service)."""
+    killed = []
+
+    def kill_busiest():
+        killed.append(_busiest(stack, kind))
+        killed[0].kill()
+    outputs = _run_all(stack.gateway_addr, on_first=kill_busiest)
+    assert killed and killed[0].proc.poll() is not None
+    return outputs, killed[0]
+
+
 def _moves(stack, kind: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
 
@@ -72,13 +85,7 @@ def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path,
     try:
         undisturbed = _run_all(stack.gateway_addr)
         assert _moves(stack, "proposer") == 0
-        killed = []
-
-        def kill_busiest():
-            killed.append(_busiest(stack, "proposer"))
-            killed[0].kill()
-        disturbed = _run_all(stack.gateway_addr, on_first=kill_busiest)
-        assert killed[0].proc.poll() is not None
+        disturbed, victim = _run_killing_busiest(stack, "proposer")
         assert _moves(stack, "proposer") > 0  # its sequences really did move
         assert disturbed == undisturbed
         again = _run_all(stack.gateway_addr)  # the survivor serves everyone
@@ -102,16 +109,10 @@ def test_killing_a_scorer_replica_mid_generation_changes_nothing(stories_path, t
         scorers = stack.by_name("scorer")
         for s in scorers:
             assert _model_info(s.addr).kv_capacity_tokens > 0
-        killed = []
-
-        def kill_busiest():
-            killed.append(_busiest(stack, "scorer"))
-            killed[0].kill()
-        disturbed = _run_all(stack.gateway_addr, on_first=kill_busiest)
-        assert killed[0].proc.poll() is not None
+        disturbed, victim = _run_killing_busiest(stack, "scorer")
         assert _moves(stack, "scorer") > 0  # its sequences were re-prefilled elsewhere
         assert disturbed == undisturbed
-        scorers.remove(killed[0])
+        scorers.remove(victim)
         scorers[0].kill()
         with pytest.raises(grpc.RpcError) as info:
             stream(stack.gateway_addr, make_request("Once upon a time", max_tokens=8), timeout=120)
