@@ -118,7 +118,8 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
                                         draft_length=DRAFT_LENGTH[draft_length]))
         s = gen.stats
         rows[name] = {"tokens": s.output_tokens, "wall_s": s.wall_s, "tok_s": s.output_tokens / s.wall_s,
-                      "rounds": s.rounds, "mean_accepted_length": s.mean_accepted_length,
+                      "rounds": s.rounds, "draft_tokens": s.draft_tokens,
+                      "mean_accepted_length": s.mean_accepted_length,
                       "acceptance_by_position": list(s.acceptance_by_position),
                       "propose_s": s.propose_s, "verify_s": s.verify_s, "network_s": s.network_s,
                       "token_ids": gen.token_ids}
@@ -129,7 +130,8 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
             "tok_s": tokens / wall, "mean_accepted_length": tokens / rounds,
             "propose_s": sum(r["propose_s"] for r in rows.values()),
             "verify_s": sum(r["verify_s"] for r in rows.values()),
-            "network_s": sum(r["network_s"] for r in rows.values())}
+            "network_s": sum(r["network_s"] for r in rows.values()), "rounds": rounds,
+            "draft_tokens": sum(r["draft_tokens"] for r in rows.values())}
 
 
 def run_concurrent(addr: str, prompt_list: list[list[int]], streams: int, method: str, k: int,
@@ -186,7 +188,8 @@ def main() -> None:
     ap.add_argument("--methods", default="none,naive,ngram,suffix,hybrid")
     ap.add_argument("--concurrency", default="1,8,32", help="stream counts for the aggregate table ('' skips)")
     ap.add_argument("--concurrency-max-tokens", type=int, default=160,
-                    help="tokens per stream in the concurrency table (long enough that decoding, not prefill, dominates)")
+                    help="tokens per stream in the concurrency table (long enough that decoding, not prefill, "
+                         "dominates)")
     ap.add_argument("--draft-lengths", default="fixed,adaptive",
                     help="draft-length policies to run for the speculative methods")
     ap.add_argument("--no-transformers", action="store_true")
@@ -199,8 +202,8 @@ def main() -> None:
     policies = [p for p in args.draft_lengths.split(",") if p]
     if not policies or set(policies) - set(DRAFT_LENGTH):
         raise SystemExit(f"--draft-lengths: choose from {sorted(DRAFT_LENGTH)}")
-    result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens, "k": args.k,
-              "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
+    result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens,
+              "k": args.k, "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
     print(f"starting the stack on {args.model} ({args.dtype}); logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, dtype=args.dtype, engine=args.engine, log_dir=log_dir,

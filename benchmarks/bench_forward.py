@@ -9,12 +9,25 @@ tokens relative to decoding one: speculation pays when it stays near 1.
 
 Decode: single-stream greedy decoding of --decode-tokens tokens (prefill
 included, stopping early only if transformers emits EOS) with each engine
-configuration and with transformers ``generate`` in float32 and bfloat16;
-tokens/s, the ratio to transformers in the same dtype, and whether the
-tokens are the same.
+configuration and with transformers ``generate`` in float32 and bfloat16
+(bfloat16 only on a CPU that computes it natively); tokens/s, the ratio to
+transformers in the same dtype, the share of the memory-bandwidth limit (a
+decode step reads every projection weight once: limit = measured copy
+bandwidth / weight bytes), the cost of verifying 5 drafts (6 rows) relative
+to one decode step, and whether the tokens are the same.
+
+Stack: the same greedy decoding through the whole local stack (scorer,
+proposer and gateway processes, gRPC, method "none": plain decoding) against
+the engine alone in this process, same dtype, prompt and token count, when
+the scorer would run on as many threads as --threads (its default); goal:
+within 5%.
+
+Also printed: the CPU model, the measured bandwidth, and for each engine the
+GEMM path the selector chose (engine.gemm_select: one path for every
+projection shape, each path's invariance verdict and timings).
 
     python benchmarks/bench_forward.py                       # SmolLM2, full grid
-    python benchmarks/bench_forward.py --batches 1,8 --queries 1,4,16 --reps 2
+    python benchmarks/bench_forward.py --batches 1,8 --queries 1,2,6 --reps 2
 
 Prints tables and writes JSON to --out (default bench_results/forward.json).
 Wall times are the minimum over --reps runs (other processes on a shared
@@ -29,19 +42,38 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdec.client import make_request, stream
+from specdec.engine.base import ForwardItem
+from specdec.engine.gemm_select import GemmRefused, cpu_model, native_bf16, summary
+from specdec.engine.kv_pool import default_num_threads
+from specdec.engine.llama import Checkpoint, LlamaEngine
+from specdec.launcher import Stack
 from specdec.models import default_model, load_tokenizer, resolve_model
-from specdec.scorer_svc.engine import ForwardItem
-from specdec.scorer_svc.kv_pool import default_num_threads
-from specdec.scorer_svc.llama import Checkpoint, LlamaEngine
 
 PROMPT = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. One night, "
           "a storm rolled in from the sea and")
+
+
+def copy_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
+    """GB/s of a large tensor copy (bytes read + bytes written), fastest of reps."""
+    src = torch.ones(mib << 18)  # float32, mib MiB
+    dst = torch.empty_like(src)
+    best = min(timed(lambda: dst.copy_(src))[0] for _ in range(reps))
+    return 2 * src.nbytes / best / 1e9
+
+
+def decode_weight_bytes(engine: LlamaEngine) -> int:
+    """Bytes of every projection weight one decode step reads (layers + LM head)."""
+    linears = [engine.lm_head] + [lin for layer in engine.layers
+                                  for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(lin.out_features * lin.in_features for lin in linears) * engine.dtype.itemsize
 
 
 def timed(fn) -> tuple[float, float]:
@@ -111,6 +143,22 @@ def best_rate(fn, reps: int) -> tuple[float, list[int]]:
     return max(len(tokens) / timed(fn)[0] for _ in range(reps)), tokens
 
 
+def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict) -> dict:
+    """Plain greedy decoding of n tokens through a local stack (gRPC, method
+    "none", EOS ignored) beside the engine alone (engine_row)."""
+    with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp()) as stack:
+        def once() -> list[int]:
+            request = make_request(prompt, max_tokens=n, method="none")
+            request.ignore_eos = True
+            return list(stream(stack.gateway_addr, request).token_ids)
+
+        rate, tokens = best_rate(once, reps)
+    agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
+    return {"engine": "whole local stack", "dtype": dtype, "gemm": engine_row["gemm"], "tokens": len(tokens),
+            "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
+            "agree_with_engine": agree}
+
+
 def print_forward(label: str, rows: list[dict]) -> None:
     print(f"\n== forward: {label} (wall ms, min of reps; x q=1 = cost relative to one decode step)")
     print(f"{'batch':>5} {'q':>3} {'rows':>5} {'wall ms':>9} {'cpu ms':>9} {'x q=1':>6} {'tok/s':>8}")
@@ -120,44 +168,75 @@ def print_forward(label: str, rows: list[dict]) -> None:
 
 
 def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
-                 hf_tokens: list[int], hf_rate: float) -> tuple[dict, list[dict]]:
-    """(the decode row, the forward rows) of one dtype / GEMM path."""
+                 hf_tokens: list[int], hf_rate: float, bandwidth: float) -> tuple[dict, list[dict]]:
+    """(the decode row, the forward rows) of one dtype / GEMM path; a path
+    this machine refuses gives a decode row saying so and no forward rows."""
     batches = [int(b) for b in args.batches.split(",")]
-    queries = [int(q) for q in args.queries.split(",")]
+    queries = sorted({1, 6, *(int(q) for q in args.queries.split(","))})
     capacity = max(batches) * (128 + max(queries)) + 1024
-    engine = LlamaEngine(checkpoint, dtype, kv_capacity_tokens=capacity, gemm=gemm, num_threads=args.threads)
+    decode: dict = {"engine": "LlamaEngine", "dtype": dtype, "gemm": gemm}
+    t0 = time.perf_counter()
+    try:
+        engine = LlamaEngine(checkpoint, dtype, kv_capacity_tokens=capacity, gemm=gemm, num_threads=args.threads)
+    except GemmRefused as e:
+        print(f"\n== {dtype} / {gemm}: refused: {e}")
+        return {**decode, "refused": str(e)}, []
+    report = engine.gemm_report or {}
+    print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
+          f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "
+          f"selection {report.get('select_s', 0.0):.1f} s (0: cached)\n   {summary(report)}")
     rate, tokens = best_rate(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
     agree = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), len(tokens))
-    decode = {"engine": "LlamaEngine", "dtype": dtype, "gemm": gemm, "tokens": len(tokens),
-              "tokens_per_s": rate, "vs_transformers": rate / hf_rate, "agree_with_hf": agree}
+    limit = bandwidth * 1e9 / decode_weight_bytes(engine)
     rows = [r for b in batches for r in bench_forward(engine, b, queries, args.reps, seed=b)]
     for r in rows:
-        r.update(dtype=dtype, gemm=gemm)
+        r.update(dtype=dtype, gemm=engine.gemm)
+    verify6 = next(r["vs_q1"] for r in rows if r["batch"] == 1 and r["q"] == 6) if 1 in batches else None
+    decode.update(gemm=f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm, tokens=len(tokens),
+                  tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
+                  pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
+                  gemm_report=report, engine_tokens=tokens)
     return decode, rows
 
 
 def print_decode(rows: list[dict], n: int, reps: int) -> None:
-    print(f"\n== single-stream greedy decode, up to {n} tokens (prefill included), best of {reps}")
-    print(f"{'engine':<22} {'dtype':<9} {'gemm':<7} {'tok/s':>7} {'vs HF':>6}  first tokens equal to HF's")
+    print(f"\n== single-stream greedy decode (batch 1), up to {n} tokens (prefill included), best of {reps}")
+    print(f"{'engine':<22} {'dtype':<9} {'gemm':<13} {'tok/s':>7} {'vs HF':>6} {'% BW lim':>8} "
+          f"{'verify6/decode':>14}  first tokens equal to HF's")
     for r in rows:
-        print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<7} {r['tokens_per_s']:>7.1f} "
-              f"{r.get('vs_transformers', 1.0):>6.2f}  {r['agree_with_hf']}/{r['tokens']}")
+        if "vs_engine_alone" in r:
+            print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f}   "
+                  f"{r['vs_engine_alone']:.3f} x the engine alone (goal >= 0.95); tokens equal to the engine's: "
+                  f"{r['agree_with_engine']}/{r['tokens']}")
+            continue
+        if "refused" in r:
+            print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} refused: {r['refused']}")
+            continue
+        pct = f"{r['pct_of_bandwidth_limit']:.0f}%" if "pct_of_bandwidth_limit" in r else "-"
+        v6 = f"{r['verify6_vs_decode']:.2f}" if r.get("verify6_vs_decode") else "-"
+        print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f} "
+              f"{r.get('vs_transformers', 1.0):>6.2f} {pct:>8} {v6:>14}  {r['agree_with_hf']}/{r['tokens']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=default_model())
-    ap.add_argument("--configs", default="float32:onednn,float32:aten,bfloat16:onednn,bfloat16:aten",
-                    help="dtype:gemm pairs")
+    ap.add_argument("--configs", default="float32:auto,bfloat16:auto",
+                    help="dtype:gemm pairs (gemm: auto or a forced path; bfloat16 only where native)")
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--queries", default="1,2,4,8,16")
+    ap.add_argument("--queries", default="1,2,4,6,8,16", help="(1 and 6 always run)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--decode-reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--no-stack", dest="stack", action="store_false",
+                    help="skip plain decoding through the whole local stack")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    if not native_bf16():
+        print("this CPU has no native bfloat16 (avx512_bf16 / amx_bf16): bfloat16 configurations skipped")
+        configs = [c for c in configs if c[0] != "bfloat16"]
     torch.set_num_threads(args.threads)  # transformers runs on as many threads as the engines
 
     from transformers import AutoModelForCausalLM
@@ -169,18 +248,34 @@ def main() -> None:
     checkpoint = Checkpoint.of_model(hf["float32"], args.model)  # engines cast it to their dtype
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {args.threads} threads")
     prompt = list(load_tokenizer(src)(PROMPT)["input_ids"])
+    bandwidth = copy_bandwidth_gbs()
+    load = os.getloadavg()
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, native bfloat16: {native_bf16()}); "
+          f"copy bandwidth {bandwidth:.1f} GB/s (read + write); load average {load[0]:.1f}")
 
-    results = {"model": args.model, "threads": args.threads, "machine": platform.processor() or platform.machine(),
-               "cpu_count": os.cpu_count(), "torch": torch.__version__, "forward": [], "decode": []}
+    scorer_threads = default_num_threads()  # what a scorer of this model runs on (LlamaEngine's default)
+    results = {"model": args.model, "threads": args.threads, "cpu": cpu_model(), "machine": platform.machine(),
+               "cpu_count": os.cpu_count(), "torch": torch.__version__, "bandwidth_gbs": bandwidth,
+               "load_average_start": load, "forward": [], "decode": []}
     for dtype in sorted({d for d, _ in configs}):
         hf_rate, hf_tokens = best_rate(lambda: hf_greedy(hf[dtype], prompt, args.decode_tokens), args.decode_reps)
-        results["decode"].append({"engine": "transformers generate", "dtype": dtype, "gemm": "-",
-                                  "tokens": len(hf_tokens), "tokens_per_s": hf_rate, "agree_with_hf": len(hf_tokens)})
+        hf_row = {"engine": "transformers generate", "dtype": dtype, "gemm": "-", "tokens": len(hf_tokens),
+                  "tokens_per_s": hf_rate, "agree_with_hf": len(hf_tokens)}
+        results["decode"].append(hf_row)
         for gemm in [g for d, g in configs if d == dtype]:
-            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate)
+            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate, bandwidth)
             results["decode"].append(decode)
             results["forward"] += rows
-            print_forward(f"{dtype} / {gemm}", rows)
+            if "bandwidth_limit_tok_s" in decode:  # the same weights transformers reads
+                hf_row.setdefault("pct_of_bandwidth_limit", 100 * hf_rate / decode["bandwidth_limit_tok_s"])
+            if rows:
+                print_forward(f"{dtype} / {decode['gemm']}", rows)
+            if gemm == "auto" and "tokens_per_s" in decode and args.stack and args.threads == scorer_threads:
+                results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens, args.decode_reps,
+                                                   decode))
+    results["load_average_end"] = os.getloadavg()
+    print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
+          f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
     print_decode(results["decode"], args.decode_tokens, args.decode_reps)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

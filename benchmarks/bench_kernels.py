@@ -97,7 +97,6 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row["triton_ms"] = time_ms(lambda: verify(*case, use_triton=True), args.repeats, device)[0]
                 results.append(row)
                 print_row(row)
-                del case
     return results
 
 

@@ -16,7 +16,10 @@ serving:
   from every proposed draft, also the tokens that were not verified: once the
   sequence's later output is known, the gateway checks how far the whole
   draft matched it. So a sequence whose drafts were trimmed to nothing still
-  finds out when its proposer starts guessing well again.
+  finds out when its proposer starts guessing well again. A model draft
+  brings better: its own probability of each token, which knows the context
+  at hand; its j-th token's chance is the product of those up to j
+  (``costs.draft_gains``).
 
 ``plan_draft_lengths`` then maximises the expected output tokens per second
 of the round: draft tokens are taken in decreasing order of that chance while

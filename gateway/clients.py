@@ -12,9 +12,19 @@ import grpc
 
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.security import ClientTls, aio_channel
 from specdec.servers import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
+
+
+def closed_under_us() -> bool:
+    """Inside `except asyncio.CancelledError`: True when our own task is not
+    being cancelled, i.e. gRPC aborted the call because its channel was closed
+    (discovery dropped the replica). Such a call failed; it must not end the
+    caller's task (the gateway loop) as a cancellation would."""
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
 
 
 class ProposerStream:
@@ -24,13 +34,9 @@ class ProposerStream:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self._stub = pb_grpc.ProposerStub(channel)
-        self._call = None
+        self._call: grpc.aio.StreamStreamCall | None = None
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-
-    @property
-    def connected(self) -> bool:
-        return self._call is not None
 
     async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
         """Sends one message and waits for its response. Raises on timeout or a
@@ -39,15 +45,21 @@ class ProposerStream:
         async with self._lock:
             if self._call is None:
                 self._call = self._stub.Propose()
+            call = self._call
             request.batch_id = next(self._ids)
             try:
-                await asyncio.wait_for(self._call.write(request), timeout_s)
-                response = await asyncio.wait_for(self._call.read(), timeout_s)
+                await asyncio.wait_for(call.write(request), timeout_s)
+                response = await asyncio.wait_for(call.read(), timeout_s)
                 if response is grpc.aio.EOF:
                     raise ConnectionError("proposer closed the stream")
                 if response.batch_id != request.batch_id:
                     raise ConnectionError("proposer answered out of order")
                 return response
+            except asyncio.CancelledError:
+                if self._call is not call:  # reset() (replica dropped) cancelled the call, not our task
+                    raise ConnectionError("proposer stream was reset") from None
+                self.reset()
+                raise
             except BaseException:
                 self.reset()
                 raise
@@ -58,17 +70,28 @@ class ProposerStream:
         self._call = None
 
 
+#: gRPC's default reconnect backoff grows to 120 s, so a replica that died and
+#: came back on the same address stayed unreachable for minutes; replicas are
+#: few and on a fast network: retry connecting every second or so.
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 class Connections:
     """Channels (and proposer streams) keyed by address, created on demand."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ClientTls | None = None) -> None:
+        self.tls = tls  # None: plaintext
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[str, ProposerStream] = {}
         self._down_until: dict[str, float] = {}
 
     def channel(self, addr: str) -> grpc.aio.Channel:
         if addr not in self._channels:
-            self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            self._channels[addr] = aio_channel(addr, self.tls, [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS])
         return self._channels[addr]
 
     def scorer(self, addr: str) -> pb_grpc.ScorerStub:
@@ -91,14 +114,15 @@ class Connections:
         now = time.monotonic()
         return {a for a, t in self._down_until.items() if t > now}
 
-    async def drop(self, addr: str) -> None:
-        """Closes everything to a replica that discovery removed."""
+    async def drop(self, addr: str, grace_s: float | None = None) -> None:
+        """Closes everything to a replica that discovery removed; calls still
+        in flight get grace_s to end on their own (they are aborted after)."""
         stream = self._streams.pop(addr, None)
         if stream is not None:
             stream.reset()
         channel = self._channels.pop(addr, None)
         if channel is not None:
-            await channel.close()
+            await channel.close(grace_s)
 
     async def close(self) -> None:
         for addr in list(self._channels):

@@ -1,4 +1,4 @@
-"""The speculative decoding loop. Every round, for all live sequences at once:
+"""The speculative decoding loop. Every sequence goes through rounds of
 
     propose: each proposer replica gets one message with its sequences' new
              tokens and draft budgets, and answers with draft tokens;
@@ -7,30 +7,86 @@
     commit:  output tokens are appended, stop conditions applied, deltas
              streamed to the clients.
 
+Overlapped rounds. Lock-step, every live sequence goes propose → verify →
+commit together, and the proposer's time adds to every round. With overlap
+(``LoopConfig.overlap``, gateway ``--overlap``) the live sequences form two
+cohorts: each step verifies the cohort proposed in the step before while the
+proposers draft the other one, then commits the verified cohort. Each
+sequence still goes propose → verify → commit in order, on its own tokens,
+so drafts are never built on guesses and nothing is thrown away: output,
+failure handling, releases and the draft plan are those of lock-step.
+
+Why cohorts and not drafting ahead (proposing round r+1 assuming round r's
+drafts are all accepted): the next round's context needs the target's own
+token after the accepted drafts, which only the verification gives, and
+proposers hold per-sequence state that would need rolling back whenever the
+guess is wrong — a protocol change for a gain that shrinks with the
+rejection rate. Why not one pipeline per sequence: every Verify would batch
+whatever happens to be ready, a batch size that drifts with timing; two
+cohorts keep the batches whole and the steps readable.
+
+The price: each Verify carries half the sequences. On a CPU scorer a Verify
+costs about in proportion to its rows, so two half calls cost one whole and
+a proposer faster than half a Verify costs nothing. On a GPU scorer half a
+batch costs nearly as much as a whole one (the fixed part, reading the
+weights, dominates), so cohorts pay only when the proposer takes longer than
+that fixed part. So with ``--overlap on`` (the default) the loop splits only
+while ``costs.overlap_pays`` says so, from the measured propose time and the
+scorer's fitted Verify cost (``always`` splits regardless: tests, and
+benchmarks of the split itself); with one live sequence there is nothing to
+overlap and rounds are lock-step.
+
 A proposer that is slow, down or wrong only costs drafts (the round goes on
 with zero drafts); a lost scorer replica costs a re-prefill on another one.
-Neither changes a token.
+Neither changes a token. Where state lives is ``Placement``'s business, what
+a failure costs ``FailurePolicy``'s, freeing state ``Releases``', the
+adaptive draft length ``VerifyCosts``/``plan_drafts``'; messages are built
+and read in gateway/wire.py.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
-import numpy as np
 
+from specdec.drafts import NO_DRAFT, Draft
 from specdec.gateway import metrics
-from specdec.gateway.adaptive import AcceptanceEstimate, CostModel, plan_draft_lengths
-from specdec.gateway.clients import Connections
+from specdec.gateway.adaptive import AcceptanceEstimate
+from specdec.gateway.clients import Connections, closed_under_us
+from specdec.gateway.costs import VerifyCosts, apply_plan, overlap_pays, plan_drafts
 from specdec.gateway.discovery import ReplicaSet
+from specdec.gateway.failures import FailurePolicy
+from specdec.gateway.placement import Placement
+from specdec.gateway.releases import Releases
 from specdec.gateway.sequence import RequestFailed, Sequence
+from specdec.gateway.wire import (
+    Status,
+    Verdict,
+    declared_features,
+    draft_from_message,
+    propose_request,
+    verdicts_from_response,
+    verify_request,
+)
 from specdec.protos.v1 import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-NO_DRAFTS = np.zeros(0, dtype=np.int32)
+
+class Overlap(str, enum.Enum):
+    """When the loop overlaps rounds (gateway ``--overlap``)."""
+
+    ON = "on"  # while the cost model says two cohorts are faster
+    ALWAYS = "always"  # whenever two or more sequences are live
+    OFF = "off"  # lock-step rounds
 
 
 @dataclass
@@ -40,31 +96,29 @@ class LoopConfig:
     replica_down_s: float = 5.0  # keep new work off a replica whose call failed
     max_stalled_rounds: int = 200  # rounds without progress before a request fails
     stall_sleep_s: float = 0.05
-    adaptive_draft_length: bool = True  # default for requests that do not choose
-
-
-@dataclass
-class _Drafts:
-    token_ids: np.ndarray  # int32 [n]
-    probs: list  # SparseProbs messages, empty for one-hot drafts
+    overlap: Overlap = Overlap.ON
 
 
 class SpecLoop:
     def __init__(self, scorers: ReplicaSet, proposers: dict[str, ReplicaSet], vocab_size: int,
-                 config: LoopConfig | None = None) -> None:
+                 config: LoopConfig | None = None, conns: Connections | None = None) -> None:
         self.scorers = scorers
         self.proposers = proposers  # method -> replicas serving it
         self.vocab_size = vocab_size
         self.config = config or LoopConfig()
-        self.conns = Connections()
+        self.conns = conns or Connections()
+        self.placement = Placement(scorers, proposers, self.conns)
+        self.failures = FailurePolicy(self.conns, self.placement, self.config.replica_down_s,
+                                      self.config.max_stalled_rounds)
+        self.releases = Releases(self.conns)
+        self.costs = VerifyCosts()
+        self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
         self._live: list[Sequence] = []
+        self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
+        self._propose_s: float | None = None  # moving average of a propose phase's wall time
+        self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._proposer_releases: dict[str, list[pb.SequenceRelease]] = {}
-        self._scorer_releases: dict[str, list[str]] = {}
-        self._placement = metrics.Placement()
-        self._costs: dict[str, CostModel] = {}  # Verify time per scorer replica
-        self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
 
     # ------------------------------------------------------------ lifecycle
 
@@ -74,23 +128,29 @@ class SpecLoop:
 
         def on_change(added: set[str], removed: set[str]) -> None:  # called from discovery threads
             for addr in removed:
-                loop.call_soon_threadsafe(lambda a=addr: loop.create_task(self.conns.drop(a)))
-                loop.call_soon_threadsafe(self._forget_replica, addr)
+                loop.call_soon_threadsafe(self._drop_replica, addr)
 
         for replicas in [self.scorers, *self.proposers.values()]:
             replicas.subscribe(on_change)
 
-    def _forget_replica(self, addr: str) -> None:
-        if self._costs.pop(addr, None) is not None:
-            for part in ("fixed", "per_token"):
-                try:
-                    metrics.VERIFY_COST.remove(addr, part)
-                except KeyError:
-                    pass
+    def _drop_replica(self, addr: str) -> None:
+        # an in-flight Verify may still finish (its sequences then move next round)
+        asyncio.get_running_loop().create_task(self.conns.drop(addr, grace_s=self.config.verify_timeout_s))
+        self.costs.forget(addr)
 
     async def stop(self) -> None:
+        """Stops the rounds; sequences still live end with UNAVAILABLE and
+        their proposer state and KV caches are released before the channels
+        close."""
         if self._task is not None:
             self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for seq in self._live:
+            if not seq.done:
+                seq.fail(RequestFailed("UNAVAILABLE", "the gateway is shutting down"))
+        self._retire()
+        await self.releases.flush_all(self.config.propose_timeout_s)
         await self.conns.close()
 
     def submit(self, seq: Sequence) -> None:
@@ -104,9 +164,9 @@ class SpecLoop:
         while True:
             if not self._live:
                 metrics.LIVE.set(0)
-                self._placement.update({})
+                self.placement.publish([])
                 self._wake.clear()
-                await self._flush_releases()
+                await self.releases.flush_all(self.config.propose_timeout_s)
                 await self._wake.wait()
             try:
                 await self._round()
@@ -117,248 +177,224 @@ class SpecLoop:
                 self._retire()
 
     async def _round(self) -> None:
-        self._retire()
-        live = list(self._live)
+        """Moves the live sequences on: a lock-step round for all of them, or,
+        while overlapping pays, one overlapped step."""
+        live = self._retire()
         if not live:
             return
-        metrics.LIVE.set(len(live))
-        start = time.perf_counter()
-        drafts = await self._propose(live)
-        proposed = time.perf_counter()
-        progressed = await self._verify(live, drafts)
-        end = time.perf_counter()
-        metrics.PHASE_SECONDS.labels("propose").observe(proposed - start)
-        metrics.PHASE_SECONDS.labels("verify").observe(end - proposed)
-        metrics.ROUND_SECONDS.observe(end - start)
-        self._update_placement(live)
-        self._retire()
+        overlapped = self._overlap_pays(live)
+        if overlapped:
+            metrics.OVERLAPPED_STEPS.inc()
+            progressed = await self._overlapped_step(live)
+        else:
+            progressed = await self._lock_step_round(live)
+        self.placement.publish(live)
         if not progressed:
             await asyncio.sleep(self.config.stall_sleep_s)
 
+    async def _lock_step_round(self, live: list[Sequence]) -> bool:
+        """propose → verify → commit for every live sequence (those drafted
+        in an overlapped step before keep their drafts); True if any progressed."""
+        clock = _RoundClock(len(live))
+        drafted = self._take_drafted(live)
+        drafts = await clock.timed("propose", self._propose([s for s in live if s.seq_id not in drafted]))
+        verdicts = await clock.timed("verify", self._verify(live, drafted | drafts))
+        progressed = self._commit(verdicts)
+        clock.end()
+        return progressed
+
+    async def _overlapped_step(self, live: list[Sequence]) -> bool:
+        """Verifies the cohort drafted last step while the other cohort is
+        proposed, then commits the verified one; True if any progressed (or
+        nothing was due for verification)."""
+        clock = _RoundClock(len(live))
+        drafted = self._take_drafted(live)
+        verifying = [s for s in live if s.seq_id in drafted]
+        proposing = _next_cohort(live, verifying)
+        verdicts, self._drafted = await asyncio.gather(clock.timed("verify", self._verify(verifying, drafted)),
+                                                       clock.timed("propose", self._propose(proposing)))
+        progressed = self._commit(verdicts)
+        clock.end()
+        return progressed or not verifying
+
+    def _take_drafted(self, live: list[Sequence]) -> dict[str, Draft]:
+        """The drafts of last step's proposed cohort that are still live."""
+        ids = {s.seq_id for s in live}
+        drafted = {seq_id: d for seq_id, d in self._drafted.items() if seq_id in ids}
+        self._drafted = {}
+        return drafted
+
+    def _overlap_pays(self, live: list[Sequence]) -> bool:
+        """Two sequences or more, and overlap always, or on and the cost model
+        of the busiest scorer replica says two cohorts are faster (until there
+        are figures to tell, they are tried)."""
+        if self.config.overlap is Overlap.OFF or len(live) < 2:
+            return False
+        if self.config.overlap is Overlap.ALWAYS:
+            return True
+        on_scorer: dict[str, int] = {}
+        for seq in live:
+            if seq.scorer_addr is not None:
+                on_scorer[seq.scorer_addr] = on_scorer.get(seq.scorer_addr, 0) + 1
+        if self._propose_s is None or not on_scorer:
+            return True
+        addr, count = max(on_scorer.items(), key=lambda item: item[1])
+        verify = self.costs.wall_estimate(addr)
+        return verify is None or overlap_pays(self._propose_s, verify, count * self._tokens_per_seq)
+
     # -------------------------------------------------------------- propose
 
-    async def _propose(self, live: list[Sequence]) -> dict[str, _Drafts]:
-        """Draft tokens per seq_id; missing entries mean zero drafts."""
-        by_addr: dict[str, list[Sequence]] = {}
-        for seq in live:
-            replicas = self.proposers.get(seq.params.method)
-            if replicas is None or seq.draft_budget() == 0:
-                continue
-            if seq.proposer_addr not in replicas.addresses():
-                if seq.proposer_addr is not None:  # its replica went away
-                    metrics.MOVES.labels("proposer").inc()
-                seq.proposer_addr, seq.proposer_len = replicas.pick(seq.seq_id, self.conns.down()), 0
-            if seq.proposer_addr is not None:
-                by_addr.setdefault(seq.proposer_addr, []).append(seq)
-        results = await asyncio.gather(*(self._propose_on(a, seqs) for a, seqs in by_addr.items()))
-        drafts: dict[str, _Drafts] = {}
-        for r in results:
-            drafts.update(r)
+    async def _propose(self, live: list[Sequence]) -> dict[str, Draft]:
+        """Draft tokens for every live sequence (NO_DRAFT where its proposer
+        had none, failed or sent garbage)."""
+        groups = self.placement.by_proposer(live)
+        drafts = {seq.seq_id: NO_DRAFT for seq in live}
+        if not groups:
+            return drafts
+        start = time.perf_counter()
+        for found in await asyncio.gather(*(self._propose_on(a, seqs) for a, seqs in groups.items())):
+            drafts.update(found)
+        self._propose_s = _moving_average(self._propose_s, time.perf_counter() - start)
         return drafts
 
-    async def _propose_on(self, addr: str, seqs: list[Sequence]) -> dict[str, _Drafts]:
-        request = pb.ProposeRequest(releases=self._proposer_releases.pop(addr, []))
-        for seq in seqs:
-            request.sequences.append(self._sequence_update(seq))
+    async def _propose_on(self, addr: str, seqs: list[Sequence]) -> dict[str, Draft]:
+        request = propose_request(seqs, self.releases.take_proposer(addr))
         start = time.perf_counter()
         try:
             response = await self.conns.proposer_stream(addr).exchange(request, self.config.propose_timeout_s)
         except Exception as e:  # any proposer failure only costs this round's drafts
-            log.warning("proposer %s failed (%s): %d sequences go on without drafts",
-                        addr, type(e).__name__, len(seqs))
-            self.conns.mark_down(addr, self.config.replica_down_s)
-            metrics.REPLICA_FAILURES.labels("proposer", addr).inc()
-            metrics.MOVES.labels("proposer").inc(len(seqs))
-            for seq in seqs:
-                seq.proposer_addr, seq.proposer_len = None, 0
+            self.failures.proposer_failed(addr, seqs, e)
             return {}
         elapsed = time.perf_counter() - start
         drafts = {}
-        for seq, draft in zip(seqs, response.drafts):
+        for seq, msg in zip(seqs, response.drafts):
             seq.stats.propose_s += elapsed
-            if draft.status != pb.SEQUENCE_STATUS_OK:
+            if msg.status != pb.SEQUENCE_STATUS_OK:
                 seq.proposer_len = 0  # re-open next round
                 continue
+            if seq.proposer_len == 0:  # the answer to an open declares the features it drafts from
+                seq.proposer_opened(*declared_features(msg))
             seq.proposer_len = len(seq.tokens)
-            checked = self._checked_drafts(seq, draft)
-            seq.acceptance.proposed(len(seq.tokens), checked.token_ids.tolist())
-            drafts[seq.seq_id] = checked
+            draft = self._checked(seq, draft_from_message(msg))
+            seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
+            drafts[seq.seq_id] = draft
         return drafts
 
-    def _sequence_update(self, seq: Sequence) -> pb.SequenceUpdate:
-        p = seq.params
-        update = pb.SequenceUpdate(seq_id=seq.seq_id, context_len=len(seq.tokens),
-                                   num_speculative_tokens=seq.draft_budget())
-        if seq.proposer_len == 0:
-            update.open = True
-            update.token_ids.extend(seq.tokens)
-            update.options.CopyFrom(pb.ProposerOptions(
-                method=p.method, min_n=p.min_n, max_n=p.max_n, reference_token_ids=p.reference_ids,
-                max_tree_depth=p.max_tree_depth, max_spec_factor=p.max_spec_factor,
-                min_token_prob=p.min_token_prob))
-        else:
-            update.token_ids.extend(seq.tokens[seq.proposer_len:])
-        return update
-
-    def _checked_drafts(self, seq: Sequence, draft: pb.Draft) -> _Drafts:
+    def _checked(self, seq: Sequence, draft: Draft) -> Draft:
         """A proposer returning garbage (too many drafts, ids outside the
         vocabulary, malformed probabilities) costs its drafts, nothing else."""
-        ids = np.asarray(draft.token_ids, dtype=np.int32)
-        bad = (len(ids) > seq.draft_budget() or (len(ids) and (ids.min() < 0 or ids.max() >= self.vocab_size))
-               or (len(draft.probs) not in (0, len(ids))))
-        if bad:
-            log.warning("proposer %s sent invalid drafts for %s; dropped", seq.proposer_addr, seq.seq_id)
-            metrics.INVALID_DRAFTS.labels(seq.proposer_addr).inc()
-            return _Drafts(NO_DRAFTS, [])
-        return _Drafts(ids, list(draft.probs))
+        if draft.is_well_formed(seq.num_speculative_tokens(), self.vocab_size):
+            return draft
+        log.warning("proposer %s sent invalid drafts for %s; dropped", seq.proposer_addr, seq.seq_id)
+        metrics.INVALID_DRAFTS.labels(seq.proposer_addr).inc()
+        return NO_DRAFT
 
     # --------------------------------------------------------------- verify
 
-    async def _verify(self, live: list[Sequence], drafts: dict[str, _Drafts]) -> bool:
-        """Runs the round's Verify calls; True if any sequence made progress."""
-        by_addr: dict[str, list[Sequence]] = {}
-        for seq in live:
-            if seq.scorer_addr not in self.scorers.addresses() or seq.scorer_addr in self.conns.down():
-                if seq.scorer_addr is not None:  # its replica went away or is failing
-                    metrics.MOVES.labels("scorer").inc()
-                seq.scorer_addr, seq.scorer_primed = self.scorers.pick(seq.seq_id, self.conns.down()), False
-            if seq.scorer_addr is None:
-                self._stall(seq, RequestFailed("UNAVAILABLE", "no scorer replica is available"))
-                continue
-            by_addr.setdefault(seq.scorer_addr, []).append(seq)
-        outcomes = await asyncio.gather(*(self._verify_on(a, seqs, drafts) for a, seqs in by_addr.items()))
-        return any(outcomes)
+    async def _verify(self, live: list[Sequence], drafts: dict[str, Draft]) -> list[Verdict]:
+        """The round's Verify calls, one per scorer replica; commits nothing."""
+        groups, unplaced = self.placement.by_scorer(live)
+        verdicts = [Verdict(seq, Status.NO_SCORER) for seq in unplaced]
+        for found in await asyncio.gather(*(self._verify_on(a, seqs, drafts) for a, seqs in groups.items())):
+            verdicts.extend(found)
+        return verdicts
 
-    async def _verify_on(self, addr: str, seqs: list[Sequence], drafts: dict[str, _Drafts]) -> bool:
-        await self._flush_scorer_releases(addr)
-        cost = self._costs.setdefault(addr, CostModel())
-        fed = self._trim_drafts(seqs, drafts, cost)
-        # the fit describes verification rounds; prefill costs per token differ
-        decode_only = all(seq.scorer_primed for seq in seqs)
-        request = pb.VerifyRequest()
-        for seq in seqs:
-            d = drafts.get(seq.seq_id, _Drafts(NO_DRAFTS, []))
-            p = seq.params
-            v = request.sequences.add(
-                seq_id=seq.seq_id, context_len=len(seq.tokens), draft_token_ids=d.token_ids.tolist(),
-                draft_probs=d.probs, verify_strategy=p.verify_strategy, accept_policy=p.accept_policy)
-            v.sampling.temperature, v.sampling.top_k, v.sampling.top_p = p.temperature, p.top_k, p.top_p
-            v.sampling.seed = p.seed
-            if not seq.scorer_primed:
-                v.context_token_ids.extend(seq.tokens)
+    async def _verify_on(self, addr: str, seqs: list[Sequence], drafts: dict[str, Draft]) -> list[Verdict]:
+        await self.releases.flush_scorer(addr)
+        plan = plan_drafts(seqs, drafts, self.costs.estimate(addr))
+        kept = apply_plan(seqs, drafts, plan)
         start = time.perf_counter()
         try:
-            response = await self.conns.scorer(addr).Verify(request, timeout=self.config.verify_timeout_s)
+            response = await self.conns.scorer(addr).Verify(verify_request(seqs, kept),
+                                                            timeout=self.config.verify_timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a request that got past our checks
-                for seq in seqs:
-                    seq.fail(RequestFailed("INVALID_ARGUMENT", e.details()))
-                return True
-            log.warning("scorer %s failed (%s); its %d sequences move", addr, e.code().name, len(seqs))
-            self.conns.mark_down(addr, self.config.replica_down_s)
-            metrics.REPLICA_FAILURES.labels("scorer", addr).inc()
-            metrics.MOVES.labels("scorer").inc(len(seqs))
-            for seq in seqs:
-                seq.scorer_addr, seq.scorer_primed = None, False
-                self._stall(seq, RequestFailed("UNAVAILABLE", f"scorer call failed: {e.code().name}"))
-            return False
+                return [Verdict(seq, Status.INVALID, message=e.details() or "") for seq in seqs]
+            self.failures.scorer_failed(addr, len(seqs), e.code().name)
+            return [Verdict(seq, Status.SCORER_FAILED, message=e.code().name) for seq in seqs]
+        except asyncio.CancelledError:
+            if not closed_under_us():
+                raise
+            self.failures.scorer_failed(addr, len(seqs), "CANCELLED")
+            return [Verdict(seq, Status.SCORER_FAILED, message="CANCELLED") for seq in seqs]
         rpc_s = time.perf_counter() - start
-        if decode_only:
-            cost.observe(fed, response.compute_s)
-        progressed = False
-        for seq, result in zip(seqs, response.results):
+        self.costs.observe(addr, plan, response.compute_s, rpc_s)
+        if plan.decode_only:  # prefills would not tell the rows of the rounds to come
+            self._tokens_per_seq = _moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
+        for seq in seqs:
             seq.stats.verify_s += response.compute_s
             seq.stats.network_s += max(0.0, rpc_s - response.compute_s)
-            if result.status == pb.SEQUENCE_STATUS_OK:
-                seq.scorer_primed, seq.retries = True, 0
-                k = len(drafts[seq.seq_id].token_ids) if seq.seq_id in drafts else 0
-                before = seq.num_output
-                seq.commit(list(result.output_token_ids), k, result.num_accepted)
-                _count_round(seq, before, k, result.num_accepted)
-                progressed = True
-            elif result.status == pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE:
-                seq.scorer_primed = False  # re-prefill from our history next round
-                progressed = True
-            elif result.status == pb.SEQUENCE_STATUS_INVALID:
-                seq.fail(RequestFailed("INVALID_ARGUMENT", result.message))
-            else:
-                self._stall(seq, RequestFailed("RESOURCE_EXHAUSTED", result.message))
+        return verdicts_from_response(seqs, kept, response)
+
+    # --------------------------------------------------------------- commit
+
+    def _commit(self, verdicts: list[Verdict]) -> bool:
+        """Appends each verified sequence's output tokens (stop conditions,
+        deltas); settles the others by the failure policy. True if any
+        sequence made progress."""
+        progressed = False
+        for v in verdicts:
+            if v.status is not Status.OK:
+                progressed |= self.failures.settle(v)
+                continue
+            seq = v.seq
+            seq.scorer_primed, seq.retries = True, 0
+            seq.features.receive(v.features)
+            before = seq.num_output
+            seq.commit(list(v.output_token_ids), v.num_drafts, v.num_accepted)
+            _count_round(seq, before, v.num_drafts, v.num_accepted)
+            progressed = True
         return progressed
-
-    def _trim_drafts(self, seqs: list[Sequence], drafts: dict[str, _Drafts], cost: CostModel) -> int:
-        """Keeps the draft tokens worth verifying on this scorer replica this
-        round (adaptive sequences only); returns the tokens the call feeds."""
-        base = [1 if seq.scorer_primed else len(seq.tokens) for seq in seqs]
-        proposed = [len(drafts[s.seq_id].token_ids) if s.seq_id in drafts else 0 for s in seqs]
-        adaptive = [s.params.adaptive for s in seqs]
-        if any(adaptive) and any(proposed):
-            # fixed-length sequences' drafts are part of the round's cost, not candidates
-            estimate = cost.estimate()
-            if estimate is not None:
-                metrics.VERIFY_COST.labels(seqs[0].scorer_addr, "fixed").set(estimate[0])
-                metrics.VERIFY_COST.labels(seqs[0].scorer_addr, "per_token").set(estimate[1])
-            plan = plan_draft_lengths([s.acceptance.gains(p if a else 0)
-                                       for s, p, a in zip(seqs, proposed, adaptive)],
-                                      [b + (0 if a else p) for b, p, a in zip(base, proposed, adaptive)],
-                                      estimate)
-            for seq, keep, n, a in zip(seqs, plan, proposed, adaptive):
-                if a and keep < n:
-                    d = drafts[seq.seq_id]
-                    drafts[seq.seq_id] = _Drafts(d.token_ids[:keep], d.probs[:keep])
-                    metrics.TRIMMED_DRAFTS.labels(seq.params.method).inc(n - keep)
-        return sum(base) + sum(len(drafts[s.seq_id].token_ids) for s in seqs if s.seq_id in drafts)
-
-    def _update_placement(self, live: list[Sequence]) -> None:
-        counts: dict[tuple[str, str], int] = {}
-        for seq in live:
-            for kind, addr in (("proposer", seq.proposer_addr), ("scorer", seq.scorer_addr)):
-                if addr is not None and not seq.done:
-                    counts[kind, addr] = counts.get((kind, addr), 0) + 1
-        self._placement.update(counts)
-
-    def _stall(self, seq: Sequence, error: RequestFailed) -> None:
-        """A round without progress for seq; after too many the request fails."""
-        seq.retries += 1
-        if seq.retries > self.config.max_stalled_rounds:
-            seq.fail(error)
 
     # ------------------------------------------------------------- releases
 
-    def _retire(self) -> None:
-        """Drops finished, failed and cancelled sequences; their proposer state
-        and KV cache are released with the next messages to those replicas."""
-        keep = []
+    def _retire(self) -> list[Sequence]:
+        """Drops finished, failed and cancelled sequences (their replicas'
+        state is released with the next messages there); returns the live ones."""
+        live = []
         for seq in self._live:
-            if not seq.done:
-                keep.append(seq)
-                continue
-            _count_end(seq)
-            if seq.proposer_addr is not None and seq.proposer_len:
-                completed = seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-                self._proposer_releases.setdefault(seq.proposer_addr, []).append(
-                    pb.SequenceRelease(seq_id=seq.seq_id, completed=completed))
-            if seq.scorer_addr is not None and seq.scorer_primed:
-                self._scorer_releases.setdefault(seq.scorer_addr, []).append(seq.seq_id)
-        self._live = keep
+            if seq.done:
+                _count_end(seq)
+                self.releases.add(seq)
+            else:
+                live.append(seq)
+        self._live = live
+        return list(live)
 
-    async def _flush_releases(self) -> None:
-        for addr in list(self._scorer_releases):
-            await self._flush_scorer_releases(addr)
-        for addr, releases in list(self._proposer_releases.items()):
-            self._proposer_releases.pop(addr)
-            try:
-                await self.conns.proposer_stream(addr).exchange(
-                    pb.ProposeRequest(releases=releases), self.config.propose_timeout_s)
-            except Exception:
-                pass  # a broken stream drops the replica's state anyway
 
-    async def _flush_scorer_releases(self, addr: str) -> None:
-        seq_ids = self._scorer_releases.pop(addr, [])
-        if seq_ids:
-            try:
-                await self.conns.scorer(addr).Release(pb.ReleaseRequest(seq_ids=seq_ids), timeout=10)
-            except grpc.aio.AioRpcError as e:
-                log.warning("release on scorer %s failed: %s", addr, e.code().name)
+def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequence]:
+    """The sequences to propose while ``verifying`` is verified: all the
+    others, unless they outnumber it by more than one (the start, or the
+    cohorts drifted apart as sequences came and went); then only half of all
+    live sequences, and the rest wait one step, so the cohorts are even again."""
+    busy = {s.seq_id for s in verifying}
+    free = [s for s in live if s.seq_id not in busy]
+    if len(free) > len(verifying) + 1:
+        return free[:(len(live) + 1) // 2]
+    return free
+
+
+def _moving_average(average: float | None, value: float, decay: float = 0.9) -> float:
+    return value if average is None else decay * average + (1 - decay) * value
+
+
+class _RoundClock:
+    """Times a round (or overlapped step) and its phases
+    (specdec_gateway_round/phase_seconds)."""
+
+    def __init__(self, num_live: int) -> None:
+        metrics.LIVE.set(num_live)
+        self.start = time.perf_counter()
+
+    async def timed(self, phase: str, step: Awaitable[T]) -> T:
+        start = time.perf_counter()
+        try:
+            return await step
+        finally:
+            metrics.PHASE_SECONDS.labels(phase).observe(time.perf_counter() - start)
+
+    def end(self) -> None:
+        metrics.ROUND_SECONDS.observe(time.perf_counter() - self.start)
 
 
 def _count_round(seq: Sequence, output_before: int, num_drafts: int, num_accepted: int) -> None:
@@ -374,8 +410,8 @@ def _count_round(seq: Sequence, output_before: int, num_drafts: int, num_accepte
 def _count_end(seq: Sequence) -> None:
     if seq.failed:
         outcome = seq.failure_code
-    elif seq.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-        outcome = pb.FinishReason.Name(seq.finish_reason).removeprefix("FINISH_REASON_").lower()
+    elif seq.finish_reason is not None:
+        outcome = seq.finish_reason.value
     else:
         outcome = "cancelled"
     metrics.REQUESTS.labels(outcome).inc()

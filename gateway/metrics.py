@@ -25,10 +25,16 @@ LATENCY = Histogram("specdec_gateway_request_seconds", "Time from request to its
 LIVE = Gauge("specdec_gateway_live_sequences", "Sequences being generated")
 ON_REPLICA = Gauge("specdec_gateway_replica_sequences",
                    "Live sequences placed on a replica in the last round", ["kind", "replica"])
-ROUND_SECONDS = Histogram("specdec_gateway_round_seconds", "Wall time of one propose + verify round",
+ROUND_SECONDS = Histogram("specdec_gateway_round_seconds",
+                          "Wall time of one lock-step round (propose + verify + commit) or overlapped step "
+                          "(one cohort verified while the other is proposed, then committed)",
                           buckets=_LATENCY_BUCKETS)
-PHASE_SECONDS = Histogram("specdec_gateway_phase_seconds", "Wall time of a round's phase", ["phase"],
-                          buckets=_LATENCY_BUCKETS)
+PHASE_SECONDS = Histogram("specdec_gateway_phase_seconds",
+                          "Wall time of a round's phase (overlapped steps run propose and verify at once)",
+                          ["phase"], buckets=_LATENCY_BUCKETS)
+OVERLAPPED_STEPS = Counter("specdec_gateway_overlapped_steps_total",
+                           "Overlapped steps: one cohort verified while the other is proposed "
+                           "(the rest of the loop's steps are lock-step rounds)")
 REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",
@@ -38,11 +44,14 @@ VERIFY_COST = Gauge("specdec_gateway_verify_cost_seconds",
 TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
                          "Proposed draft tokens not verified because the adaptive draft length "
                          "judged them not worth their cost", ["method"])
+FEATURE_BYTES = Counter("specdec_gateway_feature_bytes_total",
+                        "Target feature bytes (bfloat16 hidden states) relayed from scorers to proposers "
+                        "(eagle3, mtp)", ["method"])
 INVALID_DRAFTS = Counter("specdec_gateway_invalid_drafts_total",
                          "Drafts dropped because a proposer sent garbage", ["replica"])
 
 
-class Placement:
+class PlacementGauge:
     """Keeps ``specdec_gateway_replica_sequences`` to the replicas seen in the
     last round, removing the series of replicas that are gone."""
 

@@ -3,14 +3,22 @@ or an InvalidArgument naming the offending field."""
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 
+from specdec.limits import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_SPEC_FACTOR,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TREE_DEPTH,
+    DEFAULT_MIN_N,
+    DEFAULT_MIN_TOKEN_PROB,
+    MAX_SPECULATIVE_TOKENS,
+    default_verify_strategy,
+    is_greedy,
+    resolve_seed,
+)
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.validation import InvalidArgument, sampling_fields
-
-MAX_SPECULATIVE_TOKENS = 16
-DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,7 @@ class GenParams:
     top_p: float  # 1.0 = disabled
     seed: int  # always set: the gateway draws one when the client does not
     method: str  # "none" = plain decoding, no proposer
-    k: int  # draft budget per round
+    num_speculative_tokens: int  # draft budget per round (0 for method "none")
     min_n: int
     max_n: int
     max_tree_depth: int
@@ -40,7 +48,7 @@ class GenParams:
     verify_strategy: int
     accept_policy: int
     reference_ids: list[int] = field(default_factory=list)
-    adaptive: bool = True  # trim each round's drafts to what pays off (gateway/adaptive.py)
+    adaptive: bool = True  # trim each round's drafts to what pays off (gateway/costs.py)
 
 
 def _prompt_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> list[int]:
@@ -78,9 +86,13 @@ def _prompt_ids(request: pb.GenerateRequest, tokenizer, limits: ModelLimits) -> 
 
 
 def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
-                  methods: tuple[str, ...], default_method: str, default_k: int,
+                  methods: tuple[str, ...], default_method: str, default_num_speculative_tokens: int,
                   default_adaptive: bool = True) -> GenParams:
-    """Validates a request against the model and the methods the gateway serves."""
+    """Validates a request against the model and the methods the gateway serves.
+
+    This is where a request's draft length policy is decided: the request's
+    own ``speculation.draft_length``, else ``default_adaptive`` (the gateway's
+    ``--draft-length``) for greedy requests and fixed for sampled ones."""
     prompt_ids = _prompt_ids(request, tokenizer, limits)
     room = limits.max_model_len - len(prompt_ids)
     if request.HasField("max_tokens"):
@@ -105,23 +117,24 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
     if method not in methods:
         raise InvalidArgument(f"speculation.method: unknown method {method!r} "
                               f"(available: {', '.join(methods)})")
-    k = sp.num_speculative_tokens if sp.HasField("num_speculative_tokens") else default_k
-    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+    num_speculative_tokens = (sp.num_speculative_tokens if sp.HasField("num_speculative_tokens")
+                              else default_num_speculative_tokens)
+    if not 0 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
         raise InvalidArgument(f"speculation.num_speculative_tokens: must be in "
-                              f"0..{MAX_SPECULATIVE_TOKENS}, got {k}")
-    min_n = sp.min_n if sp.HasField("min_n") else 1
-    max_n = sp.max_n if sp.HasField("max_n") else max(4, min_n)
+                              f"0..{MAX_SPECULATIVE_TOKENS}, got {num_speculative_tokens}")
+    min_n = sp.min_n if sp.HasField("min_n") else DEFAULT_MIN_N
+    max_n = sp.max_n if sp.HasField("max_n") else max(DEFAULT_MAX_N, min_n)
     if min_n < 1:
         raise InvalidArgument(f"speculation.min_n: must be >= 1, got {min_n}")
     if min_n > max_n:
         raise InvalidArgument(f"speculation.min_n: {min_n} is greater than speculation.max_n {max_n}")
-    depth = sp.max_tree_depth if sp.HasField("max_tree_depth") else 64
+    depth = sp.max_tree_depth if sp.HasField("max_tree_depth") else DEFAULT_MAX_TREE_DEPTH
     if depth < 1:
         raise InvalidArgument(f"speculation.max_tree_depth: must be >= 1, got {depth}")
-    factor = sp.max_spec_factor if sp.HasField("max_spec_factor") else 1.0
+    factor = sp.max_spec_factor if sp.HasField("max_spec_factor") else DEFAULT_MAX_SPEC_FACTOR
     if not (factor > 0 and math.isfinite(factor)):
         raise InvalidArgument(f"speculation.max_spec_factor: must be > 0, got {factor}")
-    min_prob = sp.min_token_prob if sp.HasField("min_token_prob") else 0.1
+    min_prob = sp.min_token_prob if sp.HasField("min_token_prob") else DEFAULT_MIN_TOKEN_PROB
     if not 0 <= min_prob <= 1:
         raise InvalidArgument(f"speculation.min_token_prob: must be in [0, 1], got {min_prob}")
     if sp.verify_strategy not in pb.VerifyStrategy.values():
@@ -130,14 +143,13 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
         raise InvalidArgument(f"speculation.accept_policy: unknown value {sp.accept_policy}")
     if sp.draft_length not in pb.DraftLength.values():
         raise InvalidArgument(f"speculation.draft_length: unknown value {sp.draft_length}")
-    strategy = sp.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if temperature == 0
-                                      else pb.VERIFY_STRATEGY_REJECTION)
+    strategy = sp.verify_strategy or default_verify_strategy(temperature)
     # Greedy output does not depend on the drafts at all. A sampled output is
     # exact in distribution for any draft length, but which sample a seed
     # gives depends on the drafts: by default sampled requests keep the fixed
     # length, so a seed reproduces the output whatever the load.
     if sp.draft_length == pb.DRAFT_LENGTH_UNSPECIFIED:
-        adaptive = default_adaptive and temperature == 0
+        adaptive = default_adaptive and is_greedy(temperature)
     else:
         adaptive = sp.draft_length == pb.DRAFT_LENGTH_ADAPTIVE
     reference_ids = (list(tokenizer(sp.reference_text, add_special_tokens=False)["input_ids"])
@@ -145,8 +157,9 @@ def parse_request(request: pb.GenerateRequest, tokenizer, limits: ModelLimits,
     return GenParams(
         prompt_ids=prompt_ids, max_tokens=max_tokens, stop=list(request.stop),
         ignore_eos=request.ignore_eos, temperature=temperature, top_k=top_k, top_p=top_p,
-        seed=int(s.seed) if s.HasField("seed") else random.getrandbits(63),
-        method=method, k=0 if method == "none" else k, min_n=min_n, max_n=max_n,
+        seed=resolve_seed(s.seed if s.HasField("seed") else None),
+        method=method, num_speculative_tokens=0 if method == "none" else num_speculative_tokens,
+        min_n=min_n, max_n=max_n,
         max_tree_depth=depth, max_spec_factor=float(factor), min_token_prob=float(min_prob),
         verify_strategy=int(strategy), accept_policy=int(sp.accept_policy),
         reference_ids=reference_ids, adaptive=adaptive)

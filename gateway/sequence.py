@@ -1,18 +1,68 @@
 """One request's life inside the gateway: its token history, where its state
 lives (which proposer and scorer replica), stop conditions, streaming deltas
-and statistics."""
+and statistics.
+
+Plain domain types only: a sequence emits ``Delta``s (and ``RequestFailed``)
+on its queue; the gRPC servicer turns them into ``GenerateResponse``
+messages at the edge (gateway/server.py)."""
 from __future__ import annotations
 
 import asyncio
+import enum
 import itertools
+import secrets
 import time
 from dataclasses import dataclass, field
 
+from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.request import GenParams
-from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.limits import FEATURE_VALUE_BYTES
 
 _ids = itertools.count()
+#: Sequence ids on scorers and proposers are this gateway process's random
+#: instance id and a counter: two gateways sharing replicas never touch each
+#: other's sequences, whatever request ids clients send.
+INSTANCE_ID = secrets.token_hex(8)
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended normally."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+
+
+@dataclass(frozen=True)
+class FinalStats:
+    """A request's figures, sent with its last delta."""
+
+    prompt_tokens: int
+    output_tokens: int
+    rounds: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_by_position: list[float]
+    mean_accepted_length: float
+    propose_s: float
+    verify_s: float
+    network_s: float
+    wall_s: float
+    ttft_s: float
+    feature_bytes: int
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one round adds to a request's stream: new output tokens, the text
+    that can no longer change, and on the last delta why it ended and its
+    figures."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: FinalStats | None = None
 
 
 @dataclass
@@ -26,6 +76,7 @@ class Stats:
     verify_s: float = 0.0
     network_s: float = 0.0
     ttft_s: float = 0.0
+    feature_bytes: int = 0  # target features relayed to the proposer
 
     def record_round(self, num_drafts: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -37,6 +88,88 @@ class Stats:
         for i in range(num_drafts):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < num_accepted
+
+
+@dataclass(frozen=True)
+class FeatureBlock:
+    """Target feature rows of consecutive context positions, as a scorer
+    sent them (the proto's Features): row r is position start + r."""
+
+    start: int
+    rows: int
+    dim: int  # values per row: hidden size * number of layers
+    data: bytes  # rows * dim bfloat16 bit patterns, little-endian, row-major
+
+    @property
+    def end(self) -> int:
+        """The position after the last row."""
+        return self.start + self.rows
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * FEATURE_VALUE_BYTES
+
+    def tail(self, first: int) -> FeatureBlock:
+        """The rows of positions first .. end - 1 (all of them when first <= start)."""
+        skip = min(self.rows, max(0, first - self.start))
+        return FeatureBlock(self.start + skip, self.rows - skip, self.dim, self.data[skip * self.row_bytes:])
+
+    def then(self, other: FeatureBlock) -> FeatureBlock:
+        """This block followed by other (which starts at self.end)."""
+        return FeatureBlock(self.start, self.rows + other.rows, self.dim, self.data + other.data)
+
+
+@dataclass
+class FeatureRelay:
+    """A sequence's target features on their way from its scorer to its
+    proposer (methods that draft from the target's hidden states).
+
+    The proposer says, when it opens the sequence, which layers it drafts
+    from and from which position it needs rows (``opened``). Invariant:
+    ``received`` is the first position whose row no scorer has sent since
+    then; ``pending`` holds the rows sent and not yet relayed, one
+    contiguous block ending at ``received``. A round's Verify returns the
+    rows of the positions it ran (scorer_svc/scheduler.py), so between rounds
+    ``received`` = context_len - 1: everything but the newest token."""
+
+    layers: tuple[int, ...] = ()  # empty: the method drafts from no features
+    received: int = 0
+    pending: FeatureBlock | None = None
+
+    def opened(self, layers: tuple[int, ...], features_from: int) -> None:
+        """The proposer (re)opened the sequence: it needs rows of layers
+        from position features_from on (rows not yet relayed are dropped)."""
+        self.layers, self.received, self.pending = layers, features_from, None
+
+    def context_rows(self, context_len: int) -> int:
+        """max_context_features of a (re-)prefill: the context positions
+        from ``received`` on (at least the last one)."""
+        return max(1, context_len - self.received)
+
+    def receive(self, block: FeatureBlock | None) -> None:
+        """Keeps a scorer's rows for the next relay (rows already received
+        are dropped; rows after a gap, which a scorer's message budget made,
+        replace the pending ones)."""
+        if block is None or block.end <= self.received:
+            return
+        block = block.tail(self.received)
+        if self.pending is not None and block.start == self.pending.end:
+            block = self.pending.then(block)
+        self.pending, self.received = block, block.end
+
+    def take(self, budget: int, alone: bool) -> FeatureBlock | None:
+        """The pending rows if they fit in budget bytes (else they wait for
+        the next round); when alone (the first relay of a message) rows that
+        cannot fit at all are cut to the last ones that do."""
+        block = self.pending
+        if block is None:
+            return None
+        if len(block.data) > budget:
+            if not alone:
+                return None
+            block = block.tail(block.end - budget // block.row_bytes)
+        self.pending = None
+        return block
 
 
 class IncrementalDecoder:
@@ -106,15 +239,15 @@ class Sequence:
     def __init__(self, request_id: str, params: GenParams, tokenizer, eos_token_ids: tuple[int, ...],
                  max_model_len: int) -> None:
         self.request_id = request_id
-        self.seq_id = f"{request_id}/{next(_ids)}"
+        self.seq_id = f"{INSTANCE_ID}/{next(_ids)}"
         self.params = params
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_model_len = max_model_len
         self.tokens: list[int] = list(params.prompt_ids)  # context: prompt + output
         self.num_prompt = len(params.prompt_ids)
-        self.out: asyncio.Queue = asyncio.Queue()  # GenerateResponse | RequestFailed
-        self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self.out: asyncio.Queue[Delta | RequestFailed] = asyncio.Queue()
+        self.finish_reason: FinishReason | None = None  # set when the request ended normally
         self.cancelled = False
         self.failed = False
         self.failure_code = ""  # gRPC code name when failed
@@ -129,23 +262,43 @@ class Sequence:
         self.scorer_primed = False  # the scorer holds this sequence's KV cache
         self.proposer_addr: str | None = None
         self.proposer_len = 0  # tokens the proposer holds; 0 = must (re)open
-        self.retries = 0  # consecutive rounds without progress (pool full, no replica)
+        self.retries = 0  # consecutive rounds without progress (pool full, no replica, scorer busy)
+        self.features = FeatureRelay()  # target features for the proposer (eagle3, mtp)
         self.acceptance = AcceptanceEstimate()  # how well this sequence's drafts do
 
     # ------------------------------------------------------------- queries
 
     @property
     def done(self) -> bool:
-        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED or self.cancelled or self.failed
+        return self.finish_reason is not None or self.cancelled or self.failed
 
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
 
-    def draft_budget(self) -> int:
-        """k for this round: never more output than max_tokens or the context allow."""
+    def num_speculative_tokens(self) -> int:
+        """This round's draft budget: the request's, cut so that a round never
+        makes more output than max_tokens or the context allow."""
         left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
-        return max(0, min(self.params.k, left - 1))
+        return max(0, min(self.params.num_speculative_tokens, left - 1))
+
+    def proposer_opened(self, feature_layers: tuple[int, ...], features_from: int) -> None:
+        """The proposer answered this sequence's open, declaring the target
+        features it drafts from. Rows of positions before the pending
+        token's are only computed by a prefill: when the proposer needs any,
+        the scorer re-prefills the sequence (same tokens, KV cache rebuilt)."""
+        self.features.opened(feature_layers, features_from)
+        if feature_layers and features_from < len(self.tokens) - 1:
+            self.scorer_primed = False
+
+    def relay_features(self, budget: int, alone: bool) -> FeatureBlock | None:
+        """The pending feature rows for this round's update to the proposer
+        (FeatureRelay.take), counted in the stats and metrics."""
+        block = self.features.take(budget, alone)
+        if block is not None:
+            self.stats.feature_bytes += len(block.data)
+            metrics.FEATURE_BYTES.labels(self.params.method).inc(len(block.data))
+        return block
 
     # -------------------------------------------------------------- commit
 
@@ -158,10 +311,10 @@ class Sequence:
         for token in output_token_ids:
             self.tokens.append(token)
             if not self.params.ignore_eos and token in self.eos_token_ids:
-                self.finish_reason = pb.FINISH_REASON_STOP
+                self.finish_reason = FinishReason.STOP
                 break
             if self.num_output >= self.params.max_tokens or len(self.tokens) >= self.max_model_len:
-                self.finish_reason = pb.FINISH_REASON_LENGTH
+                self.finish_reason = FinishReason.LENGTH
                 break
         self.acceptance.resolve(self.tokens)
         self._text = self._decoder.text(self.tokens[self.num_prompt:])
@@ -185,7 +338,7 @@ class Sequence:
                 del self.tokens[self.num_prompt + n:]
                 break
         self._text = self._text[:cut]
-        self.finish_reason = pb.FINISH_REASON_STOP
+        self.finish_reason = FinishReason.STOP
 
     def _emit(self) -> None:
         """Streams new tokens and the text that can no longer change: a
@@ -200,29 +353,28 @@ class Sequence:
                     if self._text[:safe].endswith(s[:n]):
                         safe -= n
                         break
-        response = pb.GenerateResponse(
+        delta = Delta(
             request_id=self.request_id,
             text=self._text[self._emitted_chars:max(safe, self._emitted_chars)],
-            token_ids=self.tokens[self.num_prompt + self._emitted_tokens:])
+            token_ids=self.tokens[self.num_prompt + self._emitted_tokens:],
+            finish_reason=self.finish_reason,
+            stats=self.final_stats() if self.done else None)
         self._emitted_chars = max(safe, self._emitted_chars)
         self._emitted_tokens = self.num_output
-        if self.done:
-            response.finish_reason = self.finish_reason
-            response.stats.CopyFrom(self.final_stats())
-        if response.text or response.token_ids or self.done:
-            self.out.put_nowait(response)
+        if delta.text or delta.token_ids or self.done:
+            self.out.put_nowait(delta)
 
     def fail(self, error: RequestFailed) -> None:
         self.failed = True
         self.failure_code = error.code
         self.out.put_nowait(error)
 
-    def final_stats(self) -> pb.GenerationStats:
+    def final_stats(self) -> FinalStats:
         s = self.stats
-        return pb.GenerationStats(
+        return FinalStats(
             prompt_tokens=self.num_prompt, output_tokens=self.num_output, rounds=s.rounds,
             draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
             acceptance_by_position=[a / p for a, p in zip(s.accepted_at, s.proposed_at)],
             mean_accepted_length=self.num_output / s.rounds if s.rounds else 0.0,
             propose_s=s.propose_s, verify_s=s.verify_s, network_s=s.network_s,
-            wall_s=time.perf_counter() - self.started, ttft_s=s.ttft_s)
+            wall_s=time.perf_counter() - self.started, ttft_s=s.ttft_s, feature_bytes=s.feature_bytes)

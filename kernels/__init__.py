@@ -7,13 +7,12 @@ counter-based random stream both backends share. Triton modules
 (``*_triton.py``) are imported only when a kernel is launched.
 """
 from specdec.kernels.sampling import (
-    FilterStats,
     filter_stats,
     filter_stats_reference,
     filtered_probs,
     filtered_probs_at,
 )
-from specdec.kernels.verify import (
+from specdec.kernels.types import (
     GREEDY,
     POLICY_ACCEPT_ALL,
     POLICY_NORMAL,
@@ -21,13 +20,12 @@ from specdec.kernels.verify import (
     REJECTION,
     TARGET_MATCH,
     TOPP,
+    FilterStats,
     SamplingTensors,
     SparseDraftProbs,
     VerifyOutput,
-    sample,
-    verify,
-    verify_reference,
 )
+from specdec.kernels.verify import sample, verify, verify_reference
 
 __all__ = [
     "GREEDY", "REJECTION", "TARGET_MATCH", "TOPP",

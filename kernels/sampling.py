@@ -32,16 +32,9 @@ sort); the reference here uses ``torch.topk``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class FilterStats:
-    row_max: torch.Tensor  # float32 [R]: max_v logits[r, v] / temperature[r]
-    threshold: torch.Tensor  # float32 [R]: smallest kept e; 0 when no filter is on
-    norm: torch.Tensor  # float32 [R]: sum of kept e (accumulated in float64)
+from specdec.kernels.types import FilterStats
 
 
 def filter_stats(logits: torch.Tensor,  # float32 [R, V]

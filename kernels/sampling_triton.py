@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.kernels.sampling import FilterStats
+from specdec.kernels.types import FilterStats
 
 # Under TRITON_INTERPRET every block step is a round of numpy calls, so larger
 # blocks amortise the Python overhead there; results do not depend on them.

@@ -49,66 +49,28 @@ backends by an ulp) decides a near-tie of ~1e-7 relative size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from specdec.kernels import rng
-from specdec.kernels.sampling import FilterStats, filter_stats_reference, filtered_probs, filtered_probs_at
-
-GREEDY, REJECTION, TARGET_MATCH, TOPP = 1, 2, 3, 4  # same numbers as proto VerifyStrategy
-POLICY_NORMAL, POLICY_ACCEPT_ALL, POLICY_REJECT_ALL = 0, 1, 2  # same as proto AcceptPolicy
-STRATEGIES = (GREEDY, REJECTION, TARGET_MATCH, TOPP)
-
-
-@dataclass
-class SamplingTensors:  # one row per sequence, B sequences
-    temperature: torch.Tensor  # float32 [B], 0 = greedy
-    top_k: torch.Tensor  # int32 [B], 0 = disabled
-    top_p: torch.Tensor  # float32 [B], 0 or 1 = disabled
-    seed: torch.Tensor  # int64 [B] (a uint64 seed reinterpreted as two's complement)
-    position: torch.Tensor  # int64 [B], context length before this round
-    strategy: torch.Tensor  # int32 [B], GREEDY..TOPP
-    accept_policy: torch.Tensor  # int32 [B]
-
-    def select(self, index: torch.Tensor) -> SamplingTensors:
-        """The rows of the sequences in index (int64 [G])."""
-        return SamplingTensors(*(getattr(self, f.name)[index] for f in fields(self)))
-
-
-@dataclass
-class SparseDraftProbs:
-    token_ids: torch.Tensor  # int32 [num_draft_tokens, K]; padding entries have prob 0
-    probs: torch.Tensor  # float32 [num_draft_tokens, K]
-
-
-@dataclass
-class VerifyOutput:
-    output_token_ids: torch.Tensor  # int32 [B, max_k + 1], -1 padded
-    num_accepted: torch.Tensor  # int32 [B]
-
-
-@dataclass
-class RaggedLayout:
-    """Where each sequence's drafts and target rows lie (B sequences)."""
-    num_draft: torch.Tensor  # int64 [B], k_b
-    draft_start: torch.Tensor  # int64 [B], index of draft 0 in draft_token_ids
-    row_start: torch.Tensor  # int64 [B], index of row 0 in target_logits
-    max_k: int  # max_b k_b (0 for an empty batch)
-
-    @staticmethod
-    def build(cu_num_draft_tokens: torch.Tensor) -> RaggedLayout:  # int32 [B]
-        cu = cu_num_draft_tokens.long()
-        num_draft = torch.diff(cu, prepend=cu.new_zeros(1))
-        draft_start = cu - num_draft
-        # Host sync (deliberate): the output width depends on the longest draft.
-        max_k = int(num_draft.max()) if cu.numel() else 0
-        row_start = draft_start + torch.arange(cu.numel(), device=cu.device)
-        return RaggedLayout(num_draft, draft_start, row_start, max_k)
-
-    def select(self, index: torch.Tensor) -> RaggedLayout:  # int64 [G]
-        return RaggedLayout(self.num_draft[index], self.draft_start[index], self.row_start[index], self.max_k)
+from specdec.kernels.sampling import filter_stats_reference, filtered_probs, filtered_probs_at
+from specdec.kernels.types import (
+    GREEDY,
+    POLICY_ACCEPT_ALL,
+    POLICY_NORMAL,
+    REJECTION,
+    STRATEGIES,
+    TARGET_MATCH,
+    TOPP,
+    FilterStats,
+    RaggedLayout,
+    SamplingTensors,
+    SparseDraftProbs,
+    VerifyOutput,
+    effective_strategy,
+)
 
 
 def verify(target_logits: torch.Tensor,  # float32 [num_draft_tokens + B, V]
@@ -177,12 +139,6 @@ def sample(logits: torch.Tensor,  # float32 [B, V]
     plain = replace(sampling, strategy=torch.full_like(sampling.strategy, TARGET_MATCH),
                     accept_policy=torch.full_like(sampling.accept_policy, POLICY_NORMAL))
     return verify(logits, no_drafts, cu, plain, use_triton=use_triton).output_token_ids[:, 0]
-
-
-def effective_strategy(sampling: SamplingTensors) -> torch.Tensor:  # int32 [B]
-    """The strategy each sequence is verified with: GREEDY at temperature 0."""
-    greedy = torch.full_like(sampling.strategy, GREEDY)
-    return torch.where(sampling.temperature > 0, sampling.strategy, greedy)
 
 
 def _group_by_strategy(strategy: torch.Tensor,  # int32 [B]
@@ -260,11 +216,12 @@ class _DraftReader:
                  draft_probs: SparseDraftProbs | None, layout: RaggedLayout):
         # One padding slot at index N (id -1, probability 0) past the last draft.
         self._ids = torch.cat([draft_token_ids.long(), draft_token_ids.new_full((1,), -1).long()])
-        self._q_ids = self._q_probs = None
+        # sparse q with the same padding slot: (ids int64 [N + 1, K], probs float32 [N + 1, K])
+        self._q: tuple[torch.Tensor, torch.Tensor] | None = None
         if draft_probs is not None:
             width = draft_probs.token_ids.shape[1]
-            self._q_ids = torch.cat([draft_probs.token_ids.long(), self._ids.new_full((1, width), -1)])
-            self._q_probs = torch.cat([draft_probs.probs, draft_probs.probs.new_zeros((1, width))])
+            self._q = (torch.cat([draft_probs.token_ids.long(), self._ids.new_full((1, width), -1)]),
+                       torch.cat([draft_probs.probs, draft_probs.probs.new_zeros((1, width))]))
         self._layout = layout
 
     def _index(self, sub: torch.Tensor, offset: torch.Tensor | int) -> torch.Tensor:
@@ -282,11 +239,12 @@ class _DraftReader:
         A draft missing from its own sparse q (q(x) = 0, which the proposer
         promises never happens) is treated as one-hot.
         """
-        if self._q_ids is None:
+        if self._q is None:
             return torch.ones(sub.numel(), device=sub.device)
+        q_ids, q_probs = self._q
         index = self._index(sub, offset)
-        same = self._q_ids[index] == self._ids[index][:, None]
-        q_x = torch.where(same, self._q_probs[index], 0.0).sum(dim=-1)
+        same = q_ids[index] == self._ids[index][:, None]
+        q_x = torch.where(same, q_probs[index], 0.0).sum(dim=-1)
         return torch.where(q_x > 0, q_x, 1.0)
 
     def dense_probs(self, offset: torch.Tensor,  # int64 [G]
@@ -296,11 +254,11 @@ class _DraftReader:
         """The draft distribution q of each sequence's draft at offset, dense."""
         everyone = torch.arange(offset.numel(), device=offset.device)
         index = self._index(everyone, offset)
-        if self._q_ids is None:
+        if self._q is None:
             ids = self._ids[index][:, None]
             weights = torch.ones_like(ids, dtype=torch.float32)
         else:
-            ids, weights = self._q_ids[index], self._q_probs[index]
+            ids, weights = self._q[0][index], self._q[1][index]
         keep = rows[:, None] & (ids >= 0) & (ids < vocab_size)
         dense = torch.zeros(offset.numel(), vocab_size, dtype=torch.float32, device=offset.device)
         return dense.scatter_add_(1, torch.where(keep, ids, 0), torch.where(keep, weights, 0.0))

@@ -21,11 +21,21 @@ import triton.language as tl
 
 from specdec.kernels import rng, sampling_triton
 from specdec.kernels.rng_triton import exponential_noise, stream_key, uniform
-from specdec.kernels.sampling import FilterStats
 from specdec.kernels.sampling_triton import filtered_probs, row_argmax
-from specdec.kernels.verify import (GREEDY, POLICY_ACCEPT_ALL, POLICY_NORMAL, REJECTION, TARGET_MATCH, TOPP,
-                                    RaggedLayout, SamplingTensors, SparseDraftProbs, VerifyOutput,
-                                    effective_strategy)
+from specdec.kernels.types import (
+    GREEDY,
+    POLICY_ACCEPT_ALL,
+    POLICY_NORMAL,
+    REJECTION,
+    TARGET_MATCH,
+    TOPP,
+    FilterStats,
+    RaggedLayout,
+    SamplingTensors,
+    SparseDraftProbs,
+    VerifyOutput,
+    effective_strategy,
+)
 
 _GREEDY = tl.constexpr(GREEDY)
 _REJECTION = tl.constexpr(REJECTION)

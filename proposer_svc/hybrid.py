@@ -16,16 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.proposer_svc.base import Draft, Proposer
-from specdec.proposer_svc.ngram import NgramConfig, NgramProposer
+import numpy as np
+
+from specdec.drafts import Draft
+from specdec.proposer_svc.base import DraftBatch, Proposer
+from specdec.proposer_svc.ngram import NgramProposer
 from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """Settings of the hybrid proposer and of the two it combines."""
+    """Settings of the hybrid proposer and of the suffix proposer it wraps (the
+n-gram proposer has no replica-level settings)."""
 
-    ngram: NgramConfig = field(default_factory=NgramConfig)
     suffix: SuffixConfig = field(default_factory=SuffixConfig)
     # q: assumed acceptance of each copied token, in (0, 1]; 0.8 gave the most
     # accepted tokens on benchmarks/bench_suffix_micro.py's code, edit and
@@ -47,7 +50,7 @@ class HybridProposer(Proposer):
         if not 0.0 < config.ngram_token_prob <= 1.0:
             raise ValueError(f"ngram_token_prob must be in (0, 1], got {config.ngram_token_prob}")
         self.config = config
-        self.ngram = NgramProposer(config.ngram)
+        self.ngram = NgramProposer()
         self.suffix = SuffixProposer(config.suffix)
 
     def start(self, seq_id, context, options):
@@ -63,6 +66,24 @@ class HybridProposer(Proposer):
         suffix_drafts = self.suffix.propose_scored(requests)
         return [self._better(ngram_draft, suffix_draft, suffix_score)
                 for ngram_draft, (suffix_draft, suffix_score) in zip(ngram_drafts, suffix_drafts)]
+
+    def advance(self, seq_ids, tokens, bounds, context_lens, ks):
+        ngram = self.ngram.advance(seq_ids, tokens, bounds, context_lens, ks)
+        suffix, suffix_scores = self.suffix.advance_scored(seq_ids, tokens, bounds, context_lens, ks)
+        q = self.config.ngram_token_prob
+        table = [ngram_score(n, q) for n in range(int(ks.max(initial=0)) + 1)]  # by draft length
+        n_off, s_off = ngram.offsets.tolist(), suffix.offsets.tolist()
+        n_ids, s_ids = ngram.token_ids.tolist(), suffix.token_ids.tolist()
+        out: list[int] = []
+        offsets = [0]
+        for i, score in enumerate(suffix_scores.tolist()):
+            if table[n_off[i + 1] - n_off[i]] > score:
+                out.extend(n_ids[n_off[i]:n_off[i + 1]])
+            else:
+                out.extend(s_ids[s_off[i]:s_off[i + 1]])
+            offsets.append(len(out))
+        return DraftBatch(ngram.in_sync & suffix.in_sync, np.array(out, dtype=np.int32),
+                          np.array(offsets, dtype=np.int64))
 
     def _better(self, ngram_draft: Draft, suffix_draft: Draft, suffix_score: float) -> Draft:
         q = self.config.ngram_token_prob

@@ -11,19 +11,12 @@ context, and at equal n the context wins.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 from numba import njit
 
-from specdec.proposer_svc.base import ContextStore, Draft, Proposer
-
-
-@dataclass(frozen=True)
-class NgramConfig:
-    """Replica-level settings of the n-gram proposer."""
-
-    max_draft_tokens: int = 64  # hard cap on k; the preallocated draft buffer size
+from specdec.drafts import Draft
+from specdec.limits import MAX_SPECULATIVE_TOKENS
+from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer
 
 
 @njit(cache=True)
@@ -79,30 +72,59 @@ def ngram_draft(context, reference, min_n, max_n, k, out):
     return num
 
 
+@njit(cache=True)
+def ngram_batch(pool, starts, lens, ref_pool, ref_starts, ref_lens, min_ns, max_ns, slots, ref_slots,
+                context_lens, ks, in_sync, out, offsets):
+    """``ngram_draft`` for n sequences held in a ContextStore (contexts in
+    ``pool``, references in ``ref_pool``; slots, ref_slots, context_lens, ks:
+    int64 [n]). Writes in_sync (bool [n]: length == context_lens[i], or that
+    is 0), the drafts into out (int32 [>= sum of ks]) at offsets (int64 [n + 1]).
+    """
+    num = 0
+    for i in range(slots.shape[0]):
+        s, r = slots[i], ref_slots[i]
+        offsets[i] = num
+        in_sync[i] = context_lens[i] == 0 or lens[s] == context_lens[i]
+        if in_sync[i] and ks[i] > 0:
+            context = pool[starts[s]:starts[s] + lens[s]]
+            reference = ref_pool[ref_starts[r]:ref_starts[r] + ref_lens[r]]
+            num += ngram_draft(context, reference, min_ns[s], max_ns[s], ks[i], out[num:])
+    offsets[slots.shape[0]] = num
+
+
 def _warm_up() -> None:
     """Compiles (or loads from cache) the matcher once, before any request."""
-    out = np.empty(4, dtype=np.int32)
-    tokens = np.array([1, 2, 3, 1, 2], dtype=np.int32)
+    tokens, out = np.array([1, 2, 3, 1, 2], dtype=np.int32), np.empty(4, dtype=np.int32)
     ngram_draft(tokens, tokens[:3], 1, 2, 4, out)
+    contexts, references = ContextStore(), ContextStore()
+    slots = np.array([contexts.start("warm", tokens)])
+    ref_slots = np.array([references.start("warm", tokens[:0])])
+    contexts.append_many(slots, tokens[:1], np.array([0, 1]))
+    n_range, one = np.ones((1, 2), dtype=np.int64), np.ones(1, dtype=np.int64)
+    ngram_batch(contexts.pool, contexts.starts, contexts.lens, references.pool, references.starts, references.lens,
+                n_range[:, 0], n_range[:, 1], slots, ref_slots, one * 6, one * 4, np.empty(1, dtype=np.bool_), out,
+                np.empty(2, dtype=np.int64))
 
 
 class NgramProposer(Proposer):
-    """Prompt-lookup drafts; per-sequence state is the context and options."""
+    """Prompt-lookup drafts; per-sequence state is the context, the reference
+    and (min_n, max_n), by the context's ContextStore slot."""
 
     name = "ngram"
 
-    def __init__(self, config: NgramConfig = NgramConfig()) -> None:
-        self.config = config
+    def __init__(self) -> None:
         self._contexts = ContextStore()
-        # seq_id -> (min_n, max_n, reference_token_ids int32 [r])
-        self._options: dict[str, tuple[int, int, np.ndarray]] = {}
-        self._out = np.empty(config.max_draft_tokens, dtype=np.int32)
+        self._references = ContextStore()  # never extended
+        self._n_range = np.zeros((16, 2), dtype=np.int64)  # by context slot: (min_n, max_n)
+        self._out = np.empty(MAX_SPECULATIVE_TOKENS, dtype=np.int32)
         _warm_up()
 
     def start(self, seq_id, context, options):
-        self._contexts.start(seq_id, np.asarray(context, dtype=np.int32))
-        reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
-        self._options[seq_id] = (options.min_n, options.max_n, reference)
+        slot = self._contexts.start(seq_id, np.asarray(context, dtype=np.int32))
+        self._references.start(seq_id, np.asarray(options.reference_token_ids, dtype=np.int32))
+        if slot >= len(self._n_range):
+            self._n_range = np.concatenate([self._n_range, np.zeros_like(self._n_range)])
+        self._n_range[slot] = options.min_n, options.max_n
 
     def extend(self, seq_id, token_ids):
         self._contexts.extend(seq_id, np.asarray(token_ids, dtype=np.int32))
@@ -112,19 +134,30 @@ class NgramProposer(Proposer):
 
     def _propose_one(self, seq_id: str, k: int) -> Draft:
         context = self._contexts.tokens(seq_id)  # raises UnknownSequence
-        min_n, max_n, reference = self._options[seq_id]
-        num = ngram_draft(context, reference, min_n, max_n,
-                          min(k, self.config.max_draft_tokens), self._out)
+        min_n, max_n = self._n_range[self._contexts.slot(seq_id)].tolist()
+        num = ngram_draft(context, self._references.tokens(seq_id), min_n, max_n,
+                          min(k, MAX_SPECULATIVE_TOKENS), self._out)
         return Draft(self._out[:num].copy())
+
+    def advance(self, seq_ids, tokens, bounds, context_lens, ks):
+        ctx, refs = self._contexts, self._references
+        slots = ctx.slots(seq_ids)
+        ks = np.minimum(ks, MAX_SPECULATIVE_TOKENS)
+        ctx.append_many(slots, tokens, bounds)
+        in_sync = np.empty(len(seq_ids), dtype=np.bool_)
+        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.empty(len(seq_ids) + 1, dtype=np.int64)
+        ngram_batch(ctx.pool, ctx.starts, ctx.lens, refs.pool, refs.starts, refs.lens,
+                    self._n_range[:, 0], self._n_range[:, 1], slots, refs.slots(seq_ids), context_lens, ks,
+                    in_sync, out, offsets)
+        return DraftBatch(in_sync, out[:offsets[-1]], offsets)
 
     def stop(self, seq_id, completed):
         self._contexts.stop(seq_id)
-        self._options.pop(seq_id, None)
+        self._references.stop(seq_id)
 
     def context_len(self, seq_id):
         return self._contexts.length(seq_id)
 
     def stats(self):
-        ref_bytes = sum(ref.nbytes for _, _, ref in self._options.values())
         return {"live_sequences": float(len(self._contexts)),
-                "memory_bytes": float(self._contexts.nbytes() + ref_bytes)}
+                "memory_bytes": float(self._contexts.nbytes() + self._references.nbytes())}

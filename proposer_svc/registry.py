@@ -1,31 +1,107 @@
-"""Builds the proposers a replica serves, by method name, with default configs."""
+"""Builds the proposers a replica serves, by method name, from the replica's
+settings."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from specdec.proposer_svc.base import NaiveProposer, Proposer
+from specdec.proposer_svc.draft_model import DraftModelSettings
+from specdec.proposer_svc.feature_draft import HeadConfig
 from specdec.proposer_svc.hybrid import HybridConfig, HybridProposer
 from specdec.proposer_svc.ngram import NgramProposer
 from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 
+if TYPE_CHECKING:
+    from specdec.proposer_svc.draft import DraftModelProposer
+
 #: method names accepted by `build_proposers` (and in requests)
-SUPPORTED_METHODS = ("naive", "ngram", "suffix", "hybrid")
+SUPPORTED_METHODS = ("naive", "ngram", "suffix", "hybrid", "draft", "draft_hybrid", "eagle3", "mtp")
+#: methods that run a draft model (need ReplicaSettings.draft)
+MODEL_METHODS = ("draft", "draft_hybrid")
+#: methods that draft from the target's hidden states (need ReplicaSettings.heads)
+FEATURE_METHODS = ("eagle3", "mtp")
+#: methods that copy from the context (no model, no settings required)
+COPY_METHODS = tuple(m for m in SUPPORTED_METHODS if m not in MODEL_METHODS + FEATURE_METHODS)
 
-_FACTORIES = {
-    "naive": lambda suffix: NaiveProposer(),
-    "ngram": lambda suffix: NgramProposer(),
-    "suffix": SuffixProposer,
-    "hybrid": lambda suffix: HybridProposer(HybridConfig(suffix=suffix)),
-}
+
+@dataclass(frozen=True)
+class FeatureHeadSettings:
+    """What ``specdec proposer --eagle3 DIR`` / ``--methods mtp`` ask for."""
+
+    target_model: str  # the scorer's model: shared embeddings (eagle3), the MTP layers' checkpoint (mtp)
+    eagle3: str | None = None  # EAGLE-3 head directory (public layout)
+    head: HeadConfig = field(default_factory=HeadConfig)
 
 
-def build_proposers(methods: list[str], suffix: SuffixConfig | None = None) -> dict[str, Proposer]:
-    """One proposer per distinct method, keyed by its name; `suffix` configures
-    the suffix trees of the suffix and hybrid proposers.
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """Replica-level settings (command-line flags), by the proposer that uses them."""
 
-    Raises ValueError naming the first unsupported method.
-    """
-    unknown = [m for m in methods if m not in _FACTORIES]
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix trees of suffix and hybrids
+    draft: DraftModelSettings | None = None  # the draft model of draft and draft_hybrid
+    heads: FeatureHeadSettings | None = None  # the heads of eagle3 and mtp
+
+
+def build_proposers(methods: list[str], settings: ReplicaSettings | None = None) -> dict[str, Proposer]:
+    """One proposer per distinct method, keyed by its name. Raises ValueError
+    naming the first unsupported method, or a model method without a draft
+    model, before building any. The model methods share one draft engine."""
+    settings = settings or ReplicaSettings()
+    unknown = [m for m in methods if m not in SUPPORTED_METHODS]
     if unknown:
-        raise ValueError(f"unsupported proposer method {unknown[0]!r}; "
-                         f"supported: {', '.join(SUPPORTED_METHODS)}")
-    suffix = suffix or SuffixConfig()
-    return {m: _FACTORIES[m](suffix) for m in dict.fromkeys(methods)}
+        raise ValueError(f"unsupported proposer method {unknown[0]!r}; supported: {', '.join(SUPPORTED_METHODS)}")
+    wanted = list(dict.fromkeys(methods))
+    model = None
+    if any(m in MODEL_METHODS for m in wanted):
+        if settings.draft is None:
+            raise ValueError(f"{', '.join(m for m in wanted if m in MODEL_METHODS)}: needs a draft model "
+                             f"(--draft-model)")
+        from specdec.proposer_svc.draft_model import build_draft_proposer
+
+        model = build_draft_proposer(settings.draft)
+    built = {m: _build_feature(m, settings) for m in wanted if m in FEATURE_METHODS}
+    return {m: built[m] if m in built else _build(m, settings, model) for m in wanted}
+
+
+def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
+    """The eagle3 proposer (--eagle3 DIR) or the mtp proposer (the target
+    checkpoint's MTP layers); ValueError saying what is missing."""
+    import torch
+
+    from specdec.engine.llama import MULTITHREAD_MIN_LAYER_BYTES
+    from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp
+    from specdec.proposer_svc.feature_draft import FeatureDraftProposer
+
+    heads = settings.heads
+    if heads is None:
+        raise ValueError(f"{method}: needs the target model (--target-model)")
+    if method == "mtp":
+        head = load_mtp(heads.target_model)
+    elif heads.eagle3:
+        head = load_eagle3(heads.eagle3, heads.target_model)
+    else:
+        raise ValueError("eagle3: needs an EAGLE-3 head (--eagle3 DIR)")
+    if head.weight_bytes() < MULTITHREAD_MIN_LAYER_BYTES:
+        # as the engine does for small layers: a second thread costs more than it saves (process-wide)
+        torch.set_num_threads(1)
+    return FeatureDraftProposer(method, head, heads.head)
+
+
+def _build(method: str, settings: ReplicaSettings, model: DraftModelProposer | None) -> Proposer:
+    if method == "naive":
+        return NaiveProposer()
+    if method == "ngram":
+        return NgramProposer()
+    if method == "suffix":
+        return SuffixProposer(settings.suffix)
+    if method == "hybrid":
+        return HybridProposer(HybridConfig(suffix=settings.suffix))
+    assert model is not None, "build_proposers builds the draft model first"
+    if method == "draft":
+        return model
+    from specdec.proposer_svc.draft import DraftModelProposer
+    from specdec.proposer_svc.draft_hybrid import DraftHybridProposer
+
+    # its own proposer over the same engine: sequence ids are distinct per method
+    return DraftHybridProposer(DraftModelProposer(model.engine, model.config), HybridConfig(suffix=settings.suffix))

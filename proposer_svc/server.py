@@ -2,20 +2,31 @@
 calls on the proposer algorithms (which never see protobuf messages)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from specdec.proposer_svc.base import Proposer, SeqOptions, UnknownSequence
+from specdec.drafts import Draft
+from specdec.limits import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_SPEC_FACTOR,
+    DEFAULT_MAX_TREE_DEPTH,
+    DEFAULT_MIN_N,
+    MAX_SPECULATIVE_TOKENS,
+)
+from specdec.proposer_svc.base import Proposer, SeqOptions, bounds_of
+from specdec.proposer_svc.eagle3 import bf16_rows
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from specdec.servers import ServerSecurity
 
-MAX_SPECULATIVE_TOKENS = 16
+log = logging.getLogger(__name__)
 
 PROPOSE_BATCHES = Counter("specdec_proposer_batches_total", "Propose messages handled")
 DRAFT_TOKENS = Counter("specdec_proposer_draft_tokens_total", "Draft tokens returned", ["method"])
@@ -26,36 +37,102 @@ PROPOSER_STATE = Gauge("specdec_proposer_state", "Proposer gauges: memory_bytes,
 STATE_EVERY_S = 1.0  # how often the proposer gauges are refreshed
 
 
+UNKNOWN_MESSAGE = "no proposer state for this sequence; re-open it"
+
+
 class InvalidUpdate(ValueError):
     """A sequence update is malformed; the message names the field."""
 
 
+def _checked(update: pb.SequenceUpdate) -> tuple[int, list[int]]:
+    """The update's num_speculative_tokens and token ids, validated."""
+    if not update.seq_id:
+        raise InvalidUpdate("seq_id: must not be empty")
+    k = update.num_speculative_tokens
+    if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise InvalidUpdate(f"num_speculative_tokens: must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+    tokens = list(update.token_ids)
+    if tokens and min(tokens) < 0:
+        raise InvalidUpdate("token_ids: negative token id")
+    return k, tokens
+
+
+class _Round:
+    """One method's sequences of a message, gathered for ``Proposer.advance``."""
+
+    __slots__ = ("drafts", "seq_ids", "tokens", "counts", "context_lens", "ks", "features")
+
+    def __init__(self) -> None:
+        self.drafts: list[pb.Draft] = []  # each sequence's message in the response
+        self.seq_ids: list[str] = []
+        self.tokens: list[int] = []  # new tokens of all, concatenated
+        self.counts: list[int] = []  # new tokens of each
+        self.context_lens: list[int] = []
+        self.ks: list[int] = []
+        self.features: list[tuple[int, np.ndarray] | None] = []  # (start, float32 [rows, dim]) of each
+
+    def add(self, draft: pb.Draft, seq_id: str, tokens: list[int], context_len: int, k: int,
+            features: tuple[int, np.ndarray] | None = None) -> None:
+        self.drafts.append(draft)
+        self.seq_ids.append(seq_id)
+        self.tokens.extend(tokens)
+        self.counts.append(len(tokens))
+        self.context_lens.append(context_len)
+        self.ks.append(k)
+        self.features.append(features)
+
+
 def _options(msg: pb.ProposerOptions, methods: dict[str, Proposer]) -> SeqOptions:
-    """Zero means "default" for the knobs that cannot be zero; min_token_prob
-    is taken as sent (the gateway always fills it)."""
+    """Zero means "default" (specdec.limits) for the knobs that cannot be
+    zero; min_token_prob is taken as sent (the gateway always fills it)."""
     if msg.method not in methods:
         raise InvalidUpdate(f"options.method: unknown or not served here: {msg.method!r} "
                             f"(served: {sorted(methods)})")
-    min_n, max_n = msg.min_n or 1, msg.max_n or 4
+    min_n, max_n = msg.min_n or DEFAULT_MIN_N, msg.max_n or DEFAULT_MAX_N
     if not 1 <= min_n <= max_n:
         raise InvalidUpdate(f"options.min_n/max_n: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-    depth = msg.max_tree_depth or 64
+    depth = msg.max_tree_depth or DEFAULT_MAX_TREE_DEPTH
     if depth < 1:
         raise InvalidUpdate(f"options.max_tree_depth: must be >= 1, got {depth}")
-    factor = msg.max_spec_factor or 1.0
+    factor = msg.max_spec_factor or DEFAULT_MAX_SPEC_FACTOR
     prob = msg.min_token_prob
     if factor <= 0 or not 0.0 <= prob <= 1.0:
         raise InvalidUpdate("options.max_spec_factor must be > 0 and min_token_prob in [0, 1]")
+    if not 0.0 <= msg.temperature < float("inf"):
+        raise InvalidUpdate(f"options.temperature: must be finite and >= 0, got {msg.temperature}")
     return SeqOptions(min_n=min_n, max_n=max_n, max_tree_depth=depth,
                       max_spec_factor=factor, min_token_prob=prob,
-                      reference_token_ids=np.asarray(msg.reference_token_ids, dtype=np.int32))
+                      reference_token_ids=np.asarray(msg.reference_token_ids, dtype=np.int32),
+                      temperature=msg.temperature, seed=msg.seed)
+
+
+def _feature_rows(msg: pb.Features, dim: int) -> np.ndarray:
+    """A Features message as float32 [rows, dim] (bfloat16 on the wire)."""
+    if msg.start < 0 or msg.rows < 0:
+        raise InvalidUpdate(f"features.start/rows: must be >= 0, got {msg.start}, {msg.rows}")
+    if msg.dim != dim:
+        raise InvalidUpdate(f"features.dim: this method reads {dim} values per row, got {msg.dim}")
+    if len(msg.data) != 2 * msg.rows * msg.dim:
+        raise InvalidUpdate(f"features.data: {len(msg.data)} bytes, rows * dim * 2 = {2 * msg.rows * msg.dim}")
+    rows = bf16_rows(msg.data, msg.rows, msg.dim)
+    if not np.isfinite(rows).all():
+        raise InvalidUpdate("features.data: non-finite values")
+    return rows
+
+
+def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
+    """Writes a domain draft into its wire message."""
+    msg.token_ids.extend(draft.token_ids.tolist())
+    for ids, probs in zip(draft.prob_token_ids, draft.probs):
+        msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
 
 
 class ProposerServicer(pb_grpc.ProposerServicer):
     """Serves the methods in `proposers`; per-sequence state lives in them."""
 
-    def __init__(self, proposers: dict[str, Proposer]) -> None:
+    def __init__(self, proposers: dict[str, Proposer], added_latency_s: float = 0.0) -> None:
         self.proposers = proposers
+        self.added_latency_s = added_latency_s  # benchmarks: a remote or model-based proposer's delay
         self._method_of: dict[str, str] = {}  # seq_id -> method name
         self._owner: dict[str, object] = {}  # seq_id -> the stream that opened it
         self._state_at = float("-inf")  # when the proposer gauges were last refreshed
@@ -72,6 +149,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 BATCH_SECONDS.observe(response.compute_s)
                 PROPOSE_BATCHES.inc()
                 self._refresh_state()
+                if self.added_latency_s:
+                    await asyncio.sleep(self.added_latency_s)
                 yield response
         finally:
             for seq_id in [s for s, o in self._owner.items() if o is owner]:
@@ -79,34 +158,105 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             LIVE_SEQUENCES.set(len(self._method_of))
 
     def handle(self, request: pb.ProposeRequest, owner: object = None) -> pb.ProposeResponse:
-        """Applies releases, then updates, then drafts all sequences of one
-        message (one `propose` call per method)."""
+        """Applies releases, then the updates in order: opens at once, the
+        others gathered into one ``advance`` per method (their new tokens and
+        drafts together). A sequence named again in the message first runs
+        what is gathered, so updates apply as if sent one by one."""
         for release in request.releases:
             self._stop(release.seq_id, release.completed)
-        drafts = [pb.Draft(seq_id=u.seq_id) for u in request.sequences]
-        wanted: dict[str, list[tuple[int, str, int]]] = {}  # method -> (index, seq_id, k)
-        for i, update in enumerate(request.sequences):
+        response = pb.ProposeResponse(batch_id=request.batch_id)
+        drafts = response.drafts
+        rounds: dict[str, _Round] = {}
+        gathered: set[str] = set()
+        method_of = self._method_of
+        for update in request.sequences:
+            seq_id = update.seq_id
+            msg = drafts.add(seq_id=seq_id)
+            if seq_id in gathered:
+                self._advance_all(rounds)
+                rounds, gathered = {}, set()
             try:
-                method = self._apply_update(update, owner)
+                k, tokens = _checked(update)
+                if update.open:
+                    method = self._open(update, tokens, owner)
+                    tokens = []
+                    if self.proposers[method].feature_layers:
+                        msg.feature_layers.extend(self.proposers[method].feature_layers)
+                elif seq_id in method_of:
+                    method = method_of[seq_id]
+                else:
+                    msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
+                    continue
+                features = self._features(update, method)
             except InvalidUpdate as e:
-                drafts[i].status, drafts[i].message = pb.SEQUENCE_STATUS_INVALID, str(e)
+                msg.status, msg.message = pb.SEQUENCE_STATUS_INVALID, str(e)
                 continue
-            except UnknownSequence:
-                drafts[i].status = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE
-                drafts[i].message = "no proposer state for this sequence; re-open it"
+            if method not in rounds:
+                rounds[method] = _Round()
+            rounds[method].add(msg, seq_id, tokens, update.context_len, k, features)
+            gathered.add(seq_id)
+        self._advance_all(rounds)
+        LIVE_SEQUENCES.set(len(method_of))
+        return response
+
+    def _advance_all(self, rounds: dict[str, _Round]) -> None:
+        for method, batch in rounds.items():
+            self._advance(method, batch)
+
+    def _advance(self, method: str, batch: _Round) -> None:
+        """Runs one method's round and writes its drafts into their messages."""
+        if self.proposers[method].feature_layers:
+            self._advance_with_features(method, batch)
+            return
+        result = self.proposers[method].advance(
+            batch.seq_ids, np.array(batch.tokens, dtype=np.int32), bounds_of(np.array(batch.counts)),
+            np.array(batch.context_lens, dtype=np.int64), np.array(batch.ks, dtype=np.int64))
+        in_sync = result.in_sync.tolist()
+        for j in np.flatnonzero(~result.in_sync).tolist():
+            self._stop(batch.seq_ids[j], completed=False)
+            msg = batch.drafts[j]
+            msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
+        if result.drafts is not None:
+            for msg, ok, draft in zip(batch.drafts, in_sync, result.drafts):
+                if ok:
+                    _fill_draft(msg, draft)
+            DRAFT_TOKENS.labels(method).inc(sum(len(d.token_ids) for d in result.drafts))
+            return
+        flat, offsets = result.token_ids.tolist(), result.offsets.tolist()
+        for j, msg in enumerate(batch.drafts):
+            if offsets[j + 1] > offsets[j]:
+                msg.token_ids.extend(flat[offsets[j]:offsets[j + 1]])
+        DRAFT_TOKENS.labels(method).inc(len(flat))
+
+    def _advance_with_features(self, method: str, batch: _Round) -> None:
+        """A round of a method that drafts from target features: each
+        sequence's tokens, then its feature rows (placed by position), then
+        one ``propose`` for all of them; every answer says from which
+        position the sequence needs features next."""
+        proposer = self.proposers[method]
+        wanted: list[tuple[int, str, int]] = []  # (index in batch, seq_id, k)
+        bounds = bounds_of(np.array(batch.counts)).tolist()
+        for j, (msg, seq_id) in enumerate(zip(batch.drafts, batch.seq_ids)):
+            if bounds[j + 1] > bounds[j]:
+                proposer.extend(seq_id, np.array(batch.tokens[bounds[j]:bounds[j + 1]], dtype=np.int32))
+            if batch.context_lens[j] and proposer.context_len(seq_id) != batch.context_lens[j]:
+                self._stop(seq_id, completed=False)
+                msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
                 continue
-            if update.num_speculative_tokens > 0:
-                wanted.setdefault(method, []).append((i, update.seq_id, update.num_speculative_tokens))
-        for method, items in wanted.items():
-            results = self.proposers[method].propose([(seq_id, k) for _, seq_id, k in items])
-            for (i, _, k), draft in zip(items, results):
-                drafts[i].token_ids.extend(draft.token_ids[:k].tolist())
-                if draft.probs is not None:
-                    for ids, probs in zip(draft.prob_token_ids[:k], draft.probs[:k]):
-                        drafts[i].probs.add(token_ids=ids.tolist(), probs=probs.tolist())
-                DRAFT_TOKENS.labels(method).inc(len(drafts[i].token_ids))
-        LIVE_SEQUENCES.set(len(self._method_of))
-        return pb.ProposeResponse(batch_id=request.batch_id, drafts=drafts)
+            features = batch.features[j]
+            if features is not None:
+                start, rows = features
+                try:
+                    proposer.add_features(seq_id, start, rows)
+                except ValueError as e:
+                    msg.status, msg.message = pb.SEQUENCE_STATUS_INVALID, str(e)
+                    continue
+            msg.features_from = proposer.features_from(seq_id)
+            if batch.ks[j] > 0:
+                wanted.append((j, seq_id, batch.ks[j]))
+        for (j, _, k), draft in zip(wanted, proposer.propose([(seq_id, k) for _, seq_id, k in wanted])):
+            _fill_draft(batch.drafts[j], draft.truncated(k))
+            DRAFT_TOKENS.labels(method).inc(len(batch.drafts[j].token_ids))
 
     def _refresh_state(self) -> None:
         """Exports each proposer's stats() (bounded memory, tree size) at most
@@ -125,46 +275,38 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         if method is not None:
             self.proposers[method].stop(seq_id, completed)
 
-    def _apply_update(self, update: pb.SequenceUpdate, owner: object) -> str:
-        if not update.seq_id:
-            raise InvalidUpdate("seq_id: must not be empty")
-        if not 0 <= update.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise InvalidUpdate(f"num_speculative_tokens: must be in 0..{MAX_SPECULATIVE_TOKENS}, "
-                                f"got {update.num_speculative_tokens}")
-        tokens = np.asarray(update.token_ids, dtype=np.int32)
-        if len(tokens) and tokens.min() < 0:
-            raise InvalidUpdate("token_ids: negative token id")
-        if update.open:
-            options = _options(update.options, self.proposers)
-            self._stop(update.seq_id, completed=False)
-            method = update.options.method
-            self.proposers[method].start(update.seq_id, tokens, options)
-            self._method_of[update.seq_id] = method
-            self._owner[update.seq_id] = owner
-        else:
-            method = self._method_of.get(update.seq_id)
-            if method is None:
-                raise UnknownSequence(update.seq_id)
-            if len(tokens):
-                self.proposers[method].extend(update.seq_id, tokens)
-        if update.context_len and self.proposers[method].context_len(update.seq_id) != update.context_len:
-            self._stop(update.seq_id, completed=False)
-            raise UnknownSequence(update.seq_id)
+    def _features(self, update: pb.SequenceUpdate, method: str) -> tuple[int, np.ndarray] | None:
+        """The update's target features as (start, float32 [rows, dim]), or None."""
+        if not (update.HasField("features") and update.features.rows):
+            return None
+        proposer = self.proposers[method]
+        if not proposer.feature_layers:
+            raise InvalidUpdate(f"features: method {method!r} drafts from no target features")
+        return update.features.start, _feature_rows(update.features, proposer.feature_dim)
+
+    def _open(self, update: pb.SequenceUpdate, tokens: list[int], owner: object) -> str:
+        """(Re-)opens a sequence with its whole context; returns its method."""
+        options = _options(update.options, self.proposers)
+        self._stop(update.seq_id, completed=False)
+        method = update.options.method
+        self.proposers[method].start(update.seq_id, np.array(tokens, dtype=np.int32), options)
+        self._method_of[update.seq_id] = method
+        self._owner[update.seq_id] = owner
         return method
 
 
-async def serve(host: str, port: int, methods: list[str], metrics_port: int = 0,
-                max_cached_requests: int = 1000) -> None:
+async def serve(host: str, port: int, methods: list[str], settings, metrics_port: int = 0,
+                security: ServerSecurity | None = None, added_latency_s: float = 0.0) -> None:
+    """Serves `methods` built from `settings` (registry.ReplicaSettings)."""
     from specdec.proposer_svc.registry import build_proposers
-    from specdec.proposer_svc.suffix import SuffixConfig
     from specdec.servers import Server, start_metrics
 
     try:
-        proposers = build_proposers(methods, SuffixConfig(max_cached_requests=max_cached_requests))
+        proposers = build_proposers(methods, settings)
     except ValueError as e:
         raise SystemExit(f"--methods: {e}") from None
-    server = Server(host, port, ["Proposer"])
-    pb_grpc.add_ProposerServicer_to_server(ProposerServicer(proposers), server.server)
+    server = Server(host, port, ["Proposer"], security)
+    pb_grpc.add_ProposerServicer_to_server(ProposerServicer(proposers, added_latency_s), server.server)
     start_metrics(metrics_port)
     log.info("proposer serving %s on %s:%d", sorted(proposers), host, server.port)
     print(f"proposer listening on {host}:{server.port}", flush=True)

@@ -45,19 +45,25 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.typed import List
 
-from specdec.proposer_svc.base import Draft, Proposer, SeqOptions, UnknownSequence
+from specdec.drafts import Draft
+from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence
 
 # columns of `nodes`
 TOK, PARENT, COUNT, DEPTH, BEST, FIRST, NEXT, PREV, LSEQ, LPOS = range(10)
 NUM_FIELDS = 10
-# entries of `hdr` (int64 [4])
-H_USED, H_FREE, H_LIVE, H_KEYS = range(4)
+# entries of `hdr` (int64 [5]); H_POOL_END: end of the used part of the pool
+H_USED, H_FREE, H_LIVE, H_KEYS, H_POOL_END = range(5)
 # columns of `seqs` (int64 [S, 3])
 S_START, S_LEN, S_TIME = range(3)
+
+# the streams of a per-request trie
+REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
 
 ROOT = 0
 _EMPTY = -1
@@ -384,6 +390,111 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
         _keep_if_better(num, score, m, best, tmp, out)
 
 
+# ------------------------------------------------------ rounds of requests
+# The per-request tries of many sequences, reached through numba typed lists
+# indexed by slot (nodes_l ... n_active_l, see _TrieTable): one call per round
+# instead of one per sequence. Built and updated by cached kernels too, so a
+# process compiles nothing for them. (Passed one by one: the dispatcher types
+# a tuple of lists slowly, ~0.4 ms a call.)
+@njit(cache=True)
+def new_trie_lists():
+    """Empty lists of (nodes, stamps, hkeys, hvals, hdr, pool, seqs, active, n_active) by slot."""
+    return (List.empty_list(types.int32[:, ::1]), List.empty_list(types.int64[::1]),
+            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
+            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
+            List.empty_list(types.int64[:, ::1]), List.empty_list(types.int32[::1]),
+            List.empty_list(types.int64[::1]))
+
+
+@njit(cache=True)
+def put_trie(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, slot, nodes, stamps,
+             hkeys, hvals, hdr, pool, seqs, active, n_active):
+    """Stores one trie's arrays (and its active nodes) in slot (== length: appended)."""
+    if slot == len(nodes_l):
+        nodes_l.append(nodes)
+        stamps_l.append(stamps)
+        hkeys_l.append(hkeys)
+        hvals_l.append(hvals)
+        hdr_l.append(hdr)
+        pool_l.append(pool)
+        seqs_l.append(seqs)
+        active_l.append(active)
+        n_active_l.append(n_active)
+    else:
+        nodes_l[slot] = nodes
+        stamps_l[slot] = stamps
+        hkeys_l[slot] = hkeys
+        hvals_l[slot] = hvals
+        hdr_l[slot] = hdr
+        pool_l[slot] = pool
+        seqs_l[slot] = seqs
+        active_l[slot] = active
+        n_active_l[slot] = n_active
+
+
+@njit(cache=True)
+def append_batch(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, depths, slots,
+                 tokens, bounds, written, first):
+    """Appends tokens[bounds[i]:bounds[i + 1]] to the context stream of the
+    trie in slot slots[i], for i = first.. in order (as SuffixTrie.append).
+    written: bool [n], the tokens already copied to the pool (in/out).
+    Returns the first i whose pool (not written[i]) or node/hash arrays
+    (written[i]) are full, for the caller to grow them and call again; n
+    when all are inserted."""
+    for i in range(first, slots.shape[0]):
+        s = slots[i]
+        pool, hdr, seqs = pool_l[s], hdr_l[s], seqs_l[s]
+        if not written[i]:
+            at, num = hdr[H_POOL_END], bounds[i + 1] - bounds[i]
+            if at + num > pool.shape[0]:
+                return i
+            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
+            hdr[H_POOL_END] = at + num
+            written[i] = True
+        end = hdr[H_POOL_END] - seqs[CONTEXT_STREAM, S_START]
+        if append_tokens(nodes_l[s], stamps_l[s], hkeys_l[s], hvals_l[s], hdr, pool, seqs, CONTEXT_STREAM, end,
+                         active_l[s], n_active_l[s], depths[s]) < end:
+            return i
+    return slots.shape[0]
+
+
+@njit(cache=True)
+def speculate_batch(nodes_l, pool_l, seqs_l, active_l, n_active_l, depths, factors, min_probs, slots, context_lens,
+                    ks, g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, use_global, in_sync, out, offsets,
+                    scores):
+    """SuffixProposer._propose_one for the requests in slots (int64 [n]):
+    the per-request trie's draft, or the global trie's (g_*, searched when
+    use_global) when it scores higher (ties: the longer). Writes in_sync
+    (bool [n]: context length == context_lens[i], or that is 0), the drafts
+    into out (int32 [>= sum of ks]) at offsets (int64 [n + 1]) and their
+    scores (float64 [n]); out-of-sync requests get no draft."""
+    num = 0
+    local_best, g_best = np.zeros(3), np.zeros(3)
+    for i in range(slots.shape[0]):
+        s, k = slots[i], ks[i]
+        seqs = seqs_l[s]
+        length = seqs[CONTEXT_STREAM, S_LEN]
+        offsets[i], scores[i] = num, 0.0
+        in_sync[i] = context_lens[i] == 0 or length == context_lens[i]
+        if not in_sync[i] or k <= 0:
+            continue
+        speculate_active(nodes_l[s], pool_l[s], seqs, depths[s], active_l[s], n_active_l[s][0], k, factors[s],
+                         min_probs[s], out[num:num + k], local_best)
+        drafted, score = int(local_best[1]), local_best[0]
+        if use_global:
+            depth, start = depths[s], seqs[CONTEXT_STREAM, S_START]
+            context = pool_l[s][start + max(0, length - depth):start + length]
+            g_out = np.empty(k, dtype=np.int32)
+            speculate_walk(g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, context, depth, k, factors[s],
+                           min_probs[s], g_out, g_best)
+            if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
+                drafted, score = int(g_best[1]), g_best[0]
+                out[num:num + drafted] = g_out[:drafted]
+        num += drafted
+        scores[i] = score
+    offsets[slots.shape[0]] = num
+
+
 # ----------------------------------------------------------- Python handle
 class SuffixTrie:
     """Owns one trie's arrays and grows them; streams are numbered 0..S-1.
@@ -400,12 +511,21 @@ class SuffixTrie:
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.hkeys = np.full(hash_size, _EMPTY, dtype=np.int64)
         self.hvals = np.zeros(hash_size, dtype=np.int32)
-        self.hdr = np.array([1, -1, 1, 0], dtype=np.int64)  # root allocated
+        self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
         self.nodes[ROOT] = -1
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
         self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
-        self.pool_end = 0
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
+        self.version = 0  # counts reallocations of the arrays
+
+    @property
+    def pool_end(self) -> int:
+        """End of the used part of the pool (kept in hdr for the batch kernels)."""
+        return int(self.hdr[H_POOL_END])
+
+    @pool_end.setter
+    def pool_end(self, end: int) -> None:
+        self.hdr[H_POOL_END] = end
 
     # -- streams
     def open_stream(self, seq: int, time_base: int, capacity: int) -> None:
@@ -424,7 +544,7 @@ class SuffixTrie:
         end = self.pool_end - int(self.seqs[seq, S_START])
         while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
                             self.seqs, seq, end, active, n_active, self.max_depth) < end:
-            self._grow()
+            self.grow()
 
     def remove(self, seq: int) -> None:
         remove_stream(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
@@ -440,6 +560,7 @@ class SuffixTrie:
             grown = np.zeros(max(2 * len(self.pool), self.pool_end + extra), dtype=np.int32)
             grown[:self.pool_end] = self.pool[:self.pool_end]
             self.pool = grown
+            self.version += 1
 
     def compact_pool(self, live: list[int]) -> None:
         """Packs the streams in ``live`` (in this order) at the pool start."""
@@ -451,7 +572,8 @@ class SuffixTrie:
         self.pool_end = len(packed)
 
     # -- capacity
-    def _grow(self) -> None:
+    def grow(self) -> None:
+        """Makes room for max_depth + 2 more nodes (and their hash keys)."""
         need = int(self.hdr[H_USED]) + self.max_depth + 2
         if need > len(self.nodes):
             size = max(2 * len(self.nodes), need)
@@ -460,11 +582,13 @@ class SuffixTrie:
             stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
+            self.version += 1
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.hkeys):
             keys = np.full(2 * len(self.hkeys), _EMPTY, dtype=np.int64)
             vals = np.zeros(2 * len(self.hkeys), dtype=np.int32)
             rehash(self.hkeys, self.hvals, keys, vals)
             self.hkeys, self.hvals = keys, vals
+            self.version += 1
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
@@ -492,9 +616,6 @@ class SuffixConfig:
 
     max_cached_requests: int = 1000  # finished outputs in the global trie (0: no global trie)
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
-
-
-REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
 
 
 class _Request:
@@ -525,6 +646,85 @@ class _Request:
 
     def context(self) -> np.ndarray:
         return self.trie.tokens(CONTEXT_STREAM)
+
+
+class _TrieLists(NamedTuple):
+    """numba typed lists of the per-request tries' arrays, by slot."""
+
+    nodes: Any
+    stamps: Any
+    hkeys: Any
+    hvals: Any
+    hdr: Any
+    pool: Any
+    seqs: Any
+    active: Any
+    n_active: Any
+
+
+class _TrieTable:
+    """The per-request tries' arrays by slot, for the batch kernels.
+
+    Invariant: the slot of every live request holds its trie's current arrays
+    (``put`` stores them again after the trie reallocated them, as its
+    ``version`` tells)."""
+
+    def __init__(self) -> None:
+        self.lists = _TrieLists(*new_trie_lists())
+        self._versions: list[int] = []  # by slot: the trie version stored (-1: free)
+        self.depths = np.zeros(16, dtype=np.int64)  # by slot
+        self.factors = np.zeros(16)
+        self.min_probs = np.zeros(16)
+        self._free: list[int] = []
+
+    def add(self, req: _Request) -> int:
+        """Gives a request a slot and puts its arrays there."""
+        if self._free:
+            slot = self._free.pop()
+        else:
+            slot = len(self._versions)
+            self._versions.append(-1)
+            if slot == len(self.depths):
+                self.depths, self.factors, self.min_probs = (np.concatenate([a, np.zeros_like(a)])
+                                                             for a in (self.depths, self.factors, self.min_probs))
+        self.depths[slot], self.factors[slot], self.min_probs[slot] = req.depth, req.max_spec_factor, req.min_token_prob
+        self.put(slot, req)
+        return slot
+
+    def put(self, slot: int, req: _Request) -> None:
+        """Stores the request's arrays unless the slot holds them already."""
+        t = req.trie
+        if self._versions[slot] != t.version:
+            self._put(slot, t, req.active, req.n_active)
+            self._versions[slot] = t.version
+
+    def append(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, written: np.ndarray,
+               first: int) -> int:
+        """append_batch over these tries."""
+        t = self.lists
+        return append_batch(t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs, t.active, t.n_active,
+                            self.depths, slots, tokens, bounds, written, first)
+
+    def speculate(self, slots: np.ndarray, context_lens: np.ndarray, ks: np.ndarray, glob: SuffixTrie,
+                  use_global: bool, in_sync: np.ndarray, out: np.ndarray, offsets: np.ndarray,
+                  scores: np.ndarray) -> None:
+        """speculate_batch over these tries and the global trie glob."""
+        t = self.lists
+        speculate_batch(t.nodes, t.pool, t.seqs, t.active, t.n_active, self.depths, self.factors, self.min_probs,
+                        slots, context_lens, ks, glob.nodes, glob.hkeys, glob.hvals, glob.pool, glob.seqs,
+                        glob.max_depth, use_global, in_sync, out, offsets, scores)
+
+    def remove(self, slot: int) -> None:
+        """Frees the slot (its arrays are dropped)."""
+        self._put(slot, _NO_TRIE, _NO_ACTIVE, _NO_ACTIVE_COUNT)
+        self._versions[slot] = -1
+        self._free.append(slot)
+
+    def _put(self, slot: int, t: SuffixTrie, active: np.ndarray, n_active: np.ndarray) -> None:
+        lists = self.lists
+        put_trie(lists.nodes, lists.stamps, lists.hkeys, lists.hvals, lists.hdr, lists.pool, lists.seqs,
+                 lists.active, lists.n_active, slot, t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs,
+                 active, n_active)
 
 
 class _GlobalCache:
@@ -573,16 +773,54 @@ class SuffixProposer(Proposer):
     def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
         self.config = config
         self._requests: dict[str, _Request] = {}
+        self._table = _TrieTable()
+        self._slot: dict[str, int] = {}
         self._global = (_GlobalCache(config.max_cached_requests, config.max_tree_depth)
                         if config.max_cached_requests > 0 else None)
         _warm_up()
 
     def start(self, seq_id, context, options):
-        self._requests[seq_id] = _Request(np.ascontiguousarray(context, dtype=np.int32), options,
-                                          self.config.max_tree_depth)
+        req = _Request(np.ascontiguousarray(context, dtype=np.int32), options, self.config.max_tree_depth)
+        self.stop(seq_id, completed=False)
+        self._requests[seq_id] = req
+        self._slot[seq_id] = self._table.add(req)
 
     def extend(self, seq_id, token_ids):
-        self._request(seq_id).extend(np.ascontiguousarray(token_ids, dtype=np.int32))
+        req = self._request(seq_id)
+        req.extend(np.ascontiguousarray(token_ids, dtype=np.int32))
+        self._table.put(self._slot[seq_id], req)
+
+    def advance(self, seq_ids, tokens, bounds, context_lens, ks):
+        batch, _ = self.advance_scored(seq_ids, tokens, bounds, context_lens, ks)
+        return batch
+
+    def advance_scored(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+                       ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+        """``advance`` with the drafts' scores (float64 [n], as propose_scored)."""
+        try:
+            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
+        except KeyError as e:
+            raise UnknownSequence(e.args[0]) from None
+        self._append_batch(seq_ids, slots, tokens, bounds)
+        n, table, glob = len(seq_ids), self._table, self._global
+        in_sync, scores = np.empty(n, dtype=np.bool_), np.empty(n)
+        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.empty(n + 1, dtype=np.int64)
+        table.speculate(slots, context_lens, ks, glob.trie if glob is not None else _NO_TRIE,
+                        glob is not None and bool(glob.fifo), in_sync, out, offsets, scores)
+        return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
+
+    def _append_batch(self, seq_ids: list[str], slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray) -> None:
+        """Appends each request's tokens, growing its arrays where needed."""
+        table = self._table
+        written = np.zeros(len(seq_ids), dtype=np.bool_)
+        i = 0
+        while (i := table.append(slots, tokens, bounds, written, i)) < len(seq_ids):
+            req = self._requests[seq_ids[i]]
+            if written[i]:
+                req.trie.grow()
+            else:
+                req.trie.reserve_pool(int(bounds[i + 1] - bounds[i]))
+            table.put(int(slots[i]), req)
 
     def propose(self, requests):
         return [draft for draft, _ in self.propose_scored(requests)]
@@ -610,7 +848,10 @@ class SuffixProposer(Proposer):
 
     def stop(self, seq_id, completed):
         req = self._requests.pop(seq_id, None)
-        if req is None or not completed or self._global is None:
+        if req is None:
+            return
+        self._table.remove(self._slot.pop(seq_id))
+        if not completed or self._global is None:
             return
         output = req.context()[req.prompt_len:]
         if len(output):
@@ -649,4 +890,18 @@ def _warm_up() -> None:
     trie.speculate_active(active, int(n_active[0]), 2, 1.0, 0.1, out, best)
     trie.speculate_walk(trie.tokens(1), 4, 2, 1.0, 0.1, out, best)
     trie.remove(0)
-    trie._grow()
+    trie.grow()
+    table = _TrieTable()
+    req = _Request(np.array([1, 2, 1, 2, 3], dtype=np.int32), SeqOptions(max_tree_depth=4), 4)
+    slots = np.array([table.add(req)])
+    table.append(slots, np.array([1], dtype=np.int32), np.array([0, 1]), np.zeros(1, dtype=np.bool_), 0)
+    one = np.ones(1, dtype=np.int64)
+    table.speculate(slots, one * 6, one * 2, trie, True, np.empty(1, dtype=np.bool_), np.empty(2, dtype=np.int32),
+                    np.empty(2, dtype=np.int64), np.empty(1))
+    table.remove(int(slots[0]))
+
+
+#: stand in for the global trie of a proposer without one (never searched)
+#: and for the arrays of a free slot
+_NO_TRIE = SuffixTrie(1, 1)
+_NO_ACTIVE, _NO_ACTIVE_COUNT = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64)

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.proposer_svc.base import Draft, Proposer, SeqOptions, UnknownSequence
+from specdec.drafts import Draft
+from specdec.proposer_svc.base import Proposer, SeqOptions, UnknownSequence
 from specdec.proposer_svc.suffix import SPEC_FACTOR_EPS
 
 
@@ -61,14 +62,16 @@ def build_tree(streams: list[tuple[list[int], int]], max_depth: int) -> RefNode:
 def _find(root: RefNode, tokens: list[int]) -> RefNode | None:
     node = root
     for tok in tokens:
-        node = node.children.get(tok)
-        if node is None:
+        child = node.children.get(tok)
+        if child is None:
             return None
+        node = child
     return node
 
 
 def _draft_path(node: RefNode, cap: int, min_token_prob: float) -> tuple[list[int], float]:
-    tokens, score, prob = [], 0.0, 1.0
+    tokens: list[int] = []
+    score, prob = 0.0, 1.0
     while len(tokens) < cap and node.children:
         tok, child = max(node.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))
         prob *= child.count / node.count

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,8 +19,8 @@ PROTO_FILES = ["v1/specdec.proto"]
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # test/dev dependency only
     import grpc_tools
+    from grpc_tools import protoc  # test/dev dependency only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:

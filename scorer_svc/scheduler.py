@@ -15,6 +15,16 @@ KV cache always holds `context_len - 1` tokens between rounds:
     KV    = KV[: context_len + a]                (pending + accepted drafts)
     context_len += a + 1;  pending = output[-1]  (recovered or bonus token)
 
+Features (EAGLE-3 / MTP drafting). A job that names ``feature_layers`` gets
+those layers' hidden states (bfloat16) of the context positions whose
+tokens it ran and that are context after verification: on a first touch
+positions ``len(context) - m .. context_len - 2`` (m: the context rows asked
+for, ``max_context_features`` or all, cut to the message budget by
+``cap_context_features``), on later rounds ``context_len_before - 1 ..
+context_len - 2`` (the pending token and the accepted drafts). The newest
+token (the output's last) has none: it runs next round. So a caller that
+relays every answer holds features for every position but the last.
+
 Only the worker touches the engine. The worker is a background thread by
 default; `specdec scorer` runs it on the main thread instead (`run()`),
 because torch's CPU kernels measured ~35 % slower when called from a
@@ -33,8 +43,9 @@ import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from specdec.engine.base import Engine, ForwardItem, PoolExhausted
 from specdec.kernels import SamplingTensors, SparseDraftProbs, verify
-from specdec.scorer_svc.engine import Engine, ForwardItem, PoolExhausted
+from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES, MAX_SPECULATIVE_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +61,9 @@ EXPIRED = Counter("specdec_scorer_expired_sequences_total",
                   "Sequences whose KV cache was freed after idle_timeout_s without a Verify (a gateway "
                   "that died or lost them); a later Verify for one gets UNKNOWN_SEQUENCE and re-prefills")
 
-# Job outcomes besides OK (mirrors the proto's SequenceStatus without importing it).
-OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED, INVALID = "ok", "unknown_sequence", "resource_exhausted", "invalid"
+# Job outcomes (mirror the proto's SequenceStatus without importing it).
+OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED, INVALID, BUSY = (
+    "ok", "unknown_sequence", "resource_exhausted", "invalid", "busy")
 
 
 @dataclass
@@ -70,6 +82,16 @@ class JobSpec:
     strategy: int  # kernels.GREEDY .. TOPP
     accept_policy: int
     return_hidden_states: bool = False
+    feature_layers: tuple[int, ...] = ()  # layers whose states to return (Engine.forward), in this order
+    max_context_features: int = 0  # first touch: context positions' features to return at most (0: all)
+
+
+@dataclass(frozen=True)
+class FeatureRows:
+    """Feature rows of consecutive context positions."""
+
+    start: int  # context position of the first row
+    bits: np.ndarray  # uint16 [rows, len(feature_layers) * hidden]: bfloat16 bit patterns
 
 
 @dataclass
@@ -78,6 +100,7 @@ class JobResult:
     output_token_ids: list[int] = field(default_factory=list)
     num_accepted: int = 0
     hidden_states: np.ndarray | None = None  # float32 [num_accepted + 1, hidden]
+    features: FeatureRows | None = None  # when feature_layers were asked for
     message: str = ""
 
 
@@ -93,11 +116,21 @@ class _Job:
     spec: JobSpec
     call: "_Call"
     index: int  # position of spec in the call
-    feed: np.ndarray | None = None  # int32 tokens to run through the model
+    feed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 tokens to run
     fed: int = 0  # how many of feed have run
     context_len_before: int = 0  # RNG position and rollback base
-    logits: torch.Tensor | None = None  # float32 [k + 1, V], once the last chunk ran
-    hidden: torch.Tensor | None = None
+    feed_start: int = 0  # context position of feed[0]
+    feature_start: int = 0  # context position of the first feature row to return
+    features: list[torch.Tensor] = field(default_factory=list)  # bfloat16 [rows, dim] chunks from feature_start on
+
+
+@dataclass
+class _Finished:
+    """A job whose last chunk ran, with its rows of the forward pass."""
+
+    job: _Job
+    logits: torch.Tensor  # float32 [k + 1, V]
+    hidden: torch.Tensor | None  # [k + 1, hidden] when any job of the pass asked for hidden states
 
 
 @dataclass
@@ -116,8 +149,10 @@ class Scheduler:
     def __init__(self, engine: Engine, max_batch_size: int = 256,
                  max_tokens_per_forward: int = 512, background: bool = True,
                  idle_timeout_s: float = 600.0) -> None:
-        if max_batch_size < 1 or max_tokens_per_forward < 17:
-            raise ValueError("max_batch_size >= 1 and max_tokens_per_forward >= 17 required")
+        if max_batch_size < 1 or max_tokens_per_forward < MAX_SPECULATIVE_TOKENS + 1:
+            # a verification's k + 1 rows always run in one forward pass
+            raise ValueError(f"max_batch_size >= 1 and max_tokens_per_forward >= {MAX_SPECULATIVE_TOKENS + 1} "
+                             f"required")
         if idle_timeout_s < 0:
             raise ValueError("idle_timeout_s must be >= 0 (0: never expire)")
         self.engine = engine
@@ -130,6 +165,9 @@ class Scheduler:
         self.max_tokens_per_forward = max_tokens_per_forward
         self._seqs: dict[str, _SeqState] = {}
         self._busy: set[str] = set()  # sequences with a job in flight
+        # released while a job was in flight: freed when that job ends (freeing
+        # pages a running job still writes would hand them to another sequence)
+        self._release_after: set[str] = set()
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[_Job] = []
         self._stopped = False
@@ -142,6 +180,7 @@ class Scheduler:
 
     async def verify(self, specs: list[JobSpec]) -> tuple[list[JobResult], float, float]:
         """Runs one Verify call; returns (results, compute_s, queue_s)."""
+        cap_context_features(specs, self.engine.facts.hidden_size)
         loop = asyncio.get_running_loop()
         call = _Call(specs, loop.create_future(), loop)
         self._inbox.put(("verify", call))
@@ -189,7 +228,7 @@ class Scheduler:
                 self._admit(payload)
             else:
                 seq_ids, fut, loop = payload
-                n = sum(self._release(s) for s in seq_ids)
+                n = sum(self._release_when_idle(s) for s in seq_ids)
                 loop.call_soon_threadsafe(_set_result, fut, n)
 
     def _expire_idle(self) -> None:
@@ -207,6 +246,12 @@ class Scheduler:
             EXPIRED.inc(len(stale))
             log.warning("released %d sequences idle for more than %.0f s (their gateway is gone?)",
                         len(stale), self.idle_timeout_s)
+
+    def _release_when_idle(self, seq_id: str) -> bool:
+        if seq_id in self._busy:
+            self._release_after.add(seq_id)
+            return True
+        return self._release(seq_id)
 
     def _release(self, seq_id: str) -> bool:
         self._seqs.pop(seq_id, None)
@@ -232,12 +277,14 @@ class Scheduler:
     def _prepare(self, job: _Job) -> JobResult | None:
         spec = job.spec
         if spec.seq_id in self._busy:
-            return JobResult(UNKNOWN_SEQUENCE, message="sequence already has a Verify in flight")
+            return JobResult(BUSY, message="a Verify for this sequence is already in flight")
         k = len(spec.draft_token_ids)
         if spec.context is not None:  # first touch or re-prefill
             self._release(spec.seq_id)
             job.feed = np.concatenate([spec.context, spec.draft_token_ids]).astype(np.int32)
             job.context_len_before = len(spec.context)
+            rows = spec.max_context_features or len(spec.context)
+            job.feature_start = max(0, len(spec.context) - rows)
         else:
             state = self._seqs.get(spec.seq_id)
             if state is None or state.context_len != spec.context_len:
@@ -250,6 +297,7 @@ class Scheduler:
             state.last_used = time.monotonic()
             job.feed = np.concatenate([[state.pending], spec.draft_token_ids]).astype(np.int32)
             job.context_len_before = state.context_len
+            job.feed_start = job.feature_start = state.context_len - 1
         try:  # KV holds context_len - 1 tokens, the feed adds k + 1
             self.engine.ensure_capacity(spec.seq_id, job.context_len_before + k)
         except (PoolExhausted, ValueError) as e:  # ValueError: beyond the model's context
@@ -266,7 +314,9 @@ class Scheduler:
         """One forward pass over the jobs that fit, then verification of the
         jobs whose last chunk ran."""
         start = time.perf_counter()
-        items, jobs, budget = [], [], self.max_tokens_per_forward
+        items: list[ForwardItem] = []
+        jobs: list[_Job] = []
+        budget = self.max_tokens_per_forward
         # decode-sized work first so long prefills cannot starve it
         for job in sorted(self._active, key=lambda j: len(j.feed) - j.fed):
             if len(items) == self.max_batch_size or budget == 0:
@@ -286,38 +336,47 @@ class Scheduler:
             if job.call.first_step is None:
                 job.call.first_step = start
         need_hidden = any(j.spec.return_hidden_states for j in jobs)
-        out = self.engine.forward(items, return_hidden_states=need_hidden)
+        layers = tuple(sorted({i for j in jobs for i in j.spec.feature_layers}))
+        out = self.engine.forward(items, return_hidden_states=need_hidden, feature_layers=layers)
         FORWARDS.inc()
         FORWARD_TOKENS.observe(sum(len(i.token_ids) for i in items))
         row = 0
-        done = []
+        fed_rows = 0  # rows of the pass before this item's
+        done: list[_Finished] = []
         for job, item in zip(jobs, items):
+            if job.spec.feature_layers:
+                assert out.features is not None  # the pass asked for the union of the jobs' layers
+                _keep_features(job, out.features[fed_rows:fed_rows + len(item.token_ids)], layers)
+            fed_rows += len(item.token_ids)
             job.fed += len(item.token_ids)
             if item.num_logits:
-                job.logits = out.logits[row:row + item.num_logits]
-                if need_hidden:
-                    job.hidden = out.hidden_states[row:row + item.num_logits]
+                rows = slice(row, row + item.num_logits)
+                hidden = out.hidden_states[rows] if out.hidden_states is not None else None
+                done.append(_Finished(job, out.logits[rows], hidden))
                 row += item.num_logits
-                done.append(job)
         if done:
             self._verify(done)
         elapsed = time.perf_counter() - start
         FORWARD_SECONDS.observe(elapsed)
         for call in {id(j.call): j.call for j in jobs}.values():
             call.compute_s += elapsed
-        for job in done:
+        for job in (f.job for f in done):
             self._active.remove(job)
             self._busy.discard(job.spec.seq_id)
+            if job.spec.seq_id in self._release_after:
+                self._release_after.discard(job.spec.seq_id)
+                self._release(job.spec.seq_id)
             job.call.remaining -= 1
             if job.call.remaining == 0:
                 self._finish_call(job.call)
         FREE_KV_TOKENS.set(self.engine.free_tokens())
 
-    def _verify(self, jobs: list[_Job]) -> None:
+    def _verify(self, finished: list[_Finished]) -> None:
         """Batched verification of finished jobs, then KV rollback."""
+        jobs = [f.job for f in finished]
         specs = [j.spec for j in jobs]
         num_drafts = [len(s.draft_token_ids) for s in specs]
-        target_logits = torch.cat([j.logits for j in jobs])  # [sum(k_i + 1), V]
+        target_logits = torch.cat([f.logits for f in finished])  # [sum(k_i + 1), V]
         draft_token_ids = torch.from_numpy(np.concatenate(
             [s.draft_token_ids for s in specs]).astype(np.int32))  # [sum(k_i)]
         cu = torch.tensor(np.cumsum(num_drafts), dtype=torch.int32)  # [B]
@@ -334,16 +393,18 @@ class Scheduler:
         # one deliberate device->host sync for the whole batch
         output_ids = out.output_token_ids.tolist()
         num_accepted = out.num_accepted.tolist()
-        for job, ids, a in zip(jobs, output_ids, num_accepted):
+        for f, ids, a in zip(finished, output_ids, num_accepted):
+            job = f.job
             seq_id = job.spec.seq_id
             new_context_len = job.context_len_before + a + 1
             self.engine.truncate(seq_id, new_context_len - 1)
             output = ids[:a + 1]
             self._seqs[seq_id] = _SeqState(new_context_len, output[-1])
             hidden = None
-            if job.spec.return_hidden_states:
-                hidden = job.hidden[:a + 1].float().cpu().numpy()
-            job.call.results[job.index] = JobResult(OK, output, a, hidden)
+            if job.spec.return_hidden_states and f.hidden is not None:
+                hidden = f.hidden[:a + 1].float().cpu().numpy()
+            features = _feature_rows(job, new_context_len) if job.spec.feature_layers else None
+            job.call.results[job.index] = JobResult(OK, output, a, hidden, features)
             DRAFT_TOKENS.inc(len(job.spec.draft_token_ids))
             ACCEPTED_TOKENS.inc(a)
         LIVE_SEQUENCES.set(len(self._seqs))
@@ -359,6 +420,53 @@ class Scheduler:
                 job.call.loop.call_soon_threadsafe(_set_exception, job.call.future, error)
         self._active.clear()
         self._busy.clear()
+        self._release_after.clear()
+
+
+def cap_context_features(specs: list[JobSpec], hidden_size: int,
+                         budget_bytes: int = FEATURE_BYTES_PER_MESSAGE) -> None:
+    """Cuts first touches' context feature rows (``max_context_features``)
+    so that one Verify answer carries at most budget_bytes of features.
+
+    Every sequence asking for features is first given the rows a round always
+    returns (pending token + drafts: k + 1, at most); what is left of the
+    budget goes to first touches' further context rows in call order, each
+    keeping its last positions. A first touch always gets at least its last
+    context position. The decode rows are not cut: a call of B sequences at
+    k drafts needs B * (k + 1) * row bytes (docs/features.md)."""
+    def row_bytes(spec: JobSpec) -> int:
+        return FEATURE_VALUE_BYTES * hidden_size * len(spec.feature_layers)
+
+    asking = [s for s in specs if s.feature_layers]
+    left = budget_bytes - sum((len(s.draft_token_ids) + 1) * row_bytes(s) for s in asking)
+    for spec in asking:
+        if spec.context is None:
+            continue
+        wanted = min(spec.max_context_features or len(spec.context), len(spec.context))
+        extra = min(wanted - 1, max(0, left) // row_bytes(spec))
+        spec.max_context_features = 1 + extra
+        left -= extra * row_bytes(spec)
+
+
+def _keep_features(job: _Job, rows: torch.Tensor, layers: tuple[int, ...]) -> None:
+    """Keeps the job's feature rows of one pass (its layers, in its order,
+    bfloat16) from its feature_start on.
+
+    rows: [fed this pass, len(layers) * hidden], the pass's layers in order"""
+    first = job.feed_start + job.fed  # context position of rows[0]
+    rows = rows[max(0, job.feature_start - first):]
+    if job.spec.feature_layers != layers:
+        blocks = rows.unflatten(1, (len(layers), -1))  # [n, len(layers), hidden]
+        rows = blocks[:, [layers.index(i) for i in job.spec.feature_layers]].flatten(1)
+    if len(rows):
+        job.features.append(rows.to(torch.bfloat16))
+
+
+def _feature_rows(job: _Job, new_context_len: int) -> FeatureRows:
+    """The job's feature rows of positions feature_start .. new_context_len - 2
+    (the ones now context; later drafts were rejected)."""
+    rows = torch.cat(job.features)[:new_context_len - 1 - job.feature_start]
+    return FeatureRows(job.feature_start, rows.contiguous().view(torch.int16).cpu().numpy().view(np.uint16))
 
 
 def _sparse_draft_probs(specs: list[JobSpec]) -> SparseDraftProbs | None:

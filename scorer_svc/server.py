@@ -4,22 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 
 import grpc
 import numpy as np
+from prometheus_client import Gauge, Info
 
+from specdec.engine.base import Engine
+from specdec.engine.config import EngineConfig
+from specdec.engine.factory import build_engine
+from specdec.limits import MAX_FEATURE_LAYERS, MAX_SPECULATIVE_TOKENS, default_verify_strategy, resolve_seed
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
-from specdec.scorer_svc.engine import Engine
-from specdec.scorer_svc.scheduler import INVALID, OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
+from specdec.scorer_svc.scheduler import BUSY, INVALID, OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
 from specdec.validation import InvalidArgument, sampling_fields
 
 log = logging.getLogger(__name__)
 
-MAX_DRAFT_TOKENS = 16
+ENGINE_GEMM = Info("specdec_engine_gemm", "CPU GEMM path the engine runs (chosen by measuring on this machine, or "
+                   "forced), with the dtype and the CPU model")
+ENGINE_GEMM_MS = Gauge("specdec_engine_gemm_ms", "Measured ms of all of a forward pass's GEMMs per path and row "
+                       "count (invariant paths only)", ["path", "rows"])
+
 _STATUS = {OK: pb.SEQUENCE_STATUS_OK, UNKNOWN_SEQUENCE: pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE,
-           RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED, INVALID: pb.SEQUENCE_STATUS_INVALID}
+           RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED, INVALID: pb.SEQUENCE_STATUS_INVALID,
+           BUSY: pb.SEQUENCE_STATUS_BUSY}
 
 
 def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
@@ -28,14 +36,30 @@ def _check_ids(ids: np.ndarray, vocab_size: int, field: str) -> None:
         raise InvalidArgument(f"{field}[{bad[0]}]: token id {ids[bad[0]]} outside the vocabulary [0, {vocab_size})")
 
 
-def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int) -> JobSpec:
+def _feature_layers(seq: pb.VerifySequence, f: str, num_layers: int) -> tuple[int, ...]:
+    """The validated feature_layers of a VerifySequence (and its max_context_features)."""
+    layers = tuple(seq.feature_layers)
+    if len(layers) > MAX_FEATURE_LAYERS:
+        raise InvalidArgument(f"{f}.feature_layers: at most {MAX_FEATURE_LAYERS} layers, got {len(layers)}")
+    if len(set(layers)) != len(layers):
+        raise InvalidArgument(f"{f}.feature_layers: a layer appears twice in {list(layers)}")
+    for j, layer in enumerate(layers):
+        if not 0 <= layer <= num_layers:
+            raise InvalidArgument(f"{f}.feature_layers[{j}]: layer {layer} outside 0..{num_layers} "
+                                  f"(0: embeddings, {num_layers}: the last decoder layer)")
+    if seq.max_context_features < 0:
+        raise InvalidArgument(f"{f}.max_context_features: must be >= 0, got {seq.max_context_features}")
+    return layers
+
+
+def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int, num_layers: int) -> JobSpec:
     """Validates one VerifySequence (field names as `sequences[i].field`)."""
     f = f"sequences[{i}]"
     if not seq.seq_id:
         raise InvalidArgument(f"{f}.seq_id: must not be empty")
     drafts = np.asarray(seq.draft_token_ids, dtype=np.int64)
-    if len(drafts) > MAX_DRAFT_TOKENS:
-        raise InvalidArgument(f"{f}.draft_token_ids: at most {MAX_DRAFT_TOKENS} drafts, got {len(drafts)}")
+    if len(drafts) > MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(f"{f}.draft_token_ids: at most {MAX_SPECULATIVE_TOKENS} drafts, got {len(drafts)}")
     _check_ids(drafts, vocab_size, f"{f}.draft_token_ids")
     context = None
     if len(seq.context_token_ids):
@@ -68,19 +92,19 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
             draft_probs.append((ids.astype(np.int32), probs))
     sp = seq.sampling
     temperature, top_k, top_p = sampling_fields(sp.temperature, sp.top_k, sp.top_p, f"{f}.sampling")
-    strategy = seq.verify_strategy or (pb.VERIFY_STRATEGY_GREEDY if temperature == 0
-                                       else pb.VERIFY_STRATEGY_REJECTION)
+    strategy = seq.verify_strategy or default_verify_strategy(temperature)
     if strategy not in pb.VerifyStrategy.values():
         raise InvalidArgument(f"{f}.verify_strategy: unknown value {strategy}")
     if seq.accept_policy not in pb.AcceptPolicy.values():
         raise InvalidArgument(f"{f}.accept_policy: unknown value {seq.accept_policy}")
-    seed = seq.sampling.seed if seq.sampling.HasField("seed") else random.getrandbits(63)
     return JobSpec(
         seq_id=seq.seq_id, context=None if context is None else context.astype(np.int32),
         context_len=context_len, draft_token_ids=drafts.astype(np.int32), draft_probs=draft_probs,
-        temperature=temperature, top_k=top_k, top_p=top_p, seed=int(seed) & (2**63 - 1),
+        temperature=temperature, top_k=top_k, top_p=top_p,
+        seed=resolve_seed(sp.seed if sp.HasField("seed") else None),
         strategy=int(strategy), accept_policy=int(seq.accept_policy),
-        return_hidden_states=seq.return_hidden_states)
+        return_hidden_states=seq.return_hidden_states,
+        feature_layers=_feature_layers(seq, f, num_layers), max_context_features=seq.max_context_features)
 
 
 class ScorerServicer(pb_grpc.ScorerServicer):
@@ -91,7 +115,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         facts = self.engine.facts
         try:
-            specs = [job_spec(s, i, facts.vocab_size, facts.max_model_len)
+            specs = [job_spec(s, i, facts.vocab_size, facts.max_model_len, facts.num_layers)
                      for i, s in enumerate(request.sequences)]
             ids = [s.seq_id for s in specs]
             if len(set(ids)) != len(ids):
@@ -107,6 +131,10 @@ class ScorerServicer(pb_grpc.ScorerServicer):
             if r.hidden_states is not None:
                 out.hidden_states = np.ascontiguousarray(r.hidden_states, dtype=np.float32).tobytes()
                 out.hidden_size = r.hidden_states.shape[1]
+            if r.features is not None:
+                rows, dim = r.features.bits.shape
+                out.features.CopyFrom(pb.Features(start=r.features.start, rows=rows, dim=dim,
+                                                  data=r.features.bits.astype("<u2", copy=False).tobytes()))
         return response
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
@@ -116,9 +144,23 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         f = self.engine.facts
         return pb.ModelInfo(model=f.model, vocab_size=f.vocab_size, max_model_len=f.max_model_len,
                             eos_token_ids=list(f.eos_token_ids), hidden_size=f.hidden_size,
-                            dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens,
+                            num_layers=f.num_layers, dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens,
                             kv_free_tokens=self.engine.free_tokens(),
                             live_sequences=self.scheduler.live_sequences)
+
+
+def export_gemm_choice(engine: Engine) -> None:
+    """Publishes the engine's GEMM choice and its timings as metrics
+    (nothing for an engine that chose none)."""
+    report = engine.gemm_report
+    if report is None:
+        return
+    ENGINE_GEMM.info({"path": report["chosen"], "dtype": report["key"]["dtype"].removeprefix("torch."),
+                      "cpu": report["key"]["cpu"], "threads": str(report["key"]["threads"]),
+                      "forced": str(report["forced"]).lower()})
+    for path, entry in report["paths"].items():
+        for rows, ms in entry.get("ms", {}).items():
+            ENGINE_GEMM_MS.labels(path, rows).set(ms)
 
 
 def serve(args) -> None:
@@ -128,17 +170,20 @@ def serve(args) -> None:
     import signal
     import threading
 
-    from specdec.servers import Server, start_metrics
+    from specdec.servers import Server, server_security, start_metrics
 
-    engine = build_engine(args.model, args.dtype, args.kv_tokens, args.device, args.engine,
-                          kv_memory_fraction=args.kv_memory_fraction, gemm=args.gemm)
+    try:
+        engine = build_engine(engine_config(args))
+    except ValueError as e:
+        raise SystemExit(f"scorer: {e}") from None
+    export_gemm_choice(engine)
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
                           idle_timeout_s=args.idle_timeout_s)
     started = threading.Event()
     state: dict = {}
 
     async def grpc_main() -> None:
-        server = Server(args.host, args.port, ["Scorer"])
+        server = Server(args.host, args.port, ["Scorer"], server_security(args))
         pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler), server.server)
         state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
         await server.server.start()
@@ -175,15 +220,8 @@ def serve(args) -> None:
         raise SystemExit(f"scorer failed: {state['error']}")
 
 
-def build_engine(model: str, dtype: str, kv_tokens: int | None, device: str, engine_kind: str,
-                 kv_memory_fraction: float | None = None, gemm: str = "auto") -> Engine:
-    """`auto`: the project's Llama runner for Llama-family models, else the
-    transformers fallback (load_engine logs why); `hf`: always transformers."""
-    if engine_kind == "hf":
-        from specdec.scorer_svc.hf_engine import HFEngine
-
-        return HFEngine(model, dtype, kv_capacity_tokens=kv_tokens or 65536, device=device)
-    from specdec.scorer_svc.loader import load_engine
-
-    return load_engine(model, dtype=dtype, kv_capacity_tokens=kv_tokens,
-                       kv_memory_fraction=kv_memory_fraction, device=device, gemm=gemm)
+def engine_config(args) -> EngineConfig:
+    """The engine the `specdec scorer` flags ask for."""
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, engine=args.engine,
+                        kv_capacity_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
+                        max_model_len=args.max_model_len, gemm=args.gemm)

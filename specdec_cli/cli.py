@@ -13,6 +13,7 @@ import sys
 DEFAULT_SCORER_PORT = 50051
 DEFAULT_PROPOSER_PORT = 50052
 DEFAULT_GATEWAY_PORT = 50050
+DEFAULT_HTTP_PORT = 8000
 CPU_METHODS = "naive,ngram,suffix,hybrid"
 
 
@@ -21,10 +22,65 @@ def _add_common(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port, help="gRPC port (0: pick a free one)")
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain); reloaded when it changes")
+    p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="mutual TLS: accept only clients with a certificate signed by "
+                                           "this PEM CA (scorer/proposers: the gateway's)")
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the model-draft methods (draft, draft_hybrid) and the feature heads (eagle3, mtp)."""
+    from specdec.engine.config import DEVICES, DTYPE_NAMES
+    from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K
+    from specdec.models import default_model
+
+    p.add_argument("--draft-model", default=None,
+                   help="draft/draft_hybrid: the draft LM (HF id, directory or .gguf); must share the "
+                        "target's tokenizer")
+    p.add_argument("--target-model", default=default_model(),
+                   help="draft/draft_hybrid: the scorer's model, whose tokenizer the draft must share; eagle3: "
+                        "the target whose embeddings the head shares; mtp: the target checkpoint carrying "
+                        "the MTP layers")
+    p.add_argument("--eagle3", metavar="DIR", default=None,
+                   help="eagle3: an EAGLE-3 head for --target-model in the public layout (config.json + "
+                        "model.safetensors or pytorch_model.bin, as vLLM/SGLang load it)")
+    p.add_argument("--draft-device", "--device", dest="draft_device", default="cpu", choices=list(DEVICES))
+    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default="float32", choices=list(DTYPE_NAMES))
+    p.add_argument("--draft-kv-tokens", type=int, default=None, help="draft model's KV pool size in tokens")
+    p.add_argument("--draft-top-k", type=int, default=DEFAULT_DRAFT_TOP_K,
+                   help="sampled drafts come from the draft's (or head's) K most likely tokens (sent with their "
+                        "probabilities)")
+    p.add_argument("--draft-max-batch", type=int, default=DEFAULT_DRAFT_MAX_BATCH,
+                   help="a round with more sequences than this gets no model or head drafts (plain decoding)")
+
+
+def replica_settings(args):
+    """The proposer's ReplicaSettings from its parsed flags."""
+    from specdec.engine.config import EngineConfig
+    from specdec.proposer_svc.draft import DraftConfig
+    from specdec.proposer_svc.draft_model import DraftModelSettings
+    from specdec.proposer_svc.feature_draft import HeadConfig
+    from specdec.proposer_svc.registry import FeatureHeadSettings, ReplicaSettings
+    from specdec.proposer_svc.suffix import SuffixConfig
+
+    draft = None
+    if args.draft_model:
+        draft = DraftModelSettings(
+            EngineConfig(args.draft_model, dtype=args.draft_dtype, device=args.draft_device,
+                         kv_capacity_tokens=args.draft_kv_tokens),
+            target_model=args.target_model, draft=DraftConfig(top_k=args.draft_top_k, max_batch=args.draft_max_batch))
+    heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch))
+    return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests), draft, heads)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, ENGINE_KINDS, GEMM_CHOICES
+    from specdec.gateway.admission import AdmissionConfig
+    from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
     from specdec.models import default_model
+
+    admit = AdmissionConfig()
+    req = admit.requests
 
     parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,26 +89,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, DEFAULT_SCORER_PORT)
     p.add_argument("--model", default=default_model(), help="HF id, directory or .gguf file")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default 32768)")
+    p.add_argument("--kv-tokens", type=int, default=None,
+                   help=f"KV pool size in tokens (default {DEFAULT_KV_CAPACITY_TOKENS})")
     p.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="KV pool size as a fraction of free memory (instead of --kv-tokens)")
-    p.add_argument("--gemm", default="auto", choices=["auto", "onednn", "aten"],
-                   help="CPU GEMM path: auto = oneDNN (fast, flat up to ~8 rows); aten = MKL float32 "
-                        "(closest to transformers, slower)")
+    p.add_argument("--gemm", default="auto", choices=list(GEMM_CHOICES),
+                   help="CPU GEMM path: auto = the fastest path that keeps rows bitwise independent of "
+                        "the row count on this CPU (checked and timed at start, cached); a path name "
+                        "forces it, or refuses to start if it breaks that invariance here")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences per forward pass")
     p.add_argument("--max-tokens-per-forward", type=int, default=512, help="token budget per forward")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV cache of a sequence not verified for this long (a gateway that "
                         "died); 0: never")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--engine", default="auto", choices=["auto", "hf"],
-                   help="auto: own Llama runner when the architecture allows; hf: transformers")
+    p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context (tokens)")
+    p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS),
+                   help="auto: own Llama runner when the architecture allows, else transformers; "
+                        "llama: own runner or refuse; hf: transformers")
 
     p = sub.add_parser("proposer", help="run a proposer service")
     _add_common(p, DEFAULT_PROPOSER_PORT)
     p.add_argument("--methods", default=CPU_METHODS, help="comma-separated methods to serve")
     p.add_argument("--max-cached-requests", type=int, default=1000,
                    help="suffix/hybrid: finished outputs kept in the global tree (oldest evicted)")
+    # benchmarks only (bench_overlap.py): answer each Propose message this much later
+    p.add_argument("--added-latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    _add_draft_args(p)
 
     p = sub.add_parser("gateway", help="run the gateway service")
     _add_common(p, DEFAULT_GATEWAY_PORT)
@@ -66,32 +129,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposer-service", action="append", metavar="METHOD=SERVICE",
                    help="kubernetes: the Service of METHOD's proposers (repeatable)")
     p.add_argument("--default-method", default="ngram", help="method when a request names none")
-    p.add_argument("--default-k", type=int, default=5, help="draft tokens per round by default")
+    p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help="num_speculative_tokens (draft tokens per round) of requests that name none")
     p.add_argument("--propose-timeout-ms", type=float, default=500.0,
                    help="a proposer slower than this costs the round its drafts")
+    p.add_argument("--overlap", default="on", choices=["on", "always", "off"],
+                   help="on: while it pays (measured), verify one half of the sequences while the proposers "
+                        "draft the other half, so proposer time leaves the critical path; always: whenever "
+                        "two or more sequences are live; off: lock-step rounds")
     p.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: verify only the drafts whose expected acceptance pays for their "
                         "cost on the scorer (measured online); fixed: every draft, up to k. "
                         "Requests may choose (speculation.draft_length)")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="OpenAI-compatible HTTP API port (/v1/chat/completions, ...); 0: off")
     p.add_argument("--scorer-wait-s", type=float, default=600.0, help="wait this long for a scorer at start")
+    p.add_argument("--api-keys", metavar="FILE",
+                   help="require 'authorization: Bearer KEY' with a key from FILE (one per line; re-read "
+                        "when it changes); health and reflection stay open")
+    p.add_argument("--drain-grace-s", type=float, default=30.0,
+                   help="on SIGTERM: refuse new requests, let live ones finish this long, then end them "
+                        "with UNAVAILABLE")
+    p.add_argument("--max-live-requests", type=int, default=admit.max_live, help="requests generating at once")
+    p.add_argument("--max-queued-requests", type=int, default=admit.max_queued,
+                   help="requests waiting for a live slot; beyond this RESOURCE_EXHAUSTED at once")
+    p.add_argument("--key-max-concurrent", type=int, default=0,
+                   help="with --api-keys: requests running at once per key (0: no limit)")
+    p.add_argument("--key-tokens-per-minute", type=int, default=0,
+                   help="with --api-keys: output tokens per minute per key (0: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=req.max_request_bytes, help="largest request message")
+    p.add_argument("--max-stop-strings", type=int, default=req.max_stop_strings, help="stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=req.max_stop_chars, help="characters per stop string")
+    p.add_argument("--max-chat-messages", type=int, default=req.max_chat_messages, help="chat messages per request")
+    p.add_argument("--max-reference-tokens", type=int, default=req.max_reference_tokens,
+                   help="tokens of speculation.reference_text per request")
+    p.add_argument("--upstream-tls-ca", metavar="PEM",
+                   help="speak TLS to scorers and proposers, verifying them with this CA")
+    p.add_argument("--tls-client-cert", metavar="PEM", help="mutual TLS: the gateway's client certificate")
+    p.add_argument("--tls-client-key", metavar="PEM", help="mutual TLS: the key of --tls-client-cert")
+    p.add_argument("--upstream-tls-server-name", help="name to verify in upstream certificates "
+                                                     "(default: the host dialled)")
 
     p = sub.add_parser("serve", help="start scorer, proposers and gateway on loopback")
     p.add_argument("--model", default=default_model(), help="HF id, directory or .gguf file")
     p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
+    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                   help="gateway's OpenAI-compatible HTTP port (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--methods", default=CPU_METHODS, help="proposer methods to serve")
+    p.add_argument("--draft-model", default=None,
+                   help="also start a draft proposer process serving draft and draft_hybrid with this draft "
+                        "LM (shares the model's tokenizer)")
+    p.add_argument("--eagle3", metavar="DIR", default=None,
+                   help="also serve eagle3 with this EAGLE-3 head for the model (public layout)")
     p.add_argument("--default-method", default="ngram")
-    p.add_argument("--default-k", type=int, default=5)
-    p.add_argument("--engine", default="auto", choices=["auto", "hf"])
+    p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
+    p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS))
     p.add_argument("--kv-tokens", type=int, default=None)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--tls-cert", help="every service serves TLS with this PEM certificate, which must name "
+                                      "127.0.0.1 (and whatever name clients dial)")
+    p.add_argument("--tls-key", help="the PEM key of --tls-cert")
+    p.add_argument("--tls-ca", help="the PEM CA that signed --tls-cert: scorer and proposers accept only the "
+                                    "gateway (mutual TLS, the gateway presents --tls-cert)")
+    p.add_argument("--api-keys", metavar="FILE", help="the gateway requires a key from FILE (one per line)")
+
+    p = sub.add_parser("health", help="exit 0 if a service reports SERVING (a probe that speaks TLS)")
+    p.add_argument("--addr", required=True, help="HOST:PORT of the service")
+    p.add_argument("--tls-ca", metavar="PEM", help="speak TLS, verifying the service with this CA")
+    p.add_argument("--tls-client-cert", metavar="PEM", help="mutual TLS: the client certificate to present")
+    p.add_argument("--tls-client-key", metavar="PEM", help="mutual TLS: the key of --tls-client-cert")
+    p.add_argument("--tls-server-name", help="name to verify in the service's certificate")
+    p.add_argument("--timeout", type=float, default=5.0)
+
+    from specdec.distill import add_parser as add_distill_parser
+
+    add_distill_parser(sub)
 
     p = sub.add_parser("generate", help="generate text through a running gateway")
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
     p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}")
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
-    p.add_argument("--method", "-m", default="", help="none, naive, ngram, suffix, hybrid")
-    p.add_argument("-k", type=int, default=None, help="draft tokens per round (0..16)")
+    p.add_argument("--method", "-m", default="",
+                   help="none, naive, ngram, suffix, hybrid, draft, draft_hybrid, eagle3, mtp "
+                        "(any method the gateway has a --proposer for)")
+    p.add_argument("-k", type=int, default=None,
+                   help=f"num_speculative_tokens: draft tokens per round (0..{MAX_SPECULATIVE_TOKENS})")
     p.add_argument("--max-tokens", "-n", type=int, default=None)
     p.add_argument("--temperature", "-t", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=0.0)
@@ -102,16 +225,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-length", choices=["adaptive", "fixed"], default=None,
                    help="verify only the drafts worth their cost, or all of them (default: the gateway's)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.add_argument("--tls-ca", metavar="PEM", help="speak TLS to the gateway, verifying it with this CA")
+    p.add_argument("--api-key", default=None, help="API key for a gateway started with --api-keys "
+                                                  "(default: $SPECDEC_API_KEY)")
     p.add_argument("--timeout", type=float, default=600.0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specdec.launcher import die_with_launcher
+
+    die_with_launcher()
     args = build_parser().parse_args(argv)
     if args.command == "generate":
         from specdec.client import generate_command
 
         return generate_command(args)
+    if args.command == "health":
+        from specdec.client import health_command
+
+        return health_command(args)
+    if args.command == "distill":
+        from specdec.distill import distill_command
+
+        return distill_command(args)
     from specdec.servers import setup_logging
 
     setup_logging(args.log_level)
@@ -120,20 +257,21 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_command(args)
     if args.command == "scorer":
-        from specdec.scorer_svc.server import serve
+        from specdec.scorer_svc.server import serve as serve_scorer
 
-        if args.kv_tokens is not None and args.kv_memory_fraction is not None:
-            raise SystemExit("give --kv-tokens or --kv-memory-fraction, not both")
-        serve(args)
+        serve_scorer(args)
     elif args.command == "proposer":
-        from specdec.proposer_svc.server import serve
+        from specdec.proposer_svc.server import serve as serve_proposer
 
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        asyncio.run(serve(args.host, args.port, methods, args.metrics_port, args.max_cached_requests))
-    elif args.command == "gateway":
-        from specdec.gateway.server import serve
+        from specdec.servers import server_security
 
-        asyncio.run(serve(args))
+        asyncio.run(serve_proposer(args.host, args.port, methods, replica_settings(args), args.metrics_port,
+                                   server_security(args), args.added_latency_ms / 1000))
+    elif args.command == "gateway":
+        from specdec.gateway.server import serve as serve_gateway
+
+        asyncio.run(serve_gateway(args))
     return 0
 
 

@@ -3,14 +3,17 @@ the tests and the benchmarks."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+from specdec.security import ClientTls, sync_channel
 from specdec.servers import CHANNEL_OPTIONS
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -22,7 +25,7 @@ class Generation:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    stats: pb.GenerationStats | None = None
+    stats: pb.GenerationStats = field(default_factory=pb.GenerationStats)  # set by the last message
     wall_s: float = 0.0
 
     def to_json(self) -> dict:
@@ -36,7 +39,7 @@ class Generation:
                 "prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens,
                 "propose_s": round(s.propose_s, 6), "verify_s": round(s.verify_s, 6),
                 "network_s": round(s.network_s, 6), "ttft_s": round(s.ttft_s, 6),
-                "wall_s": round(self.wall_s, 6),
+                "wall_s": round(self.wall_s, 6), "feature_bytes": s.feature_bytes,
             },
         }
 
@@ -44,7 +47,7 @@ class Generation:
 def make_request(prompt: str | list[int] | None = None, *, chat: list[tuple[str, str]] | None = None,
                  max_tokens: int | None = None, method: str = "", k: int | None = None,
                  temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
-                 stop: list[str] = (), reference_text: str = "", **speculation) -> pb.GenerateRequest:
+                 stop: Sequence[str] = (), reference_text: str = "", **speculation) -> pb.GenerateRequest:
     request = pb.GenerateRequest(stop=list(stop))
     if chat is not None:
         request.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in chat)
@@ -66,13 +69,16 @@ def make_request(prompt: str | list[int] | None = None, *, chat: list[tuple[str,
     return request
 
 
-def stream(addr: str, request: pb.GenerateRequest, timeout: float = 600.0, on_delta=None) -> Generation:
+def stream(addr: str, request: pb.GenerateRequest, timeout: float = 600.0, on_delta=None,
+           tls: ClientTls | None = None, api_key: str | None = None) -> Generation:
     """Runs one Generate call; on_delta(text) is called for each text delta.
+    tls: speak TLS (None: plaintext); api_key: sent as a Bearer token.
     Raises grpc.RpcError on failure."""
     gen = Generation()
     start = time.perf_counter()
-    with grpc.insecure_channel(addr, options=CHANNEL_OPTIONS) as channel:
-        for response in pb_grpc.GatewayStub(channel).Generate(request, timeout=timeout):
+    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    with sync_channel(addr, tls, CHANNEL_OPTIONS) as channel:
+        for response in pb_grpc.GatewayStub(channel).Generate(request, timeout=timeout, metadata=metadata):
             gen.text += response.text
             gen.token_ids.extend(response.token_ids)
             if on_delta is not None and response.text:
@@ -98,7 +104,9 @@ def generate_command(args) -> int:
         sys.stdout.flush()
 
     try:
-        gen = stream(args.addr, request, args.timeout, on_delta=None if args.json else echo)
+        gen = stream(args.addr, request, args.timeout, on_delta=None if args.json else echo,
+                     tls=ClientTls(ca=args.tls_ca) if args.tls_ca else None,
+                     api_key=args.api_key or os.environ.get("SPECDEC_API_KEY") or None)
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
@@ -110,3 +118,22 @@ def generate_command(args) -> int:
               f"({s.output_tokens / max(gen.wall_s, 1e-9):.1f} tok/s), {s.rounds} rounds, "
               f"mean accepted length {s.mean_accepted_length:.2f}", file=sys.stderr)
     return 0
+
+
+def health_command(args) -> int:
+    """`specdec health`: 0 when the service at --addr reports SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    tls = None
+    if args.tls_ca or args.tls_client_cert:
+        tls = ClientTls(args.tls_ca, args.tls_client_cert, args.tls_client_key, args.tls_server_name)
+    try:
+        with sync_channel(args.addr, tls, []) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                               timeout=args.timeout).status
+    except grpc.RpcError as e:
+        print(f"{args.addr}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.addr}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1

@@ -4,7 +4,8 @@ serve`, the integration tests and the benchmarks use it).
 Each service is its own `python -m specdec.cli <service>` process. The
 launcher waits until each reports SERVING through grpc.health.v1, and stops
 them all (SIGTERM, then SIGKILL) when it exits; children also die with it
-(PR_SET_PDEATHSIG), so no process is left behind.
+(PR_SET_PDEATHSIG, which the child sets on itself: see `die_with_launcher`),
+so no process is left behind.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS
+from specdec.security import ClientTls, sync_channel
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -27,17 +31,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+#: Set in a child's environment: the launcher's pid, the parent it dies with.
+PARENT_PID_ENV = "SPECDEC_PARENT_PID"
+
+
+def die_with_launcher() -> None:
+    """Called first thing in a child: SIGTERM when the launcher dies. The
+    child does it itself (not a preexec_fn) so that spawning runs no Python
+    between fork and exec: a gRPC process that forks while its threads hold
+    locks can abort the child (seen under chaos restarts)."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None:
+        return
     try:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):  # the launcher died before we could ask
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
-def wait_serving(addr: str, proc: subprocess.Popen | None, timeout_s: float, name: str) -> None:
+@dataclass(frozen=True)
+class StackTls:
+    """TLS for a whole stack: every service serves cert/key; scorers and
+    proposers accept only clients with a certificate signed by ca, and the
+    gateway presents cert/key to them (mutual TLS) and verifies them with ca."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def client(self) -> ClientTls:
+        """How a client outside the stack (or the launcher) verifies it."""
+        return ClientTls(ca=self.ca)
+
+    def internal_client(self) -> ClientTls:
+        return ClientTls(ca=self.ca, cert=self.cert, key=self.key)
+
+    def server_args(self, mutual: bool) -> list[str]:
+        return ["--tls-cert", self.cert, "--tls-key", self.key, *(["--tls-client-ca", self.ca] if mutual else [])]
+
+    def upstream_args(self) -> list[str]:
+        return ["--upstream-tls-ca", self.ca, "--tls-client-cert", self.cert, "--tls-client-key", self.key]
+
+
+def wait_serving(addr: str, proc: subprocess.Popen | None, timeout_s: float, name: str,
+                 tls: ClientTls | None = None) -> None:
     """Polls the health service until SERVING; fails early if proc exits."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(addr) as channel:
+    with sync_channel(addr, tls, []) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -59,6 +101,8 @@ class Service:
     addr: str
     proc: subprocess.Popen
     metrics_port: int = 0  # Prometheus /metrics on 127.0.0.1 (0: off)
+    cmd: list[str] = field(default_factory=list)  # how it was started (restart runs it again)
+    log_path: str | None = None
 
     def metrics(self) -> dict[str, float]:
         """The service's current Prometheus samples, keyed like
@@ -84,6 +128,15 @@ class Service:
         self.proc.wait()
 
 
+def _popen(cmd: list[str], log_path: str | None, mode: str) -> subprocess.Popen:
+    out = None
+    if log_path:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        out = open(log_path, mode)
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Samples of a Prometheus text exposition, ``{'name{labels}': value}``."""
     out = {}
@@ -104,37 +157,87 @@ class Stack:
     num_scorers: int = 1
     num_proposers: int = 1
     gateway_port: int = 0
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0: off)
     engine: str = "auto"
     kv_tokens: int | None = None
     default_method: str = "ngram"
-    default_k: int = 5
+    default_k: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # the gateway's --default-k
     log_level: str = "WARNING"
     extra_gateway_args: list[str] = field(default_factory=list)
+    extra_scorer_args: list[str] = field(default_factory=list)
+    # a draft proposer process of its own serves the model-draft methods
+    # (registry.MODEL_METHODS) with this draft LM; the other proposers the rest
+    draft_model: str | None = None
+    eagle3: str | None = None  # the copying proposers also serve eagle3 with this EAGLE-3 head directory
+    extra_proposer_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # children's output goes to files here, else inherited
     metrics: bool = False  # give every service a Prometheus port (Service.metrics())
+    tls: StackTls | None = None  # None: plaintext everywhere
+    api_keys_file: str | None = None  # the gateway requires a key from this file
     services: list[Service] = field(default_factory=list)
 
     @property
     def gateway_addr(self) -> str:
         return next(s.addr for s in self.services if s.name == "gateway")
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the OpenAI API (``.../v1``), when started with http_port."""
+        if not self.http_port:
+            raise RuntimeError("the stack was started without an HTTP port")
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.http_port}/v1"
+
     def by_name(self, prefix: str) -> list[Service]:
         return [s for s in self.services if s.name.startswith(prefix)]
 
     def _spawn(self, name: str, args: list[str], port: int) -> Service:
         cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", str(port), "--log-level", self.log_level]
+        if self.tls:
+            cmd += self.tls.server_args(mutual=name != "gateway")
         metrics_port = free_port() if self.metrics else 0
         if metrics_port:
             cmd += ["--metrics-port", str(metrics_port)]
-        out = None
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "w")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                preexec_fn=_die_with_parent)
-        service = Service(name, f"127.0.0.1:{port}", proc, metrics_port)
+        log_path = os.path.join(self.log_dir, f"{name}.log") if self.log_dir else None
+        service = Service(name, f"127.0.0.1:{port}", _popen(cmd, log_path, "w"), metrics_port, cmd, log_path)
         self.services.append(service)
         return service
+
+    def restart(self, service: Service, timeout_s: float = 300.0) -> None:
+        """Starts a stopped or killed service again on the same port and
+        waits until it serves (chaos tests: the gateway finds it again).
+        Call it from a thread that outlives the service: children die with
+        the thread that started them (PR_SET_PDEATHSIG)."""
+        if service.proc.poll() is None:
+            raise RuntimeError(f"{service.name} is still running")
+        service.proc = _popen(service.cmd, service.log_path, "a")
+        tls = self.tls.internal_client() if self.tls else None
+        if service.name == "gateway":
+            tls = self.tls.client() if self.tls else None
+        wait_serving(service.addr, service.proc, timeout_s, service.name, tls)
+
+    def _split_methods(self) -> tuple[list[str], list[str]]:
+        """(methods of the copying proposers, methods of the draft proposer
+        process); the latter is empty without a draft model."""
+        from specdec.proposer_svc.registry import MODEL_METHODS
+
+        methods = self.methods.split(",")
+        if not self.draft_model:
+            return methods, []
+        return ([m for m in methods if m not in MODEL_METHODS],
+                [m for m in methods if m in MODEL_METHODS])
+
+    def _proposer_args(self, methods: list[str]) -> list[str]:
+        args = ["proposer", "--methods", ",".join(methods), *self.extra_proposer_args]
+        if self.eagle3 and "eagle3" in methods:
+            args += ["--eagle3", self.eagle3]
+        if "eagle3" in methods or "mtp" in methods:  # feature heads read the target's embeddings
+            args += ["--target-model", self.model]
+        return args
+
+    def _draft_proposer_args(self, methods: list[str]) -> list[str]:
+        assert self.draft_model is not None
+        return [*self._proposer_args(methods), "--draft-model", self.draft_model, "--target-model", self.model,
+                "--draft-dtype", self.dtype]
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
         try:
@@ -143,20 +246,29 @@ class Stack:
                 args = ["scorer", "--model", self.model, "--dtype", self.dtype, "--engine", self.engine]
                 if self.kv_tokens:
                     args += ["--kv-tokens", str(self.kv_tokens)]
+                args += self.extra_scorer_args
                 scorers.append(self._spawn(f"scorer{i}", args, free_port()))
-            proposers = [self._spawn(f"proposer{i}", ["proposer", "--methods", self.methods], free_port())
-                         for i in range(self.num_proposers)]
-            for s in proposers + scorers:
-                wait_serving(s.addr, s.proc, timeout_s, s.name)
+            copy_methods, draft_methods = self._split_methods()
+            proposers = [self._spawn(f"proposer{i}", self._proposer_args(copy_methods), free_port())
+                         for i in range(self.num_proposers if copy_methods else 0)]
+            drafters = [self._spawn("proposer-draft", self._draft_proposer_args(draft_methods), free_port())
+                        for _ in draft_methods[:1]]
+            for s in proposers + drafters + scorers:
+                wait_serving(s.addr, s.proc, timeout_s, s.name, self.tls.internal_client() if self.tls else None)
             gw_args = ["gateway", "--model", self.model, "--scorer", ",".join(s.addr for s in scorers),
                        "--default-method", self.default_method, "--default-k", str(self.default_k),
                        *self.extra_gateway_args]
-            if proposers:
-                replicas = ",".join(p.addr for p in proposers)
-                for method in self.methods.split(","):
-                    gw_args += ["--proposer", f"{method}={replicas}"]
+            if self.http_port:
+                gw_args += ["--http-port", str(self.http_port)]
+            for methods, replicas in ((copy_methods, proposers), (draft_methods, drafters)):
+                for method in methods if replicas else ():
+                    gw_args += ["--proposer", f"{method}={','.join(p.addr for p in replicas)}"]
+            if self.tls:
+                gw_args += self.tls.upstream_args()
+            if self.api_keys_file:
+                gw_args += ["--api-keys", self.api_keys_file]
             gateway = self._spawn("gateway", gw_args, self.gateway_port or free_port())
-            wait_serving(gateway.addr, gateway.proc, timeout_s, "gateway")
+            wait_serving(gateway.addr, gateway.proc, timeout_s, "gateway", self.tls.client() if self.tls else None)
         except BaseException:
             self.stop()
             raise
@@ -175,9 +287,23 @@ class Stack:
 
 def serve_command(args) -> int:
     """`specdec serve`: runs the stack until Ctrl-C or SIGTERM."""
-    stack = Stack(model=args.model, dtype=args.dtype, methods=args.methods, gateway_port=args.port,
+    tls = None
+    if args.tls_cert or args.tls_key or args.tls_ca:
+        if not (args.tls_cert and args.tls_key and args.tls_ca):
+            raise SystemExit("serve: --tls-cert, --tls-key and --tls-ca go together")
+        tls = StackTls(args.tls_cert, args.tls_key, args.tls_ca)
+    methods = args.methods
+    if args.draft_model:  # a draft proposer process serves these
+        from specdec.proposer_svc.registry import MODEL_METHODS
+
+        methods = ",".join(dict.fromkeys([*methods.split(","), *MODEL_METHODS]))
+    if args.eagle3:  # the EAGLE-3 head runs in the copying proposers
+        methods = ",".join(dict.fromkeys([*methods.split(","), "eagle3"]))
+    stack = Stack(model=args.model, dtype=args.dtype, methods=methods, gateway_port=args.port,
+                  http_port=args.http_port,
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
-                  default_k=args.default_k, log_level=args.log_level)
+                  default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
+                  draft_model=args.draft_model, eagle3=args.eagle3)
     stopping = False
 
     def on_signal(signum, frame):
@@ -187,11 +313,14 @@ def serve_command(args) -> int:
             raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"starting scorer ({args.model}), proposers ({args.methods}) and gateway ...", flush=True)
+    print(f"starting scorer ({args.model}), proposers ({methods}) and gateway ...", flush=True)
     try:
         stack.start()
         print(f"specdec gateway ready at {stack.gateway_addr}", flush=True)
-        print(f"try: specdec generate --addr {stack.gateway_addr} 'Once upon a time'", flush=True)
+        extra = (f" --tls-ca {args.tls_ca}" if tls else "") + (" --api-key KEY" if args.api_keys else "")
+        print(f"try: specdec generate --addr {stack.gateway_addr}{extra} 'Once upon a time'", flush=True)
+        if args.http_port:
+            print(f"specdec OpenAI-compatible HTTP API ready at {stack.http_url}", flush=True)
         while all(s.proc.poll() is None for s in stack.services):
             time.sleep(0.5)
         dead = [s.name for s in stack.services if s.proc.poll() is not None]

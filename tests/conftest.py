@@ -18,8 +18,13 @@ ENGINE = os.environ.get("SPECDEC_TEST_ENGINE", "auto")
 
 
 def _need(path: str | None) -> str:
+    """The model directory; skips without it, but fails under ``CI=true`` so a CI
+    machine that lost the models cannot pass by skipping every integration test."""
     if path is None or not Path(path).is_dir():
-        pytest.skip("shared models directory not found (set SPECDEC_MODELS_DIR)")
+        reason = "shared models directory not found (set SPECDEC_MODELS_DIR)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{reason}; CI=true requires it", pytrace=False)
+        pytest.skip(reason)
     return path
 
 
@@ -58,6 +63,72 @@ def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> li
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_layer_states(model, tokens: list[int]):
+    """transformers' hidden states of layers 0..num_layers of ``tokens``
+    (float32 [len(tokens), hidden] each) as specdec numbers them: index i <
+    num_layers is transformers' hidden_states[i]; index num_layers is the
+    last layer's output *before* the final norm (transformers' last entry
+    is after it)."""
+    import torch
+
+    caught = []
+    hook = model.model.norm.register_forward_pre_hook(lambda _, args: caught.append(args[0]))
+    try:
+        with torch.inference_mode():
+            states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return [s[0] for s in states[:-1]] + [caught[0][0]]
+
+
+def bf16_values(bits):
+    """float32 tensor of bfloat16 bit patterns (numpy uint16 or raw bytes)."""
+    import numpy as np
+    import torch
+
+    raw = np.frombuffer(bits, dtype="<i2") if isinstance(bits, bytes) else bits.view(np.int16)
+    return torch.from_numpy(raw.astype(np.int16)).view(torch.bfloat16).float()
+
+
+def assert_features_match(rows, want) -> None:
+    """rows: decoded bfloat16 features; want: the float32 reference of the
+    same shape: equal within bfloat16 rounding (8 significant bits)."""
+    assert rows.shape == want.shape
+    assert ((rows - want).abs() <= want.abs() * 2.0 ** -7 + 1e-4).all(), (rows - want).abs().max()
+
+
+def hf_eos_ids(path: str) -> set[int]:
+    """The token ids that end transformers' greedy `generate` for this model."""
+    model, tok = hf_model(path)
+    eos = model.generation_config.eos_token_id
+    eos = tok.eos_token_id if eos is None else eos
+    return set(eos) if isinstance(eos, list) else {eos}
+
+
+def assert_same_as_greedy(path: str, gen, expected: list[int], max_tokens: int) -> None:
+    """A generation equals transformers greedy in full: every token, and the
+    finish reason ("stop" exactly when transformers emitted EOS, which both keep)."""
+    assert gen.token_ids == expected
+    stopped = len(expected) < max_tokens or expected[-1] in hf_eos_ids(path)
+    assert gen.finish_reason == ("stop" if stopped else "length")
+
+
+def random_model(config):
+    """A transformers model of ``config`` with seeded random weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights large enough that every feature moves the logits
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
 def start_stack(model: str, tmp_path_factory, name: str, **kwargs):
     from specdec.launcher import Stack
 
@@ -74,9 +145,24 @@ def start_stack(model: str, tmp_path_factory, name: str, **kwargs):
 
 @pytest.fixture(scope="module")
 def stories_stack(stories_path, tmp_path_factory):
-    """Scorer + one proposer (all CPU methods) + gateway on stories260K."""
-    from specdec.proposer_svc.registry import SUPPORTED_METHODS
+    """Scorer + one proposer (all copy methods) + gateway on stories260K, each
+    with a Prometheus port."""
+    from specdec.proposer_svc.registry import COPY_METHODS
 
-    stack = start_stack(stories_path, tmp_path_factory, "stories", methods=",".join(SUPPORTED_METHODS))
+    stack = start_stack(stories_path, tmp_path_factory, "stories", methods=",".join(COPY_METHODS),
+                        metrics=True)
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="module")
+def target(stories_path):
+    """stories260K in transformers for the feature-head tests, on one thread
+    (a tiny model: more threads only wait on a busy machine)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield AutoModelForCausalLM.from_pretrained(stories_path).eval()
+    torch.set_num_threads(threads)

@@ -183,7 +183,7 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
     from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
     from specdec.gateway.loop import SpecLoop
     from specdec.gateway.request import ModelLimits, parse_request
-    from specdec.gateway.sequence import Sequence
+    from specdec.gateway.sequence import Delta, Sequence
     from specdec.models import load_tokenizer, resolve_model
     from specdec.protos.v1 import specdec_pb2 as pb
 
@@ -202,7 +202,7 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
             loop.submit(seq)
             while True:
                 item = await seq.out.get()
-                assert isinstance(item, pb.GenerateResponse), item
+                assert isinstance(item, Delta), item
                 if item.finish_reason:
                     return seq.tokens[seq.num_prompt:]
         return await asyncio.gather(*(one(s) for s in seqs))
@@ -215,7 +215,7 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
         StaticDiscovery({"scorer": (scorers, [scorer]), "ngram": (ngram, [proposer])}).start()
         loop = SpecLoop(scorers, {"ngram": ngram}, vocab_size=512)
         # 1 ms per pass plus 20 ms per token, as if fitted over many rounds
-        loop._costs[scorer] = paper = CostModel(forget=1.0, min_samples=1)
+        loop.costs.models[scorer] = paper = CostModel(forget=1.0, min_samples=1)
         for t in range(1, 10_001):
             paper.observe(t % 50 + 1, 0.001 + 0.02 * (t % 50 + 1))
         loop.start()

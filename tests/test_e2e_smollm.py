@@ -4,8 +4,8 @@ that do and do not repeat themselves."""
 from __future__ import annotations
 
 import pytest
+from conftest import assert_same_as_greedy, hf_greedy, start_stack
 
-from conftest import hf_greedy, start_stack
 from specdec.client import make_request, stream
 
 pytestmark = pytest.mark.smollm
@@ -39,12 +39,11 @@ def expected(smollm_path, smollm_stack):
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
 @pytest.mark.parametrize("method,k", [("naive", 1), ("naive", 3), ("naive", 8),
                                       ("ngram", 1), ("ngram", 3), ("ngram", 8)])
-def test_greedy_matches_transformers_on_smollm(smollm_stack, expected, prompt, method, k):
+def test_greedy_matches_transformers_on_smollm(smollm_stack, smollm_path, expected, prompt, method, k):
     prompt_ids, reference = expected[prompt]
     gen = stream(smollm_stack.gateway_addr,
                  make_request(list(prompt_ids), max_tokens=MAX_TOKENS, method=method, k=k))
-    assert gen.token_ids == reference[:len(gen.token_ids)]
-    assert len(gen.token_ids) == MAX_TOKENS or gen.finish_reason == "stop"
+    assert_same_as_greedy(smollm_path, gen, reference, MAX_TOKENS)
     if method == "ngram" and prompt == "copy":
         assert gen.stats.accepted_tokens >= 5 and gen.stats.rounds < len(gen.token_ids)
 
@@ -59,8 +58,25 @@ def test_chat_prompt_uses_the_chat_template(smollm_stack, smollm_path):
     ids = tuple(tok(rendered, add_special_tokens=False)["input_ids"])
     gen = stream(smollm_stack.gateway_addr, make_request(chat=messages, max_tokens=16, method="ngram", k=3))
     assert gen.stats.prompt_tokens == len(ids)
-    assert gen.token_ids == hf_greedy(smollm_path, ids, 16)[:len(gen.token_ids)]
+    assert_same_as_greedy(smollm_path, gen, hf_greedy(smollm_path, ids, 16), 16)
     assert gen.text == tok.decode(gen.token_ids, skip_special_tokens=True)
+
+
+def test_ignore_eos_keeps_generating_past_eos(smollm_stack, smollm_path):
+    """The chat answer ends with EOS (stories260K never emits one: its stories
+    are separated by BOS); with ignore_eos the same tokens come through that
+    EOS and generation goes on to max_tokens."""
+    from conftest import hf_eos_ids
+
+    messages = [("user", "Answer with one word, yes or no: is the sky blue?")]
+    ended = stream(smollm_stack.gateway_addr, make_request(chat=messages, max_tokens=200, method="ngram", k=3))
+    assert ended.finish_reason == "stop" and ended.token_ids[-1] in hf_eos_ids(smollm_path)
+    n = len(ended.token_ids) + 8
+    request = make_request(chat=messages, max_tokens=n, method="ngram", k=3)
+    request.ignore_eos = True
+    past = stream(smollm_stack.gateway_addr, request)
+    assert past.finish_reason == "length" and len(past.token_ids) == n
+    assert past.token_ids[:len(ended.token_ids)] == ended.token_ids
 
 
 def test_bfloat16_speculation_equals_bfloat16_plain_decoding(smollm_path, tmp_path_factory, expected):

@@ -7,11 +7,12 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 import pytest
+from conftest import assert_same_as_greedy, hf_greedy, hf_model, start_stack
 
-from conftest import hf_greedy, hf_model
 from specdec.client import make_request, stream
 from specdec.protos.v1 import specdec_pb2 as pb
 
@@ -34,11 +35,7 @@ def test_greedy_matches_transformers(stories_stack, stories_path, prompt, method
     gen = stream(stories_stack.gateway_addr,
                  make_request(PROMPTS[prompt], max_tokens=MAX_TOKENS, method=method, k=k))
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS[prompt]), MAX_TOKENS)
-    assert gen.token_ids == expected[:len(gen.token_ids)]
-    if gen.finish_reason == "length":
-        assert len(gen.token_ids) == MAX_TOKENS
-    else:  # stopped at EOS: transformers stops there too
-        assert gen.finish_reason == "stop" and gen.token_ids == expected
+    assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
     s = gen.stats
     assert s.output_tokens == len(gen.token_ids)
     assert s.rounds >= 1 and abs(s.mean_accepted_length - s.output_tokens / s.rounds) < 1e-4
@@ -140,28 +137,53 @@ def test_cli_generate_json(stories_stack, stories_path):
     assert set(result["stats"]) >= {"rounds", "draft_tokens", "accepted_tokens", "mean_accepted_length",
                                     "acceptance_by_position", "wall_s"}
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["repeats"]), 20)
-    assert result["token_ids"] == expected[:len(result["token_ids"])]
-    assert result["finish_reason"] in ("length", "stop")
+    assert_same_as_greedy(stories_path, SimpleNamespace(**result), expected, 20)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "hybrid"])
-def test_reference_text_raises_acceptance_on_an_edit(stories_stack, method):
-    """An edit task: the reference is an earlier version of what the model
-    writes (one word changed). Drafting from it raises acceptance; the output
-    stays token-identical."""
-    addr = stories_stack.gateway_addr
-    prompt = f"The {method} bird sang a song"  # a prompt no other test sent: the suffix
-    # proposer's global tree holds no earlier output for it
+def _edited_reference(addr, prompt):
+    """An edit task's reference: the plain greedy output with one word changed."""
     plain = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="none"))
     words = plain.text.split(" ")
     words[len(words) // 2] = "banana"
-    reference = " ".join(words)
-    without = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6))
-    with_ref = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6,
-                                         reference_text=reference))
+    return plain, " ".join(words)
+
+
+def _assert_reference_gain(plain, without, with_ref):
     assert with_ref.token_ids == without.token_ids == plain.token_ids
     assert with_ref.stats.accepted_tokens > without.stats.accepted_tokens + 5
     assert with_ref.stats.rounds < without.stats.rounds
+
+
+def test_reference_text_raises_acceptance_on_an_edit_ngram(stories_stack):
+    """An edit task: the reference is an earlier version of what the model
+    writes (one word changed). Drafting from it raises acceptance; the output
+    stays token-identical. (n-gram keeps no state between requests.)"""
+    addr = stories_stack.gateway_addr
+    prompt = "The ngram bird sang a song"
+    plain, reference = _edited_reference(addr, prompt)
+    without = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="ngram", k=6))
+    with_ref = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="ngram", k=6,
+                                         reference_text=reference))
+    _assert_reference_gain(plain, without, with_ref)
+
+
+@pytest.mark.parametrize("method", ["suffix", pytest.param("hybrid", marks=pytest.mark.slow)])
+def test_reference_text_raises_acceptance_on_an_edit_fresh_proposer(stories_stack, stories_path,
+                                                                    tmp_path_factory, method):
+    """As above for the methods with a global suffix tree. The run with the
+    reference goes to a proposer process of its own, whose tree has never seen
+    this prompt's output, so only the reference can explain its gain. (The run
+    without it may draw on the shared replica's tree: that only makes the bar higher.)"""
+    prompt = f"The {method} bird sang a song"  # a prompt no other test sent
+    plain, reference = _edited_reference(stories_stack.gateway_addr, prompt)
+    request = lambda **options: make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6, **options)
+    without = stream(stories_stack.gateway_addr, request())
+    fresh = start_stack(stories_path, tmp_path_factory, f"fresh-{method}", methods=method, default_method=method)
+    try:
+        with_ref = stream(fresh.gateway_addr, request(reference_text=reference))
+    finally:
+        fresh.stop()
+    _assert_reference_gain(plain, without, with_ref)
 
 
 def test_accept_policies_and_strategies_end_to_end(stories_stack, stories_path):
@@ -195,3 +217,118 @@ def test_finished_outputs_feed_the_global_suffix_tree(stories_stack, method):
     assert first.token_ids == second.token_ids
     assert second.stats.accepted_tokens > first.stats.accepted_tokens + 10
     assert second.stats.rounds < first.stats.rounds
+
+
+#: per service kind: its gRPC service and a counter that one ngram request moves
+SERVICE_KINDS = {"scorer": ("specdec.v1.Scorer", "specdec_scorer_forwards_total"),
+                 "proposer": ("specdec.v1.Proposer", "specdec_proposer_batches_total"),
+                 "gateway": ("specdec.v1.Gateway", 'specdec_gateway_requests_total{outcome="length"}')}
+
+
+def test_every_service_serves_health_reflection_and_metrics(stories_stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    before = {s.name: s.metrics() for s in stories_stack.services}
+    stream(stories_stack.gateway_addr, make_request(PROMPTS["repeats"], max_tokens=8, method="ngram", k=3))
+    kinds = set()
+    for service in stories_stack.services:
+        kind = service.name.rstrip("0123456789")
+        grpc_service, counter = SERVICE_KINDS[kind]
+        kinds.add(kind)
+        with grpc.insecure_channel(service.addr) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for name in ("", grpc_service):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status
+                assert status == health_pb2.HealthCheckResponse.SERVING, (service.name, name)
+            (answer,) = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            listed = {s.name for s in answer.list_services_response.service}
+            assert {grpc_service, "grpc.health.v1.Health"} <= listed, (service.name, listed)
+        after = service.metrics()
+        assert after[counter] > before[service.name].get(counter, 0.0), (service.name, counter)
+    assert kinds == set(SERVICE_KINDS)
+
+
+class _FakeKubernetesApi:
+    """An API server on loopback that serves EndpointSlice lists (and holds
+    watches open, sending nothing) for the gateway's --discovery kubernetes."""
+
+    def __init__(self, slices: list[dict]) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.paths: list[str] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                fake.paths.append(self.path)
+                watching = "watch=true" in self.path or "watch=1" in self.path
+                body = b"" if watching else json.dumps({
+                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
+                    "metadata": {"resourceVersion": "1"}, "items": slices}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if not watching:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                if watching:  # an idle watch, ended by the client's timeout or server shutdown
+                    fake.closing.wait(30)
+
+            def log_message(self, *args):
+                pass
+
+        self.closing = threading.Event()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def kubeconfig(self, path) -> str:
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{self.server.server_port}"}}],
+            "users": [{"name": "fake", "user": {"token": "not-a-secret"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}]}))
+        return str(path)
+
+    def close(self) -> None:
+        self.closing.set()
+        self.server.shutdown()
+
+
+def test_gateway_process_with_kubernetes_discovery(stories_stack, stories_path, tmp_path):
+    """The real gateway process with --discovery kubernetes finds the scorer
+    and the ngram proposer through EndpointSlices (from a fake API server) and
+    serves the same tokens as the statically configured gateway."""
+    import os
+
+    from test_gateway_discovery import endpoint_slice
+
+    from specdec.launcher import free_port, wait_serving
+
+    scorer, proposer = stories_stack.by_name("scorer")[0].addr, stories_stack.by_name("proposer")[0].addr
+    api = _FakeKubernetesApi([endpoint_slice("sd-scorer", "sd-scorer-x1", [scorer]),
+                              endpoint_slice("sd-ngram", "sd-ngram-x1", [proposer])])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = api.kubeconfig(tmp_path / "kubeconfig")
+    port, log = free_port(), tmp_path / "gateway.log"
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "gateway", "--model", stories_path, "--port", str(port),
+         "--discovery", "kubernetes", "--namespace", "specdec", "--scorer-service", "sd-scorer",
+         "--proposer-service", "ngram=sd-ngram", "--default-method", "ngram"],
+        env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        wait_serving(f"127.0.0.1:{port}", gateway, 240, "gateway")
+        request = lambda: make_request(PROMPTS["repeats"], max_tokens=24, method="ngram", k=4)
+        discovered = stream(f"127.0.0.1:{port}", request())
+        static = stream(stories_stack.gateway_addr, request())
+        assert discovered.token_ids == static.token_ids
+        assert discovered.stats.draft_tokens > 0  # the discovered proposer drafted
+        assert any(p.startswith("/apis/discovery.k8s.io/v1/namespaces/specdec/endpointslices") for p in api.paths)
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        api.close()
+        print(log.read_text()[-3000:])

@@ -4,6 +4,7 @@ no scorer left ends a request with UNAVAILABLE."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-
 from conftest import start_stack
+
 from specdec.client import make_request, stream
-from specdec.protos.v1 import specdec_pb2 as pb
-from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.proposer_svc.base import Draft, NaiveProposer
 from specdec.proposer_svc.server import ProposerServicer
+from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
 PROMPTS = ["Once upon a time", "Tom had a red ball.", "The sun was hot. The sun was hot. The",
            "Lily went to the park with her mom."]
@@ -25,7 +26,8 @@ LONG = 160
 
 
 def _run_all(addr, method="ngram", k=4, max_tokens=LONG, on_first=None):
-    """Runs all PROMPTS concurrently; on_first() fires once, on the first delta."""
+    """Runs all PROMPTS concurrently; on_first() fires once, on the first delta.
+    EOS is ignored, so every sequence is still live when on_first() runs."""
     fired = threading.Event()
 
     def one(prompt):
@@ -33,8 +35,9 @@ def _run_all(addr, method="ngram", k=4, max_tokens=LONG, on_first=None):
             if on_first is not None and not fired.is_set():
                 fired.set()
                 on_first()
-        return stream(addr, make_request(prompt, max_tokens=max_tokens, method=method, k=k),
-                      on_delta=delta).token_ids
+        request = make_request(prompt, max_tokens=max_tokens, method=method, k=k)
+        request.ignore_eos = True
+        return stream(addr, request, on_delta=delta).token_ids
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(one, PROMPTS))
@@ -49,7 +52,8 @@ def _busiest(stack, kind: str):
     """The replica of ``kind`` holding the most live sequences right now,
     read from the gateway's specdec_gateway_replica_sequences gauge."""
     replicas = stack.by_name(kind)
-    for _ in range(40):  # the gauge is set at the end of the round that sent the first delta
+    deadline = time.monotonic() + 60  # the gauge is set at the end of the round that sent the first delta
+    while time.monotonic() < deadline:
         samples = stack.by_name("gateway")[0].metrics()
 
         def load(service):
@@ -79,9 +83,13 @@ def _moves(stack, kind: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
 
 
-def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory):
-    stack = start_stack(stories_path, tmp_path_factory, "two-proposers", num_proposers=2, metrics=True,
-                        methods="ngram", extra_gateway_args=["--propose-timeout-ms", "2000"])
+@pytest.mark.parametrize("overlap", ["off", "always"])
+def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory, overlap):
+    """Lock-step, and overlapped (the replica may die while one cohort's
+    Propose is in flight and the other's Verify runs)."""
+    stack = start_stack(stories_path, tmp_path_factory, f"two-proposers-{overlap}", num_proposers=2,
+                        metrics=True, methods="ngram",
+                        extra_gateway_args=["--propose-timeout-ms", "2000", "--overlap", overlap])
     try:
         undisturbed = _run_all(stack.gateway_addr)
         assert _moves(stack, "proposer") == 0
@@ -97,6 +105,7 @@ def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path,
         tokens = sum(map(len, undisturbed + disturbed + again))
         assert samples['specdec_gateway_output_tokens_total{method="ngram"}'] == tokens
         assert samples['specdec_gateway_accepted_tokens_total{method="ngram"}'] > 0
+        assert (samples.get("specdec_gateway_overlapped_steps_total", 0) > 0) == (overlap == "always")
     finally:
         stack.stop()
 
@@ -187,15 +196,23 @@ class _InProcessProposer:
 @pytest.mark.parametrize("bad", [_GarbageProposer, _SlowProposer])
 def test_wrong_or_slow_proposer_changes_nothing(stories_path, tmp_path_factory, bad):
     proposer = _InProcessProposer(bad())
+    addr = f"127.0.0.1:{proposer.port}"
     stack = start_stack(stories_path, tmp_path_factory, f"bad-{bad.__name__}", num_proposers=0,
-                        methods="ngram", extra_gateway_args=[
-                            "--proposer", f"ngram=127.0.0.1:{proposer.port}", "--propose-timeout-ms", "100"])
+                        methods="ngram", metrics=True, extra_gateway_args=[
+                            "--proposer", f"ngram={addr}", "--propose-timeout-ms", "100"])
     try:
         reference = [stream(stack.gateway_addr, make_request(p, max_tokens=40, method="none")).token_ids
                      for p in PROMPTS]
         got = _run_all(stack.gateway_addr, method="ngram", k=4, max_tokens=40)
         assert got == reference
         assert proposer.proposer.calls > 0
+        samples = stack.by_name("gateway")[0].metrics()
+        timeouts = samples.get(f'specdec_gateway_replica_failures_total{{kind="proposer",replica="{addr}"}}', 0.0)
+        invalid = samples.get(f'specdec_gateway_invalid_drafts_total{{replica="{addr}"}}', 0.0)
+        if bad is _SlowProposer:  # the timeout fired: every call outlived it
+            assert timeouts > 0
+        else:  # answered in time, and the garbage was seen and dropped
+            assert timeouts == 0 and invalid > 0
     finally:
         stack.stop()
         proposer.stop()
@@ -209,7 +226,7 @@ def test_cancelled_request_frees_its_kv_cache(stories_stack):
         next(call)  # generation is under way
         assert _model_info(scorer).live_sequences == before.live_sequences + 1
         call.cancel()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         info = _model_info(scorer)
         if info.live_sequences == before.live_sequences and info.kv_free_tokens == before.kv_free_tokens:
@@ -223,3 +240,64 @@ def _long_request() -> pb.GenerateRequest:
     request = make_request("Once upon a time", max_tokens=400, method="ngram", k=3)
     request.ignore_eos = True
     return request
+
+
+def _metric(service, key: str) -> float:
+    return service.metrics().get(key, 0.0)
+
+
+def test_full_kv_pool_is_resource_exhausted_and_others_unaffected(stories_path, tmp_path_factory):
+    """A 512-token KV pool: a request holding 150..450 tokens of it leaves no
+    room for a 400-token prompt (which alone would fit): that one ends with
+    RESOURCE_EXHAUSTED, the first one's output does not change, and once the
+    pool is free the big prompt is served."""
+    stack = start_stack(stories_path, tmp_path_factory, "small-kv", kv_tokens=512, methods="ngram")
+    try:
+        addr = stack.gateway_addr
+        holder = make_request([(7 * i) % 500 + 3 for i in range(150)], max_tokens=300, method="none")
+        holder.ignore_eos = True  # 300 rounds of one token: it outlives the other's stalled rounds
+        big = make_request([(11 * i) % 500 + 3 for i in range(400)], max_tokens=4, method="none")
+        alone = stream(addr, holder).token_ids
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            crowded = pool.submit(stream, addr, holder, on_delta=lambda _: started.set())
+            assert started.wait(120)
+            with pytest.raises(grpc.RpcError) as info:
+                stream(addr, big, timeout=120)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            assert crowded.result().token_ids == alone
+        assert len(stream(addr, big).token_ids) == 4
+    finally:
+        stack.stop()
+
+
+def test_stalled_gateway_past_idle_timeout_re_prefills_with_identical_output(stories_path, tmp_path_factory):
+    """The scorer expires a sequence nobody verified for --idle-timeout-s (here
+    the gateway is frozen with SIGSTOP); the gateway, resumed, is told to
+    re-prefill and the output equals an undisturbed run."""
+    stack = start_stack(stories_path, tmp_path_factory, "idle", methods="ngram", metrics=True,
+                        extra_scorer_args=["--idle-timeout-s", "1"])
+    gateway, scorer = stack.by_name("gateway")[0], stack.by_name("scorer")[0]
+    expired = "specdec_scorer_expired_sequences_total"
+    try:
+        request = make_request("Once upon a time", max_tokens=200, method="ngram", k=3)
+        request.ignore_eos = True
+        undisturbed = stream(stack.gateway_addr, request).token_ids
+        assert _metric(scorer, expired) == 0
+
+        def freeze_until_expired(_):
+            if gateway.proc.poll() is None and _metric(scorer, expired) == 0 and not frozen.is_set():
+                frozen.set()
+                gateway.proc.send_signal(signal.SIGSTOP)
+                deadline = time.monotonic() + 120
+                while _metric(scorer, expired) == 0:  # wait on the scorer's own count, not a sleep
+                    assert time.monotonic() < deadline, "the scorer never expired the frozen sequence"
+                    time.sleep(0.1)
+                gateway.proc.send_signal(signal.SIGCONT)
+        frozen = threading.Event()
+        disturbed = stream(stack.gateway_addr, request, on_delta=freeze_until_expired).token_ids
+        assert frozen.is_set() and _metric(scorer, expired) == 1
+        assert disturbed == undisturbed
+    finally:
+        gateway.proc.send_signal(signal.SIGCONT)
+        stack.stop()

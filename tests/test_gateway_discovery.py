@@ -7,15 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from conftest import start_stack
+
+from specdec.client import make_request
 from specdec.gateway.discovery import KubernetesDiscovery, ReplicaSet
 from specdec.gateway.loop import SpecLoop
 from specdec.gateway.request import ModelLimits, parse_request
-from specdec.gateway.sequence import Sequence
+from specdec.gateway.sequence import Delta, Sequence
 from specdec.models import load_tokenizer, resolve_model
-from specdec.client import make_request
-from specdec.protos.v1 import specdec_pb2 as pb
 
 SCORER_SVC, NGRAM_SVC = "sd-specdec-scorer", "sd-specdec-proposer-ngram"
 PROMPTS = ["Once upon a time", "Tom had a red ball.", "The sun was hot. The sun was hot. The",
@@ -68,7 +67,7 @@ async def _run(loop: SpecLoop, seq: Sequence, on_round=None) -> Sequence:
     loop.submit(seq)
     while True:
         item = await seq.out.get()
-        assert isinstance(item, pb.GenerateResponse), item
+        assert isinstance(item, Delta), item
         if on_round is not None:
             on_round(seq)
         if item.finish_reason:

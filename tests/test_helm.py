@@ -169,6 +169,7 @@ BAD_VALUES = {
     "bad-dtype.yaml": "/scorer/dtype",
     "pdb-bad-percent.yaml": "/proposers/suffix/pdb/maxUnavailable",
     "bad-draft-length.yaml": "/speculation/draftLength",
+    "http-port-out-of-range.yaml": "/gateway/httpPort",
 }
 
 
@@ -189,6 +190,11 @@ def test_schema_rejects_bad_values(bad):
     (("scorer.enabled=false",), "gateway.enabled needs scorer.enabled"),
     (("proposers.ngram.autoscaling.enabled=true", "proposers.ngram.autoscaling.minReplicas=5",
       "proposers.ngram.autoscaling.maxReplicas=2"), "autoscaling.minReplicas (5) is above maxReplicas (2)"),
+    (("tls.enabled=true", "tls.serverName=x"), "tls.enabled needs tls.secretName"),
+    (("tls.enabled=true", "tls.secretName=s"), "tls.enabled needs tls.serverName"),
+    (("apiKeys.enabled=true",), "apiKeys.enabled needs apiKeys.secretName"),
+    (("gateway.drainGraceSeconds=60", "gateway.terminationGracePeriodSeconds=60"),
+     "gateway.terminationGracePeriodSeconds (60) must exceed gateway.drainGraceSeconds (60)"),
 ])
 def test_inconsistent_values_fail_with_a_clear_message(sets, message):
     result = helm(*template_args("minimal-cpu.yaml", sets=sets))
@@ -211,7 +217,7 @@ def test_gpu_values_give_the_scorer_and_draft_proposer_a_gpu():
     scorer_args = container(deployments["scorer"])["args"]
     assert flag(scorer_args, "--device") == ["cuda"] and flag(scorer_args, "--dtype") == ["bfloat16"]
     assert flag(scorer_args, "--kv-tokens") == ["262144"]
-    for component in ("gateway", "proposer-ngram", "proposer-suffix"):
+    for component in ("gateway", "proposer-ngram", "proposer-suffix", "proposer-eagle3", "proposer-mtp"):
         c = container(deployments[component])
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
         assert c["image"].endswith("-cpu")
@@ -230,7 +236,7 @@ def test_each_proposer_has_its_own_hpa_and_pdb():
     docs = render("autoscaling-on.yaml")
     deployments, hpas, pdbs = (docs_of(docs, k) for k in
                                ("Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget"))
-    proposers = {"proposer-ngram", "proposer-suffix", "proposer-hybrid"}
+    proposers = {"proposer-ngram", "proposer-suffix", "proposer-hybrid", "proposer-draft"}
     assert set(hpas) == proposers | {"gateway"}
     assert set(pdbs) == proposers | {"gateway", "scorer"}
     for component in proposers | {"gateway"}:
@@ -250,6 +256,9 @@ def test_each_proposer_has_its_own_hpa_and_pdb():
     assert pdbs["proposer-ngram"]["spec"]["maxUnavailable"] == "25%"
     assert pdbs["scorer"]["spec"] == {"minAvailable": 1, "selector": pdbs["scorer"]["spec"]["selector"]}
     assert deployments["scorer"]["spec"]["replicas"] == 1  # not autoscaled
+    draft = container(deployments["proposer-draft"])
+    assert flag(draft["args"], "--draft-model") == ["my-org/smollm2-135m-draft"]  # a hub id, no volume
+    assert (hpas["proposer-draft"]["spec"]["minReplicas"], hpas["proposer-draft"]["spec"]["maxReplicas"]) == (1, 2)
 
 
 def test_autoscaling_off_uses_the_fixed_replica_counts():
@@ -261,13 +270,20 @@ def test_autoscaling_off_uses_the_fixed_replica_counts():
 
 @pytest.mark.parametrize("values", GOOD_VALUES)
 def test_every_pod_has_grpc_liveness_and_readiness_probes(values):
+    tls = (yaml.safe_load((VALUES / values).read_text()) or {}).get("tls", {}).get("enabled") if values else False
     for component, deployment in docs_of(render(values), "Deployment").items():
         c = container(deployment)
         probes = {k: c[k] for k in ("livenessProbe", "readinessProbe", "startupProbe") if k in c}
         assert {"livenessProbe", "readinessProbe"} <= set(probes), component
         for probe in probes.values():
-            assert probe["grpc"] == {"port": grpc_port(c)}  # service "": overall health
-            assert not {"httpGet", "tcpSocket", "exec"} & set(probe)
+            if tls:  # the kubelet's gRPC probe cannot speak TLS: `specdec health` does, same check
+                health = _parse(probe["exec"]["command"])
+                assert health.command == "health" and health.addr == f"127.0.0.1:{grpc_port(c)}"
+                assert health.tls_client_cert and health.tls_server_name
+                assert not {"httpGet", "tcpSocket", "grpc"} & set(probe)
+            else:
+                assert probe["grpc"] == {"port": grpc_port(c)}  # service "": overall health
+                assert not {"httpGet", "tcpSocket", "exec"} & set(probe)
 
 
 def test_model_loaders_get_a_long_startup_probe():
@@ -298,8 +314,8 @@ def test_names_fit_63_characters_with_a_very_long_release_name():
 
 @pytest.mark.parametrize("values, methods", [
     ("minimal-cpu.yaml", {"ngram", "suffix"}),
-    ("many-proposers.yaml", {"naive", "ngram", "suffix", "hybrid", "draft"}),
-    ("gpu.yaml", {"ngram", "suffix", "draft"}),
+    ("many-proposers.yaml", {"naive", "ngram", "suffix", "hybrid", "draft", "eagle3", "mtp"}),
+    ("gpu.yaml", {"ngram", "suffix", "draft", "eagle3", "mtp"}),
 ])
 def test_gateway_discovers_the_scorer_and_every_enabled_proposer(values, methods):
     docs = render(values)
@@ -328,6 +344,20 @@ def test_speculation_defaults_reach_the_gateway():
     assert flag(args, "--draft-length") == ["fixed"]
     args = container(docs_of(render("minimal-cpu.yaml"), "Deployment")["gateway"])["args"]
     assert flag(args, "--draft-length") == ["adaptive"]
+
+
+def test_gateway_serves_the_openai_http_port_on_its_service():
+    docs = render("minimal-cpu.yaml")
+    gateway = container(docs_of(docs, "Deployment")["gateway"])
+    http = next(p["containerPort"] for p in gateway["ports"] if p["name"] == "http")
+    assert flag(gateway["args"], "--http-port") == [str(http)]
+    ports = {p["name"]: p for p in docs_of(docs, "Service")["gateway"]["spec"]["ports"]}
+    assert ports["http"]["port"] == http and ports["http"]["targetPort"] == "http"
+    for component in ("scorer", "proposer-ngram"):  # only the gateway speaks HTTP
+        assert "http" not in {p["name"] for p in container(docs_of(docs, "Deployment")[component])["ports"]}
+    off = docs_of(render("minimal-cpu.yaml", sets=("gateway.httpPort=0",)), "Deployment")["gateway"]
+    assert "--http-port" not in container(off)["args"]
+    assert "http" not in {p["name"] for p in container(off)["ports"]}
 
 
 def test_gateway_may_watch_endpointslices_and_nothing_else_gets_a_token():
@@ -381,7 +411,7 @@ def test_service_monitor_scrapes_every_service():
 
 def test_model_volume_is_mounted_read_only_where_the_model_is_loaded():
     deployments = docs_of(render("gpu.yaml"), "Deployment")
-    for component in ("gateway", "scorer", "proposer-draft"):
+    for component in ("gateway", "scorer", "proposer-draft", "proposer-eagle3", "proposer-mtp"):
         pod = deployments[component]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "specdec-models"}
@@ -389,9 +419,11 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_loaded():
         mounts = {m["name"]: m for m in container(deployments[component])["volumeMounts"]}
         assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
     assert flag(container(deployments["scorer"])["args"], "--model") == ["/models/smollm2-135m-instruct-q4_1"]
-    assert "volumes" not in deployments["proposer-ngram"]["spec"]["template"]["spec"]
+    ngram_volumes = deployments["proposer-ngram"]["spec"]["template"]["spec"]["volumes"]
+    assert ngram_volumes == [{"name": "tmp", "emptyDir": {}}]  # no model where none is loaded
     minimal = docs_of(render("minimal-cpu.yaml"), "Deployment")["scorer"]
-    assert minimal["spec"]["template"]["spec"]["volumes"] == [{"name": "hf-cache", "emptyDir": {}}]
+    assert minimal["spec"]["template"]["spec"]["volumes"] == [{"name": "tmp", "emptyDir": {}},
+                                                              {"name": "hf-cache", "emptyDir": {}}]
     assert {"name": "HF_HOME", "value": "/cache/huggingface"} in container(minimal)["env"]
 
 
@@ -409,3 +441,158 @@ def test_notes_say_how_to_call_the_gateway():
     notes = result.stdout.split("NOTES:", 1)[1]
     assert f"kubectl -n {NAMESPACE} port-forward service/demo-specdec-gateway 50050:50050" in notes
     assert "specdec generate --addr 127.0.0.1:50050" in notes
+
+
+# -- security ---------------------------------------------------------------------
+
+
+def _parse(command: list[str]):
+    """A container's command line as the real `specdec` parser reads it."""
+    from specdec.cli import build_parser
+
+    assert command[0] == "specdec"
+    return build_parser().parse_args(command[1:])
+
+
+def _mounted_files(deployment: dict) -> dict[str, dict]:
+    """Mount path -> the volume mounted there."""
+    pod = deployment["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    return {m["mountPath"]: volumes[m["name"]] for m in container(deployment)["volumeMounts"]}
+
+
+def _volume_for(deployment: dict, path: str) -> dict:
+    mounts = _mounted_files(deployment)
+    (mount,) = [m for m in mounts if path.startswith(m.rstrip("/") + "/")]
+    return mounts[mount]
+
+
+def test_tls_values_wire_mutual_tls_from_the_secret():
+    deployments = docs_of(render("secure.yaml"), "Deployment")
+    for component, deployment in deployments.items():
+        args = _parse(["specdec", *container(deployment)["args"]])
+        files = [args.tls_cert, args.tls_key]
+        if component == "gateway":
+            assert args.upstream_tls_ca and args.tls_client_cert and args.tls_client_key
+            assert args.upstream_tls_server_name == "specdec.internal"
+            files += [args.upstream_tls_ca, args.tls_client_cert, args.tls_client_key]
+        else:  # scorer and proposers accept only the gateway's certificate
+            assert args.tls_client_ca
+            files.append(args.tls_client_ca)
+        for path in files:
+            assert _volume_for(deployment, path)["secret"]["secretName"] == "specdec-tls", (component, path)
+
+
+def test_api_keys_come_from_the_whole_secret_on_the_gateway_only():
+    deployments = docs_of(render("secure.yaml"), "Deployment")
+    gateway = deployments["gateway"]
+    args = _parse(["specdec", *container(gateway)["args"]])
+    assert _volume_for(gateway, args.api_keys)["secret"]["secretName"] == "specdec-api-keys"
+    assert not any("subPath" in m for m in container(gateway)["volumeMounts"])  # subPath never updates
+    for component, deployment in deployments.items():
+        if component != "gateway":
+            assert "--api-keys" not in container(deployment)["args"]
+
+
+def test_network_policies_let_only_the_gateway_reach_scorer_and_proposers():
+    docs = render("secure.yaml")
+    policies, deployments = docs_of(docs, "NetworkPolicy"), docs_of(docs, "Deployment")
+    assert set(policies) == set(deployments)
+    gateway_labels = deployments["gateway"]["spec"]["template"]["metadata"]["labels"]
+    for component, policy in policies.items():
+        spec = policy["spec"]
+        pods = deployments[component]["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= pods.items()
+        grpc_rule, metrics_rule = spec["ingress"]
+        assert grpc_rule["ports"] == [{"port": grpc_port(container(deployments[component])), "protocol": "TCP"}]
+        if component == "gateway":
+            assert grpc_rule["from"] == [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": "frontend"}}}]
+        else:
+            (peer,) = grpc_rule["from"]
+            assert peer["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+            for other, d in deployments.items():  # no other component matches the peer
+                if other != "gateway":
+                    labels = d["spec"]["template"]["metadata"]["labels"]
+                    assert not peer["podSelector"]["matchLabels"].items() <= labels.items()
+        assert metrics_rule["from"][0]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": "monitoring"}
+    assert not docs_of(render("secure.yaml", sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+@pytest.mark.parametrize("values", [None, "secure.yaml", "gpu.yaml"])
+def test_pods_run_non_root_with_a_read_only_root_filesystem(values):
+    for component, deployment in docs_of(render(values), "Deployment").items():
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        c = container(deployment)["securityContext"]
+        assert c["readOnlyRootFilesystem"] is True and c["allowPrivilegeEscalation"] is False
+        assert c["capabilities"]["drop"] == ["ALL"] and "add" not in c["capabilities"]
+        assert _mounted_files(deployment)["/tmp"] == {"name": "tmp", "emptyDir": {}}, component
+
+
+def test_gateway_drains_within_its_termination_grace_period():
+    gateway = docs_of(render("secure.yaml"), "Deployment")["gateway"]
+    args = _parse(["specdec", *container(gateway)["args"]])
+    assert args.drain_grace_s == 20
+    assert gateway["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+
+
+@pytest.mark.parametrize("values", [None, *GOOD_VALUES])
+def test_rendered_container_args_parse_with_the_real_cli(values):
+    """Every Deployment's container arguments, as the chart renders them, are
+    accepted by the `specdec` argument parser itself, for the sub-command the
+    component runs: the chart and the CLI cannot drift apart silently."""
+    from specdec.cli import build_parser
+
+    deployments = docs_of(render(values), "Deployment")
+    assert {"scorer", "gateway"} <= set(deployments)
+    for component, deployment in deployments.items():
+        args = container(deployment)["args"]
+        try:
+            parsed = build_parser().parse_args(args)
+        except SystemExit:
+            pytest.fail(f"{component}: `specdec {' '.join(args)}` is refused by the CLI")
+        assert parsed.command == component.split("-")[0], (component, args)
+
+@pytest.mark.parametrize("values", ["gpu.yaml", "many-proposers.yaml"])
+def test_draft_proposer_args_parse_with_the_real_cli(values):
+    """The draft entry's container arguments are accepted by `specdec
+    proposer`'s own parser and name the draft model, the target and the device."""
+    from specdec.cli import build_parser, replica_settings
+
+    docs = render(values)
+    c = container(docs_of(docs, "Deployment")["proposer-draft"])
+    args = build_parser().parse_args(c["args"])
+    settings = replica_settings(args)
+    model = yaml.safe_load((VALUES / values).read_text())["model"]
+    assert args.command == "proposer" and args.methods == "draft"
+    assert settings.draft is not None and settings.draft.engine.model == model["draft"]
+    assert settings.draft.target_model == model["name"]
+    assert settings.draft.engine.device == ("cuda" if values == "gpu.yaml" else "cpu")
+
+
+@pytest.mark.parametrize("values", ["gpu.yaml", "many-proposers.yaml"])
+def test_feature_head_proposer_args_parse_with_the_real_cli(values):
+    """The eagle3 and mtp entries' container arguments are accepted by
+    `specdec proposer`'s own parser and name the head and the target."""
+    from specdec.cli import build_parser, replica_settings
+
+    deployments = docs_of(render(values), "Deployment")
+    model = yaml.safe_load((VALUES / values).read_text())["model"]
+    for method in ("eagle3", "mtp"):
+        args = build_parser().parse_args(container(deployments[f"proposer-{method}"])["args"])
+        settings = replica_settings(args)
+        assert args.command == "proposer" and args.methods == method
+        assert settings.heads is not None and settings.heads.target_model == model["name"]
+        assert settings.heads.eagle3 == (model["eagle3"] if method == "eagle3" else None)
+
+
+def test_eagle3_proposer_without_a_head_fails_clearly():
+    result = helm(*template_args(None, sets=("proposers.eagle3.enabled=true",)))
+    assert result.returncode != 0 and "model.eagle3 is required" in result.stderr
+
+
+def test_draft_proposer_without_a_draft_model_fails_clearly():
+    result = helm(*template_args(None, sets=("proposers.draft.enabled=true",)))
+    assert result.returncode != 0 and "model.draft is required" in result.stderr

@@ -6,7 +6,7 @@ import pytest
 from specdec.proposer_svc.base import NaiveProposer, SeqOptions, UnknownSequence
 from specdec.proposer_svc.hybrid import HybridConfig, HybridProposer, ngram_score
 from specdec.proposer_svc.ngram import NgramProposer
-from specdec.proposer_svc.registry import SUPPORTED_METHODS, build_proposers
+from specdec.proposer_svc.registry import COPY_METHODS, MODEL_METHODS, build_proposers
 from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 
 
@@ -121,14 +121,20 @@ def test_reference_raises_acceptance_on_edit_task(factory):
     assert without < 30 and with_ref > 150, (without, with_ref)
 
 
-def test_registry_builds_every_supported_method():
-    proposers = build_proposers(list(SUPPORTED_METHODS) + ["ngram"])
-    assert list(proposers) == list(SUPPORTED_METHODS)
+def test_registry_builds_every_copy_method():
+    proposers = build_proposers(list(COPY_METHODS) + ["ngram"])
+    assert list(proposers) == list(COPY_METHODS)
     for name, prop in proposers.items():
         assert prop.name == name
         prop.start("s", _arr([1, 2, 3, 1, 2]), SeqOptions())
         draft = _draft(prop, k=2)
         assert draft == ([] if isinstance(prop, NaiveProposer) else [3, 1])
+
+
+def test_registry_refuses_model_methods_without_a_draft_model():
+    for method in MODEL_METHODS:
+        with pytest.raises(ValueError, match="--draft-model"):
+            build_proposers(["ngram", method])
 
 
 def test_registry_rejects_unknown_methods():

@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec.kernels defines
 import pytest
 import torch
 
-from specdec.kernels import filter_stats, filter_stats_reference, filtered_probs, filtered_probs_at
+from specdec.kernels import filter_stats, filter_stats_reference, filtered_probs, filtered_probs_at, sampling_triton
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
@@ -97,9 +97,11 @@ KERNEL_SETTINGS = SETTINGS + [(0.0, 3, 0.5), (1.0, 10**6, 0.0), (0.8, -1, 1.5)]
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 511, 32000])
-def test_triton_stats_match_reference(vocab):
+def test_triton_kernel_stats_match_reference(vocab):
+    """The Triton kernel itself (by the interpreter on CPU), never the dispatcher,
+    against the torch reference."""
     logits, temperature, top_k, top_p = (t.to(DEVICE) for t in random_rows(vocab, KERNEL_SETTINGS, seed=vocab))
-    got = filter_stats(logits, temperature, top_k, top_p, use_triton=True)
+    got = sampling_triton.filter_stats(logits, temperature, top_k, top_p)
     expected = filter_stats_reference(logits, temperature, top_k, top_p)
     assert torch.equal(got.row_max, expected.row_max)
     # exp differs between backends by an ulp, so thresholds (an e value) may too.
@@ -107,12 +109,20 @@ def test_triton_stats_match_reference(vocab):
     torch.testing.assert_close(got.norm, expected.norm, rtol=1e-5, atol=0)
 
 
-def test_filter_stats_dispatches_to_reference_on_cpu():
+def test_filter_stats_dispatches_cpu_to_reference_and_use_triton_to_the_kernel(monkeypatch):
+    """Which implementation `filter_stats` runs (their agreement is the test above):
+    CPU tensors get the reference unless use_triton=True asks for the kernel."""
+    calls = []
+    kernel = sampling_triton.filter_stats
+    monkeypatch.setattr(sampling_triton, "filter_stats", lambda *a: calls.append("kernel") or kernel(*a))
     logits, temperature, top_k, top_p = random_rows(33, SETTINGS)
-    got = filter_stats(logits, temperature, top_k, top_p)
     expected = filter_stats_reference(logits, temperature, top_k, top_p)
+    on_cpu = filter_stats(logits, temperature, top_k, top_p)
+    assert calls == []
     for name in ("row_max", "threshold", "norm"):
-        assert torch.equal(getattr(got, name), getattr(expected, name))
+        assert torch.equal(getattr(on_cpu, name), getattr(expected, name))
+    filter_stats(logits, temperature, top_k, top_p, use_triton=True)
+    assert calls == ["kernel"]
 
 
 def test_filtered_probs_at_reads_single_tokens():

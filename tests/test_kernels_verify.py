@@ -307,7 +307,8 @@ def take_sequence(batch, b: int):
     start = int(cu[b - 1]) if b else 0
     end = int(cu[b])
     rows = slice(start + b, end + b + 1)
-    q = None if draft_probs is None else SparseDraftProbs(draft_probs.token_ids[start:end], draft_probs.probs[start:end])
+    q = (None if draft_probs is None
+         else SparseDraftProbs(draft_probs.token_ids[start:end], draft_probs.probs[start:end]))
     index = torch.tensor([b], device=DEVICE)
     return (logits[rows], drafts[start:end], torch.tensor([end - start], dtype=torch.int32, device=DEVICE),
             sampling.select(index), q)

@@ -2,8 +2,9 @@
 import numpy as np
 import pytest
 
+from specdec.limits import MAX_SPECULATIVE_TOKENS
 from specdec.proposer_svc.base import SeqOptions, UnknownSequence
-from specdec.proposer_svc.ngram import NgramConfig, NgramProposer
+from specdec.proposer_svc.ngram import NgramProposer
 
 
 def _arr(tokens):
@@ -15,7 +16,7 @@ def _draft(context, k=8, min_n=1, max_n=4, reference=()):
     opts = SeqOptions(min_n=min_n, max_n=max_n, reference_token_ids=_arr(reference))
     prop.start("s", _arr(context), opts)
     (draft,) = prop.propose([("s", k)])
-    assert draft.token_ids.dtype == np.int32 and draft.probs is None
+    assert draft.token_ids.dtype == np.int32 and not draft.probs
     return draft.token_ids.tolist()
 
 
@@ -67,11 +68,12 @@ def test_no_match_and_tiny_contexts():
     assert _draft([]) == []
 
 
-def test_k_zero_and_config_cap():
+def test_k_zero_and_the_draft_budget_cap():
     assert _draft([1, 2, 1], k=0) == []
-    prop = NgramProposer(NgramConfig(max_draft_tokens=2))
-    prop.start("s", _arr([1, 2, 3, 4, 5, 1]), SeqOptions())
-    assert prop.propose([("s", 10)])[0].token_ids.tolist() == [2, 3]
+    prop = NgramProposer()
+    context = list(range(2, 40)) + [2]  # the match of "2" is followed by 38 tokens
+    prop.start("s", _arr(context), SeqOptions())
+    assert prop.propose([("s", 40)])[0].token_ids.tolist() == list(range(3, 3 + MAX_SPECULATIVE_TOKENS))
 
 
 def test_reference_drafts_when_context_has_no_match():

@@ -8,13 +8,16 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+import torch
+from conftest import ENGINE, assert_features_match, bf16_values, hf_greedy, hf_layer_states, hf_model, random_model
 
-from conftest import ENGINE, hf_greedy, hf_model
+from specdec.engine.config import EngineConfig
+from specdec.engine.factory import build_engine
 from specdec.kernels import GREEDY, POLICY_NORMAL
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.scorer_svc.scheduler import OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
-from specdec.scorer_svc.server import ScorerServicer, build_engine
+from specdec.scorer_svc.server import ScorerServicer
 
 PROMPT = "Once upon a time"
 
@@ -26,9 +29,9 @@ class CountingEngine:
         self._engine = engine
         self.forwards: list[list[int]] = []  # tokens per item, per forward
 
-    def forward(self, items, return_hidden_states=False):
+    def forward(self, items, return_hidden_states=False, feature_layers=()):
         self.forwards.append([len(i.token_ids) for i in items])
-        return self._engine.forward(items, return_hidden_states)
+        return self._engine.forward(items, return_hidden_states, feature_layers)
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -36,7 +39,7 @@ class CountingEngine:
 
 @pytest.fixture(scope="module")
 def engine(stories_path):
-    return build_engine(stories_path, "float32", 4096, "cpu", ENGINE)
+    return build_engine(EngineConfig(stories_path, kv_capacity_tokens=4096, engine=ENGINE))
 
 
 @pytest.fixture
@@ -44,12 +47,12 @@ def counting(engine):
     return CountingEngine(engine)
 
 
-def spec(seq_id, context=None, context_len=0, drafts=(), hidden=False) -> JobSpec:
+def spec(seq_id, context=None, context_len=0, drafts=(), hidden=False, layers=(), max_context=0) -> JobSpec:
     ctx = None if context is None else np.asarray(context, np.int32)
     return JobSpec(seq_id=seq_id, context=ctx, context_len=len(ctx) if ctx is not None else context_len,
                    draft_token_ids=np.asarray(drafts, np.int32), draft_probs=None, temperature=0.0,
                    top_k=0, top_p=1.0, seed=0, strategy=GREEDY, accept_policy=POLICY_NORMAL,
-                   return_hidden_states=hidden)
+                   return_hidden_states=hidden, feature_layers=tuple(layers), max_context_features=max_context)
 
 
 def prompt_ids(path):
@@ -86,6 +89,46 @@ def test_drafts_right_and_wrong_give_plain_greedy(stories_path, counting):
 
     right, bad = asyncio.run(run())
     assert right == expected and bad == expected
+
+
+def test_transformers_fallback_engine_gives_plain_greedy(tmp_path):
+    """The fallback engine (a model family the Llama runner does not run: GPT-2)
+    under the scheduler: drafts right and wrong, two sequences at once, give
+    exactly transformers' greedy `generate`."""
+    from transformers import GPT2Config
+
+    from specdec.engine.hf_engine import HFEngine
+
+    model = random_model(GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2))
+    model.save_pretrained(tmp_path)
+    engine = build_engine(EngineConfig(str(tmp_path), kv_capacity_tokens=1024))
+    assert isinstance(engine, HFEngine)
+    prompts = {"a": [1, 5, 9, 3, 7, 5, 9], "b": [2, 60, 33, 33, 4]}
+    n = 24
+    with torch.inference_mode():
+        expected = {name: model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                         attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                         pad_token_id=0)[0, len(p):].tolist()
+                    for name, p in prompts.items()}
+    assert all(len(e) == n for e in expected.values())
+
+    def oracle(name):
+        return lambda tokens: expected[name][len(tokens) - len(prompts[name]):][:4]
+
+    def wrong(name):
+        return lambda tokens: [(t + 1) % 64 for t in oracle(name)(tokens)]
+
+    async def run():
+        sched = Scheduler(engine, max_batch_size=8, max_tokens_per_forward=64)
+        try:
+            return await asyncio.gather(greedy_with_drafts(sched, "ra", prompts["a"], n, oracle("a")),
+                                        greedy_with_drafts(sched, "wb", prompts["b"], n, wrong("b")),
+                                        greedy_with_drafts(sched, "wa", prompts["a"], n, wrong("a")))
+        finally:
+            sched.stop()
+
+    right_a, wrong_b, wrong_a = asyncio.run(run())
+    assert right_a == wrong_a == expected["a"] and wrong_b == expected["b"]
 
 
 def test_concurrent_calls_merge_into_shared_forwards(stories_path, counting):
@@ -129,7 +172,7 @@ def test_chunked_prefill_equals_single_prefill(stories_path, engine):
 
 
 def test_pool_exhaustion_is_reported_and_never_evicts(stories_path):
-    small = build_engine(stories_path, "float32", 64, "cpu", ENGINE)
+    small = build_engine(EngineConfig(stories_path, kv_capacity_tokens=64, engine=ENGINE))
     prompt = prompt_ids(stories_path)
 
     async def run():
@@ -153,6 +196,9 @@ def test_pool_exhaustion_is_reported_and_never_evicts(stories_path):
     assert unknown.status == UNKNOWN_SEQUENCE
 
 
+IDLE_S = 2.0  # idle expiry in the test below
+
+
 def test_idle_sequences_expire_and_free_their_kv_cache(stories_path, engine):
     """A sequence that nobody verifies for idle_timeout_s (its gateway died)
     gives its KV cache back; one that keeps being verified stays; the expired
@@ -162,15 +208,21 @@ def test_idle_sequences_expire_and_free_their_kv_cache(stories_path, engine):
     free_at_start = engine.free_tokens()
 
     async def run():
-        sched = Scheduler(engine, max_batch_size=8, max_tokens_per_forward=64, idle_timeout_s=0.6)
+        sched = Scheduler(engine, max_batch_size=8, max_tokens_per_forward=64, idle_timeout_s=IDLE_S)
         try:
             (a,), _, _ = await sched.verify([spec("a", context=prompt)])
             (b,), _, _ = await sched.verify([spec("b", context=prompt)])
             held = engine.free_tokens()
-            for i in range(8):  # b is touched every 0.15 s, a is not
-                await asyncio.sleep(0.15)
+            # b is verified back to back (a few ms apart, far below IDLE_S), a never,
+            # until the worker expires a: waits on that state, not on a sleep
+            deadline = asyncio.get_running_loop().time() + 120
+            i = 0
+            while sched.live_sequences == 2:
+                assert asyncio.get_running_loop().time() < deadline, "a never expired"
                 (b,), _, _ = await sched.verify([spec("b", context_len=len(prompt) + 1 + i)])
                 assert b.status == OK
+                i += 1
+                await asyncio.sleep(IDLE_S / 40)  # paced: b's context must stay inside the model's 512
             (late,), _, _ = await sched.verify([spec("a", context_len=len(prompt) + 1)])
             again, _, _ = await sched.verify([spec("a", context=prompt + a.output_token_ids)])
             live = sched.live_sequences
@@ -201,7 +253,78 @@ def test_hidden_states_for_output_positions(stories_path, counting):
 
     (r,), _, _ = asyncio.run(run())
     assert r.num_accepted == 2 and r.hidden_states.shape == (3, counting.facts.hidden_size)
-    assert np.isfinite(r.hidden_states).all()
+    # row i: the final-norm hidden state at the position that predicted output token i,
+    # i.e. positions len(prompt) - 1 .. len(prompt) + 1 of prompt + the two accepted drafts
+    model, _ = hf_model(stories_path)
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt + expected[:2]]), output_hidden_states=True)
+    reference = out.hidden_states[-1][0, len(prompt) - 1:].numpy()  # [3, hidden], after the final norm
+    np.testing.assert_allclose(r.hidden_states, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_features_cover_every_context_position_but_the_newest(stories_path, engine):
+    """Chunked first touch, then rounds with right and wrong drafts, next to a
+    sequence asking other layers in the same passes: the rows returned cover
+    positions 0 .. context_len - 2 once each, are in the order asked, and equal
+    transformers' hidden states within bfloat16 rounding. A first touch with
+    max_context_features returns only the last positions."""
+    prompt = prompt_ids(stories_path) * 8  # ~40 tokens: several 17-token chunks
+    expected = hf_greedy(stories_path, tuple(prompt), 20)
+    layers, other_layers = (5, 1, 3), (0,)
+
+    async def run():
+        sched = Scheduler(engine, max_batch_size=4, max_tokens_per_forward=17)
+        tokens, got = list(prompt), []
+        try:
+            drafts = expected[:3]
+            results, _, _ = await sched.verify([spec("f", context=tokens, drafts=drafts, layers=layers),
+                                                spec("o", context=prompt[:9], layers=other_layers)])
+            while True:
+                r = results[0]
+                assert r.status == OK, r.message
+                got.append(r.features)
+                tokens += r.output_token_ids
+                done = len(tokens) - len(prompt)
+                if done >= 16:
+                    break
+                right = expected[done:done + 4]
+                drafts = right if len(got) % 2 else [(t + 1) % 512 for t in right]  # right and wrong
+                results, _, _ = await sched.verify([spec("f", context_len=len(tokens), drafts=drafts,
+                                                         layers=layers)])
+            windowed, _, _ = await sched.verify([spec("w", context=prompt, layers=layers, max_context=5)])
+            return tokens, got, results, windowed[0]
+        finally:
+            sched.stop()
+
+    tokens, got, _, windowed = asyncio.run(run())
+    assert tokens[len(prompt):] == expected[:len(tokens) - len(prompt)]
+    starts = [f.start for f in got]
+    assert starts[0] == 0 and all(f.bits.shape[1] == 3 * 64 for f in got)
+    assert [s + len(f.bits) for s, f in zip(starts, got)] == starts[1:] + [len(tokens) - 1]  # contiguous
+    want = hf_layer_states(hf_model(stories_path)[0], tokens[:-1])
+    rows = bf16_values(np.concatenate([f.bits for f in got])).view(len(tokens) - 1, 3, 64)
+    for j, layer in enumerate(layers):
+        assert_features_match(rows[:, j], want[layer])
+    assert windowed.features.start == len(prompt) - 5 and len(windowed.features.bits) == 5
+    assert_features_match(bf16_values(windowed.features.bits).view(5, 3, 64)[:, 0],
+                          hf_layer_states(hf_model(stories_path)[0], prompt)[5][-5:])
+
+
+def test_context_features_are_cut_to_the_message_budget():
+    """Each asking sequence keeps its k + 1 round rows; first touches share
+    what is left, in call order, keeping at least their last position."""
+    from specdec.scorer_svc.scheduler import cap_context_features
+
+    row = 2 * 64 * 2  # bytes of one row: hidden 64, 2 layers
+    specs = [spec("a", context=range(1, 101), drafts=[1, 2], layers=(1, 2), max_context=61),  # 3 fixed rows
+             spec("b", context_len=50, drafts=[1], layers=(1, 2)),  # 2 fixed rows
+             spec("c", context=range(1, 41), layers=(1, 2), max_context=30),  # 1 fixed row
+             spec("d", context=range(1, 41), layers=(3, 4)),  # 1 fixed row, nothing left
+             spec("e", context=range(1, 41))]  # no features: untouched
+    cap_context_features(specs, 64, budget_bytes=row * (7 + 60 + 20))
+    assert [s.max_context_features for s in specs] == [61, 0, 21, 1, 0]
+    cap_context_features(specs[:1], 64, budget_bytes=10**9)
+    assert specs[0].max_context_features == 61  # never more than asked
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +366,13 @@ BAD_VERIFY = {
     "sequences[0].sampling.temperature": pb.VerifySequence(
         seq_id="x", context_token_ids=[1], sampling=pb.SamplingParams(temperature=-1)),
     "sequences[0]: context_len": pb.VerifySequence(seq_id="x", context_token_ids=[1] * 600),
+    "sequences[0].feature_layers[1]": pb.VerifySequence(seq_id="x", context_token_ids=[1], feature_layers=[1, 6]),
+    "sequences[0].feature_layers: a layer appears twice": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], feature_layers=[3, 1, 3]),
+    "sequences[0].feature_layers: at most 4": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], feature_layers=[0, 1, 2, 3, 4]),
+    "sequences[0].max_context_features": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], feature_layers=[1], max_context_features=-1),
 }
 
 
@@ -258,3 +388,28 @@ def test_verify_rejects_bad_fields_by_name(scorer_addr, field):
                          timeout=30)
         assert ok.results[0].status == pb.SEQUENCE_STATUS_OK
         stub.Release(pb.ReleaseRequest(seq_ids=["fine"]), timeout=30)
+
+
+def test_release_during_a_job_frees_after_the_job(stories_path):
+    """A Release that arrives while the sequence's Verify is still running
+    (a gateway shutting down) is applied when the job ends: the job's pages
+    are never freed under it, and the KV cache does not leak."""
+    prompt = prompt_ids(stories_path) * 12  # ~60 tokens: several 17-token prefill chunks
+    engine = build_engine(EngineConfig(stories_path, kv_capacity_tokens=4096, engine=ENGINE))  # its own pool
+    free_at_start = engine.free_tokens()
+
+    async def run():
+        sched = Scheduler(engine, max_batch_size=4, max_tokens_per_forward=17)
+        try:
+            verify = asyncio.create_task(sched.verify([spec("r", context=prompt)]))
+            await asyncio.sleep(0)  # the Verify is queued before the Release
+            released = await sched.release(["r"])
+            (result,), _, _ = await verify
+            return released, result, sched.live_sequences
+        finally:
+            sched.stop()
+
+    released, result, live = asyncio.run(run())
+    assert released == 1
+    assert result.status == OK and result.output_token_ids == hf_greedy(stories_path, tuple(prompt), 1)
+    assert live == 0 and engine.free_tokens() == free_at_start

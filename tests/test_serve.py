@@ -1,22 +1,28 @@
 """`specdec serve`: starts every service as its own process, reports the
-gateway, answers a generation, and leaves no process behind on SIGTERM."""
+gateway's gRPC and HTTP addresses, answers a generation on each, and leaves
+no process behind on SIGTERM or SIGINT (Ctrl-C)."""
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
 import psutil
+import pytest
 
 from specdec.client import make_request, stream
 from specdec.launcher import free_port
 
 
-def test_serve_starts_all_and_stops_cleanly(stories_path):
-    port = free_port()
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
+    port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "serve", "--model", stories_path, "--port", str(port),
-         "--methods", "naive,ngram"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         "--http-port", str(http_port), "--methods", "naive,ngram"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # Ctrl-C's default even when pytest runs as a background job (which ignores SIGINT)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 240
@@ -24,18 +30,22 @@ def test_serve_starts_all_and_stops_cleanly(stories_path):
             line = proc.stdout.readline()
             assert line, "serve exited early:\n" + "".join(lines)
             lines.append(line)
-            if "gateway ready at" in line:
+            if "HTTP API ready at" in line:
                 break
-        assert f"127.0.0.1:{port}" in lines[-1]
+        assert f"127.0.0.1:{port}" in lines[-3] and "gateway ready at" in lines[-3]
+        assert f"http://127.0.0.1:{http_port}/v1" in lines[-1]
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert len(children) >= 3 and all(s in names for s in ("scorer", "proposer", "gateway"))
         gen = stream(f"127.0.0.1:{port}", make_request("Once upon a time", max_tokens=8, method="ngram"))
         assert len(gen.token_ids) == 8
-        proc.send_signal(signal.SIGTERM)
+        body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"http://127.0.0.1:{http_port}/v1/completions", json=body, timeout=60).json()
+        assert answer["choices"][0]["text"] == gen.text
+        proc.send_signal(signum)
         assert proc.wait(60) == 0
-        time.sleep(0.5)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        _, alive = psutil.wait_procs(children, timeout=60)  # the children were stopped, not orphaned
+        assert not [c for c in alive if c.status() != psutil.STATUS_ZOMBIE]
     finally:
         if proc.poll() is None:
             proc.kill()

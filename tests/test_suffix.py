@@ -283,7 +283,7 @@ def test_trie_counts_exact_after_inserts_and_fifo_evictions():
     depth = 6
     cache = suffix._GlobalCache(max_requests=3, max_depth=depth)
     kept: list[list[int]] = []
-    for r in range(12):
+    for _ in range(12):
         out = rng.integers(0, 3, int(rng.integers(1, 30))).astype(np.int32)
         cache.add(out)
         kept = (kept + [out.tolist()])[-3:]

@@ -39,6 +39,7 @@ class SequenceStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SEQUENCE_STATUS_UNKNOWN_SEQUENCE: _ClassVar[SequenceStatus]
     SEQUENCE_STATUS_INVALID: _ClassVar[SequenceStatus]
     SEQUENCE_STATUS_RESOURCE_EXHAUSTED: _ClassVar[SequenceStatus]
+    SEQUENCE_STATUS_BUSY: _ClassVar[SequenceStatus]
 VERIFY_STRATEGY_UNSPECIFIED: VerifyStrategy
 VERIFY_STRATEGY_GREEDY: VerifyStrategy
 VERIFY_STRATEGY_REJECTION: VerifyStrategy
@@ -57,6 +58,7 @@ SEQUENCE_STATUS_OK: SequenceStatus
 SEQUENCE_STATUS_UNKNOWN_SEQUENCE: SequenceStatus
 SEQUENCE_STATUS_INVALID: SequenceStatus
 SEQUENCE_STATUS_RESOURCE_EXHAUSTED: SequenceStatus
+SEQUENCE_STATUS_BUSY: SequenceStatus
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -83,6 +85,18 @@ class TokenIds(_message.Message):
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "dim", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    dim: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -147,7 +161,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_by_position", "mean_accepted_length", "propose_s", "verify_s", "network_s", "wall_s", "ttft_s")
+    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_by_position", "mean_accepted_length", "propose_s", "verify_s", "network_s", "wall_s", "ttft_s", "feature_bytes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +174,7 @@ class GenerationStats(_message.Message):
     NETWORK_S_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     output_tokens: int
     rounds: int
@@ -172,7 +187,8 @@ class GenerationStats(_message.Message):
     network_s: float
     wall_s: float
     ttft_s: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., mean_accepted_length: _Optional[float] = ..., propose_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., ttft_s: _Optional[float] = ...) -> None: ...
+    feature_bytes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., mean_accepted_length: _Optional[float] = ..., propose_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., feature_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
@@ -189,7 +205,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class ProposerOptions(_message.Message):
-    __slots__ = ("method", "min_n", "max_n", "reference_token_ids", "max_tree_depth", "max_spec_factor", "min_token_prob")
+    __slots__ = ("method", "min_n", "max_n", "reference_token_ids", "max_tree_depth", "max_spec_factor", "min_token_prob", "temperature", "seed")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MIN_N_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +213,8 @@ class ProposerOptions(_message.Message):
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     method: str
     min_n: int
     max_n: int
@@ -204,23 +222,27 @@ class ProposerOptions(_message.Message):
     max_tree_depth: int
     max_spec_factor: float
     min_token_prob: float
-    def __init__(self, method: _Optional[str] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ...) -> None: ...
+    temperature: float
+    seed: int
+    def __init__(self, method: _Optional[str] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "open", "token_ids", "context_len", "num_speculative_tokens", "options")
+    __slots__ = ("seq_id", "open", "token_ids", "context_len", "num_speculative_tokens", "options", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     open: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_len: int
     num_speculative_tokens: int
     options: ProposerOptions
-    def __init__(self, seq_id: _Optional[str] = ..., open: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., options: _Optional[_Union[ProposerOptions, _Mapping]] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[str] = ..., open: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., options: _Optional[_Union[ProposerOptions, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class SequenceRelease(_message.Message):
     __slots__ = ("seq_id", "completed")
@@ -241,18 +263,22 @@ class ProposeRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("seq_id", "status", "token_ids", "probs", "message")
+    __slots__ = ("seq_id", "status", "token_ids", "probs", "message", "feature_layers", "features_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SequenceStatus
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedCompositeFieldContainer[SparseProbs]
     message: str
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    features_from: int
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., message: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("batch_id", "drafts", "compute_s")
@@ -265,7 +291,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., compute_s: _Optional[float] = ...) -> None: ...
 
 class VerifySequence(_message.Message):
-    __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states")
+    __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states", "feature_layers", "max_context_features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +301,8 @@ class VerifySequence(_message.Message):
     VERIFY_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_POLICY_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_len: int
@@ -284,7 +312,9 @@ class VerifySequence(_message.Message):
     verify_strategy: VerifyStrategy
     accept_policy: AcceptPolicy
     return_hidden_states: bool
-    def __init__(self, seq_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., return_hidden_states: _Optional[bool] = ...) -> None: ...
+    feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    max_context_features: int
+    def __init__(self, seq_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., return_hidden_states: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., max_context_features: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sequences",)
@@ -293,7 +323,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[VerifySequence, _Mapping]]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("seq_id", "status", "output_token_ids", "num_accepted", "hidden_states", "hidden_size", "message")
+    __slots__ = ("seq_id", "status", "output_token_ids", "num_accepted", "hidden_states", "hidden_size", "message", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +331,7 @@ class VerifyResult(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     status: SequenceStatus
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -308,7 +339,8 @@ class VerifyResult(_message.Message):
     hidden_states: bytes
     hidden_size: int
     message: str
-    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_size: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    features: Features
+    def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_size: _Optional[int] = ..., message: _Optional[str] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("results", "compute_s", "queue_s")
@@ -337,13 +369,14 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "hidden_size", "dtype", "kv_capacity_tokens", "kv_free_tokens", "live_sequences")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "hidden_size", "dtype", "num_layers", "kv_capacity_tokens", "kv_free_tokens", "live_sequences")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
@@ -353,7 +386,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     hidden_size: int
     dtype: str
+    num_layers: int
     kv_capacity_tokens: int
     kv_free_tokens: int
     live_sequences: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., live_sequences: _Optional[int] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., live_sequences: _Optional[int] = ...) -> None: ...

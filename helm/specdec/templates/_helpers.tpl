@@ -98,6 +98,67 @@ when probes.startup.enabled) on the standard grpc.health.v1 service. No
 {{- end }}
 {{- end -}}
 
+{{/*
+Probes for a component: gRPC probes on the standard health service, or,
+with tls.enabled (the kubelet's gRPC probe cannot speak TLS), the same check
+run as `specdec health` inside the container over mutual TLS.
+  include "specdec.probes" (dict "root" $ "port" 50051 "probes" .values.probes)
+*/}}
+{{- define "specdec.probes" -}}
+{{- $tls := .root.Values.tls -}}
+{{- if not $tls.enabled -}}
+{{- include "specdec.grpcProbes" (dict "port" .port "probes" .probes) -}}
+{{- else -}}
+{{- $d := $tls.mountPath -}}
+{{- $command := list "specdec" "health" "--addr" (printf "127.0.0.1:%d" (int .port))
+      "--tls-ca" (printf "%s/ca.crt" $d) "--tls-client-cert" (printf "%s/tls.crt" $d)
+      "--tls-client-key" (printf "%s/tls.key" $d) "--tls-server-name" $tls.serverName -}}
+{{- range $kind := list "liveness" "readiness" "startup" }}
+{{- $timing := index $.probes $kind }}
+{{- if or (ne $kind "startup") $timing.enabled }}
+{{ $kind }}Probe:
+  exec:
+    command: {{ toJson $command }}
+  {{- range $key, $value := omit $timing "enabled" }}
+  {{ $key }}: {{ int $value }}
+  {{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The security flags of a component (a JSON list): with tls.enabled every
+service serves the Secret's certificate; scorer and proposers require a
+client certificate from its CA, the gateway presents one and verifies them
+against tls.serverName. With apiKeys.enabled the gateway reads keys from the
+mounted Secret.
+*/}}
+{{- define "specdec.securityArgs" -}}
+{{- $tls := .root.Values.tls -}}
+{{- $keys := .root.Values.apiKeys -}}
+{{- $gateway := eq .component "gateway" -}}
+{{- $args := list -}}
+{{- if $tls.enabled -}}
+{{- $_ := required "tls.enabled needs tls.secretName: a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt" $tls.secretName -}}
+{{- $_ := required "tls.enabled needs tls.serverName: the DNS name in the certificate that clients verify (pods are dialled by IP)" $tls.serverName -}}
+{{- $d := $tls.mountPath -}}
+{{- $args = list "--tls-cert" (printf "%s/tls.crt" $d) "--tls-key" (printf "%s/tls.key" $d) -}}
+{{- if $gateway -}}
+{{- $args = concat $args (list "--upstream-tls-ca" (printf "%s/ca.crt" $d)
+      "--tls-client-cert" (printf "%s/tls.crt" $d) "--tls-client-key" (printf "%s/tls.key" $d)
+      "--upstream-tls-server-name" $tls.serverName) -}}
+{{- else -}}
+{{- $args = concat $args (list "--tls-client-ca" (printf "%s/ca.crt" $d)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and $gateway $keys.enabled -}}
+{{- $_ := required "apiKeys.enabled needs apiKeys.secretName: a Secret with one key per line" $keys.secretName -}}
+{{- $args = concat $args (list "--api-keys" (printf "%s/%s" $keys.mountPath $keys.key)) -}}
+{{- end -}}
+{{- toJson $args -}}
+{{- end -}}
+
 {{/* A component's resources, plus the GPU limit when it gets a GPU. */}}
 {{- define "specdec.resources" -}}
 {{- $resources := deepCopy (default (dict) .values.resources) -}}
@@ -121,6 +182,7 @@ A component's Deployment. Context keys besides root/component/values:
 {{- $root := .root -}}
 {{- $v := .values -}}
 {{- $usesGpu := eq (include "specdec.usesGpu" .) "true" -}}
+{{- $isGateway := eq .component "gateway" -}}
 {{- $podLabels := mergeOverwrite (deepCopy (default (dict) $v.podLabels)) (include "specdec.labels" . | fromYaml) -}}
 {{- $env := list -}}
 {{- if .mountModel -}}
@@ -175,7 +237,7 @@ spec:
           image: {{ include "specdec.image" . | quote }}
           imagePullPolicy: {{ $root.Values.image.pullPolicy }}
           args:
-            {{- toYaml (concat .args $v.extraArgs) | nindent 12 }}
+            {{- toYaml (concat .args (include "specdec.securityArgs" . | fromJsonArray) $v.extraArgs) | nindent 12 }}
           {{- with $env }}
           env:
             {{- toYaml . | nindent 12 }}
@@ -187,15 +249,22 @@ spec:
             - name: metrics
               containerPort: {{ int $root.Values.metrics.port }}
               protocol: TCP
-          {{- include "specdec.grpcProbes" (dict "port" $v.port "probes" $v.probes) | trim | nindent 10 }}
+            {{- if $v.httpPort }}
+            - name: http
+              containerPort: {{ int $v.httpPort }}
+              protocol: TCP
+            {{- end }}
+          {{- include "specdec.probes" (dict "root" $root "port" $v.port "probes" $v.probes) | trim | nindent 10 }}
           resources:
             {{- include "specdec.resources" . | nindent 12 }}
           {{- with $root.Values.securityContext }}
           securityContext:
             {{- toYaml . | nindent 12 }}
           {{- end }}
-          {{- if .mountModel }}
           volumeMounts:
+            - name: tmp  # JIT caches (numba, Triton) with a read-only root filesystem
+              mountPath: /tmp
+            {{- if .mountModel }}
             - name: hf-cache
               mountPath: {{ $root.Values.model.cache.mountPath }}
             {{- if $root.Values.model.volume.enabled }}
@@ -203,16 +272,40 @@ spec:
               mountPath: {{ $root.Values.model.volume.mountPath }}
               readOnly: true
             {{- end }}
-          {{- end }}
-      {{- if .mountModel }}
+            {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - name: tls
+              mountPath: {{ $root.Values.tls.mountPath }}
+              readOnly: true
+            {{- end }}
+            {{- if and $isGateway $root.Values.apiKeys.enabled }}
+            - name: api-keys  # the whole Secret (not subPath), so key changes reach the file
+              mountPath: {{ $root.Values.apiKeys.mountPath }}
+              readOnly: true
+            {{- end }}
       volumes:
+        - name: tmp
+          emptyDir: {}
+        {{- if .mountModel }}
         - name: hf-cache
           {{- toYaml (default (dict "emptyDir" (dict)) $root.Values.model.cache.source) | nindent 10 }}
         {{- if $root.Values.model.volume.enabled }}
         - name: model
           {{- toYaml $root.Values.model.volume.source | nindent 10 }}
         {{- end }}
-      {{- end }}
+        {{- end }}
+        {{- if $root.Values.tls.enabled }}
+        - name: tls
+          secret:
+            secretName: {{ $root.Values.tls.secretName }}
+            defaultMode: 0440
+        {{- end }}
+        {{- if and $isGateway $root.Values.apiKeys.enabled }}
+        - name: api-keys
+          secret:
+            secretName: {{ $root.Values.apiKeys.secretName }}
+            defaultMode: 0440
+        {{- end }}
       {{- with $nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
@@ -265,6 +358,13 @@ spec:
       port: {{ int .root.Values.metrics.port }}
       targetPort: metrics
       protocol: TCP
+    {{- if $v.httpPort }}
+    - name: http
+      port: {{ int $v.httpPort }}
+      targetPort: http
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
 {{- end -}}
 
 {{/* A component's HorizontalPodAutoscaler (autoscaling/v2) over its Deployment. */}}

@@ -11,11 +11,12 @@ Row invariance. Plain decoding (one query row) and verification (k + 1 rows,
 next to other sequences) must compute the same function, or a near-tie could
 flip a greedy token. Every step here gives each row a result that depends on
 that row alone, bit for bit:
-- GEMMs: measured on this project's CPU, oneDNN (float32 and bfloat16) gives
-  a row the same result for every row count >= 2 (a lone row takes a GEMV
-  path), and MKL's float32 sgemm for every row count >= 12 (below that it
-  uses kernels with 4-row tails). ``Linear`` zero-pads smaller inputs up to
-  that count (``CPU_MIN_ROWS``).
+- GEMMs: whether a BLAS path gives a row the same result for every row
+  count depends on the CPU (on AMD EPYC oneDNN does for >= 2 rows, MKL's
+  float32 sgemm for >= 12; on an Intel Xeon without native bfloat16 MKL does
+  not at all), so ``gemm_select`` checks every path on the machine, on this
+  model's weight shapes, and uses only one that passes (``Linear`` pads
+  small inputs to the path's ``min_rows``).
 - Elementwise ops and last-dimension reductions are per row, with one
   catch: torch finishes a vectorised loop's ragged tail with a scalar
   formula (for ``silu`` it differs in the last bit), and with several
@@ -28,11 +29,12 @@ that row alone, bit for bit:
 ``tests/test_llama_engine.py`` checks that decoding token by token and
 verifying 6-, 17- or 421-row chunks give bitwise equal logits.
 
-GEMM paths (``gemm``), SmolLM2-135M on 2 cores (benchmarks/bench_forward.py):
-oneDNN prepacked is the default for both dtypes. A decode step takes about
-28 ms in bfloat16 (4 rows cost the same, 16 rows 1.5x) and 40-45 ms in
-float32. MKL float32 (``"aten"``) needs 12 rows for invariance, so even a
-decode step costs 90-100 ms, but it sums like transformers (which runs MKL):
+GEMM paths (``gemm``), SmolLM2-135M on 2 cores of AMD EPYC
+(benchmarks/bench_forward.py): "auto" picks oneDNN prepacked for both dtypes
+there. A decode step takes about 28 ms in bfloat16 (4 rows cost the same,
+16 rows 1.5x) and 40-45 ms in float32. MKL float32 (``"aten"``) needs 12 rows
+for invariance, so even a decode step costs 90-100 ms, but it sums like
+transformers (which runs MKL):
 logits within 5e-5 of transformers on SmolLM2, against up to 1.5e-4 for
 oneDNN float32. Both are about 1e-4 from a float64 reference: float32
 rounding over 30 layers (oneDNN's float32 GEMM is ~2.5x less accurate per
@@ -44,7 +46,6 @@ its tensors are taken.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -53,17 +54,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.models import resolve_model
-from specdec.scorer_svc.engine import Engine, ForwardItem, ForwardOutput, ModelFacts
-from specdec.scorer_svc.kv_pool import KVPool, default_num_threads
+from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, check_feature_layers
+from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
+from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
+from specdec.engine.gemm_select import GemmPath, Linear, Weights, native_bf16, select
+from specdec.engine.kv_pool import KVPool, default_num_threads
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: KV pool size when neither a token count nor a memory fraction is given.
-DEFAULT_KV_CAPACITY_TOKENS = 32768
 #: SwiGLU hidden width is zero-padded to a multiple of this (see module doc).
 FFN_ALIGN = 128
 #: Default threading: with fewer weight bytes per decoder layer than this, a
@@ -173,62 +173,40 @@ def rope_inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin float32 [max_len, head_dim // 2] of position * inv_freq."""
-    angles = torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    """cos, sin float32 [max_len, head_dim] of position * inv_freq, each
+    frequency twice (for both halves of a head), sin negated on the first
+    half: what ``apply_rope`` multiplies by."""
+    return rope_cos_sin(torch.arange(max_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :])
+
+
+def rope_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles float32 [T, head_dim // 2] -> cos, sin [T, head_dim] as
+    ``apply_rope`` takes them (each frequency twice, sin negated on the first half)."""
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates the half-split pairs (x[i], x[i + d/2]) of every head.
+    """Rotates the half-split pairs (x[i], x[i + d/2]) of every head:
+    [x1 c - x2 s, x2 c + x1 s], as x * cos + [x2, x1] * sin with rope_tables'
+    signed sin (bitwise the same: negation is exact). Four ops, not seven.
 
-    x: float32 [T, heads, head_dim]; cos, sin: float32 [T, head_dim // 2]"""
+    x: float32 [T, heads, head_dim]; cos, sin: float32 [T, head_dim]"""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + swapped * sin[:, None, :]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, in transformers' order of operations:
-    normalise in float32, cast back to x's dtype, then scale.
+    normalise in float32, cast back to x's dtype, then scale. (torch's
+    F.rms_norm computes the same in float32 but is no faster on CPU: a
+    composite of the same ops plus casts, torch.profiler at batch 1.)
 
     x: [..., n] (float32 or bfloat16); weight: [n]"""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-#: Fewest rows each GEMM path is given on CPU; smaller inputs are zero-padded
-#: (see "Row invariance" in the module doc).
-CPU_MIN_ROWS = {"aten": 12, "onednn": 2}
-
-
-class Linear:
-    """y = x W^T + b whose rows do not depend on the number of rows (module doc).
-
-    weight: [out, in]; bias: [out] or None
-    gemm: "aten" (F.linear: MKL for float32 on CPU) or "onednn" (prepacked
-      oneDNN, CPU only); min_rows: see CPU_MIN_ROWS (1 = no padding)"""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, gemm: str, min_rows: int) -> None:
-        self.gemm = gemm
-        self.min_rows = min_rows
-        self.bias = bias
-        self.out_features = weight.shape[0]
-        # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, min_rows) if gemm == "onednn" else weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, in] -> [T, out]"""
-        T = x.shape[0]
-        if T < self.min_rows:
-            return self._gemm(torch.cat([x, x.new_zeros(self.min_rows - T, x.shape[1])]))[:T]
-        return self._gemm(x.contiguous())
-
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemm == "aten":
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
 @dataclass
@@ -247,69 +225,46 @@ class DecoderLayer:
     rope: bool
 
 
-@dataclass
-class Checkpoint:
-    """A causal LM's config and weights, as transformers loaded them."""
-
-    name: str  # id or path as given
-    config: object  # transformers PretrainedConfig
-    generation_config: object | None
-    state_dict: dict[str, torch.Tensor]  # HF names: model.layers.{i}.self_attn.q_proj.weight, ...
-
-    @classmethod
-    def load(cls, model: str, dtype: torch.dtype = torch.float32) -> "Checkpoint":
-        """Loads through transformers in ``dtype`` (GGUF weights are dequantised)."""
-        from transformers import AutoModelForCausalLM
-
-        src = resolve_model(model)
-        hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs())
-        return cls.of_model(hf, model)
-
-    @classmethod
-    def of_model(cls, hf_model, name: str) -> "Checkpoint":
-        """Takes (shares, does not copy) the tensors of a loaded transformers model."""
-        return cls(name, hf_model.config, getattr(hf_model, "generation_config", None),
-                   dict(hf_model.state_dict()))
-
-
-def eos_token_ids(config, generation_config) -> tuple[int, ...]:
-    """EOS ids from the generation config, else the model config (an int or a list)."""
-    for cfg in (generation_config, config):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is not None:
-            return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return ()
-
-
-def _pad_dim0(t: torch.Tensor | None, size: int) -> torch.Tensor | None:
+def _pad_dim0(t: torch.Tensor, size: int) -> torch.Tensor:
     """Zero-pads dim 0 of t to size rows."""
-    return None if t is None else F.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]))
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, size - t.shape[0]))
 
 
 def _cat_or_none(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    return None if parts[0] is None else torch.cat(parts)
+    """Concatenation of parts, or None when the checkpoint has none of them."""
+    present = [t for t in parts if t is not None]
+    if present and len(present) != len(parts):
+        raise ValueError("checkpoint has biases for some fused projections but not all")
+    return torch.cat(present) if present else None
 
 
-def build_layer(sd: dict[str, torch.Tensor], i: int, window: int, rope: bool, gemm: str,
-                min_rows: int) -> DecoderLayer:
-    """Decoder layer i from an HF Llama-style state dict: q/k/v and gate/up
-    fused into one GEMM each, the SwiGLU width zero-padded to FFN_ALIGN."""
+def layer_projections(sd: dict[str, torch.Tensor], i: int) -> Weights:
+    """Decoder layer i's projections from an HF Llama-style state dict, in
+    DecoderLayer's order (qkv, o, gate_up, down): q/k/v and gate/up fused
+    into one GEMM each, the SwiGLU width zero-padded to FFN_ALIGN."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     qkv = [attn + "q_proj", attn + "k_proj", attn + "v_proj"]
     width = -(-sd[mlp + "gate_proj.weight"].shape[0] // FFN_ALIGN) * FFN_ALIGN
-    gate_up = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.weight", "up_proj.weight")]
-    gate_up_bias = [_pad_dim0(sd.get(mlp + name), width) for name in ("gate_proj.bias", "up_proj.bias")]
+    gate_up = [_pad_dim0(sd[mlp + name], width) for name in ("gate_proj.weight", "up_proj.weight")]
+    gate_up_bias = [None if b is None else _pad_dim0(b, width)
+                    for b in (sd.get(mlp + "gate_proj.bias"), sd.get(mlp + "up_proj.bias"))]
     down = sd[mlp + "down_proj.weight"]
-    linear = functools.partial(Linear, gemm=gemm, min_rows=min_rows)
+    return [("qkv", torch.cat([sd[n + ".weight"] for n in qkv]), _cat_or_none([sd.get(n + ".bias") for n in qkv])),
+            ("o", sd[attn + "o_proj.weight"], sd.get(attn + "o_proj.bias")),
+            ("gate_up", torch.cat(gate_up), _cat_or_none(gate_up_bias)),
+            ("down", F.pad(down, (0, width - down.shape[1])), sd.get(mlp + "down_proj.bias"))]
+
+
+def build_layer(sd: dict[str, torch.Tensor], i: int, window: int, rope: bool, linears: list[Linear]) -> DecoderLayer:
+    """Decoder layer i: its norms from sd, its projections' Linears (built
+    from ``layer_projections(sd, i)``) given."""
+    p = f"model.layers.{i}."
+    qkv, o, gate_up, down = linears
     return DecoderLayer(
-        input_norm=sd[p + "input_layernorm.weight"],
-        qkv=linear(torch.cat([sd[n + ".weight"] for n in qkv]), _cat_or_none([sd.get(n + ".bias") for n in qkv])),
-        q_norm=sd.get(attn + "q_norm.weight"), k_norm=sd.get(attn + "k_norm.weight"),
-        o=linear(sd[attn + "o_proj.weight"], sd.get(attn + "o_proj.bias")),
-        post_norm=sd[p + "post_attention_layernorm.weight"],
-        gate_up=linear(torch.cat(gate_up), _cat_or_none(gate_up_bias)),
-        down=linear(F.pad(down, (0, width - down.shape[1])), sd.get(mlp + "down_proj.bias")),
+        input_norm=sd[p + "input_layernorm.weight"], qkv=qkv,
+        q_norm=sd.get(p + "self_attn.q_norm.weight"), k_norm=sd.get(p + "self_attn.k_norm.weight"), o=o,
+        post_norm=sd[p + "post_attention_layernorm.weight"], gate_up=gate_up, down=down,
         window=window, rope=rope)
 
 
@@ -324,8 +279,10 @@ class LlamaEngine(Engine):
       KV cache and returned logits / hidden states are float32.
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
-    gemm: "auto" (onednn on CPU, else aten) | "onednn" (prepacked oneDNN, CPU
-      only) | "aten" (F.linear: MKL for float32 on CPU); see the module doc.
+    gemm: "auto" (on CPU the fastest path that keeps rows row-count
+      invariant on this machine, gemm_select.select; else "aten") | a name in
+      gemm_select.GEMM_PATHS, refused (GemmRefused) where it breaks that
+      invariance.
     attention: "auto" ("paged" on CPU, else "sdpa") | "paged" (numba,
       row-invariant) | "sdpa" (torch, any device, not row-invariant).
     num_threads: torch and attention threads (process-wide for torch);
@@ -335,23 +292,20 @@ class LlamaEngine(Engine):
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
-                 num_threads: int | None = None, block_size: int = 16) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+                 num_threads: int | None = None, block_size: int = 16,
+                 head_token_ids: tuple[int, ...] | None = None) -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        if gemm == "auto":
-            gemm = "onednn" if on_cpu and torch.backends.mkldnn.is_available() else "aten"
         if attention == "auto":
             attention = "paged" if on_cpu else "sdpa"
-        if gemm not in CPU_MIN_ROWS or attention not in ("paged", "sdpa"):
-            raise ValueError(f"unknown gemm {gemm!r} or attention {attention!r}")
-        if not on_cpu and (gemm == "onednn" or attention == "paged"):
-            raise ValueError("gemm='onednn' and attention='paged' run on CPU only")
-        self.gemm, self.attention = gemm, attention
-        self.dtype = DTYPES[dtype]
+        if attention not in ("paged", "sdpa"):
+            raise ValueError(f"unknown attention {attention!r}")
+        if not on_cpu and (gemm not in ("auto", "aten") or attention == "paged"):
+            raise ValueError("gemm paths other than 'aten' and attention='paged' run on CPU only")
+        self.attention = attention
+        self.dtype = torch_dtype(dtype)
         self.spec = spec = LlamaSpec.from_config(checkpoint.config)
 
         sd = {k: v.to(self.device, self.dtype) for k, v in checkpoint.state_dict.items()}
@@ -359,22 +313,36 @@ class LlamaEngine(Engine):
         if num_threads is None:
             num_threads = default_num_threads() if layer_bytes >= MULTITHREAD_MIN_LAYER_BYTES else 1
         self.num_threads = num_threads
-        if on_cpu:
-            torch.set_num_threads(num_threads)
-        min_rows = CPU_MIN_ROWS[gemm] if on_cpu else 1
         self.embed = sd["model.embed_tokens.weight"]  # [vocab, hidden]
         self.final_norm = sd["model.norm.weight"]
-        self.lm_head = Linear(sd.get("lm_head.weight", self.embed), None, gemm, min_rows)
-        self.layers = [build_layer(sd, i, window, rope, gemm, min_rows)
+        n_layers = len(spec.layer_rope)
+        projections = [p for i in range(n_layers) for p in layer_projections(sd, i)]
+        head = sd.get("lm_head.weight", self.embed)  # [vocab, hidden]
+        if head_token_ids is not None:  # a reduced head: [len(head_token_ids), hidden]
+            if max(head_token_ids) >= head.shape[0]:
+                raise ValueError(f"head_token_ids: id {max(head_token_ids)} outside the head's {head.shape[0]} rows")
+            head = head[torch.tensor(head_token_ids, device=self.device)].contiguous()
+        projections.append(("lm_head", head, None))
+        self.gemm_report = None  # off CPU: no choice made (Engine.gemm_report)
+        if on_cpu:
+            torch.set_num_threads(num_threads)
+            if self.dtype == torch.bfloat16 and not native_bf16():
+                log.warning("LlamaEngine: bfloat16 on a CPU without native bfloat16 (no avx512_bf16 / "
+                            "amx_bf16): expect float32 speed or worse")
+            selection = select(projections, self.dtype, num_threads, gemm)
+            linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
+        else:
+            linears, self.gemm = [Linear(w, b, GemmPath("aten", "aten", 1)) for _, w, b in projections], "aten"
+        self.lm_head = linears[-1]
+        self.layers = [build_layer(sd, i, window, rope, linears[4 * i:4 * i + 4])
                        for i, (window, rope) in enumerate(zip(spec.layer_windows, spec.layer_rope))]
-        del sd
+        del sd, projections
         limit = spec.max_position_embeddings
         self.max_model_len = min(limit, max_model_len) if max_model_len else limit
         cos, sin = rope_tables(rope_inv_freq(spec.rope, spec.head_dim), self.max_model_len)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.scale = spec.head_dim ** -0.5
 
-        n_layers = len(self.layers)
         if kv_memory_fraction is not None:
             per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
             kv_capacity_tokens = KVPool.tokens_for_memory_fraction(kv_memory_fraction, per_token, device)
@@ -384,17 +352,10 @@ class LlamaEngine(Engine):
         self.facts = ModelFacts(
             model=checkpoint.name, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids(checkpoint.config, checkpoint.generation_config),
-            hidden_size=spec.hidden_size, dtype=dtype, kv_capacity_tokens=self.pool.capacity_tokens)
+            hidden_size=spec.hidden_size, num_layers=n_layers, dtype=dtype,
+            kv_capacity_tokens=self.pool.capacity_tokens)
         log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens, %d threads",
-                 checkpoint.name, n_layers, dtype, gemm, attention, self.pool.capacity_tokens, num_threads)
-
-    @classmethod
-    def from_pretrained(cls, model: str, dtype: str = "float32", **kwargs) -> "LlamaEngine":
-        """Loads ``model`` (a directory, .gguf file, shared-models name or hub
-        id) through transformers; kwargs as for the constructor."""
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        return cls(Checkpoint.load(model, DTYPES[dtype]), dtype, **kwargs)
+                 checkpoint.name, n_layers, dtype, self.gemm, attention, self.pool.capacity_tokens, num_threads)
 
     # ---- Engine protocol -----------------------------------------------------------
 
@@ -416,18 +377,23 @@ class LlamaEngine(Engine):
         return self.pool.free_tokens()
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False) -> ForwardOutput:
+    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False,
+                feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """One pass over all items' new tokens; logits (and final-norm hidden
-        states, float32) of each item's last ``num_logits`` rows, in item order."""
+        states, float32) of each item's last ``num_logits`` rows, in item
+        order; the feature_layers' states of every row (Engine.forward)."""
+        check_feature_layers(feature_layers, len(self.layers))
         if not items:
+            width = len(feature_layers) * self.spec.hidden_size
             return ForwardOutput(torch.empty(0, self.facts.vocab_size),
-                                 torch.empty(0, self.spec.hidden_size) if return_hidden_states else None)
+                                 torch.empty(0, self.spec.hidden_size) if return_hidden_states else None,
+                                 torch.empty(0, width, dtype=self.dtype) if feature_layers else None)
         tokens = self._check(items)
         seq_ids = [it.seq_id for it in items]
         counts = [len(it.token_ids) for it in items]
         batch = self.pool.plan(seq_ids, counts)
         positions = torch.from_numpy(batch.row_pos).to(self.device).long()
-        h = self._decoder(tokens, positions, batch)  # [T, hidden]
+        h, states = self._decoder(tokens, positions, batch, feature_layers)  # [T, hidden], each [T, hidden]
         ends = np.cumsum(counts)
         rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
         normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
@@ -436,7 +402,8 @@ class LlamaEngine(Engine):
         else:  # a prefill chunk: skip the LM head
             logits = torch.empty(0, self.facts.vocab_size, device=self.device)
         self.pool.commit(seq_ids, counts)
-        return ForwardOutput(logits, normed.float() if return_hidden_states else None)
+        return ForwardOutput(logits, normed.float() if return_hidden_states else None,
+                             torch.cat(states, dim=1) if feature_layers else None)
 
     # ---- the model ---------------------------------------------------------------
 
@@ -457,29 +424,37 @@ class LlamaEngine(Engine):
             raise ValueError(f"token id outside [0, {self.spec.vocab_size})")
         return torch.from_numpy(tokens).to(self.device)
 
-    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """The residual stream after the last decoder layer, [T, hidden]."""
+    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch,
+                 feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The residual stream after the last decoder layer, [T, hidden], and
+        the stream after each of feature_layers layers (0: the embeddings),
+        in their order. The stream is never updated in place, so keeping a
+        reference to it is keeping its value."""
         eps = self.spec.rms_norm_eps
         h = F.embedding(tokens, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim // 2]
+        kept = {0: h} if 0 in feature_layers else {}
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, batch)
             h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
-        return h
+            if i + 1 in feature_layers:
+                kept[i + 1] = h
+        return h, [kept[i] for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> torch.Tensor:
         """x: [T, hidden] normed -> [T, hidden] attention output (before the residual)."""
         T = x.shape[0]
         H, Hkv, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        q, k, v = layer.qkv(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, H, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, self.spec.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, self.spec.rms_norm_eps)
-        q, k = q.float(), k.float()
+        qkv = layer.qkv(x).view(T, H + 2 * Hkv, D)
+        qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]  # queries and keys rotate together: one RoPE call
+        if layer.q_norm is not None and layer.k_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, self.spec.rms_norm_eps),
+                            rms_norm(qk[:, H:], layer.k_norm, self.spec.rms_norm_eps)], dim=1)
+        qk = qk.float()
         if layer.rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :H], qk[:, H:]
         self.pool.write(i, k, v.float(), batch)
         attend = self.pool.attend if self.attention == "paged" else self.pool.attend_sdpa
         out = attend(i, (q * self.scale).contiguous(), batch, layer.window)  # float32 [T, H, D]

@@ -13,7 +13,7 @@ with ``truncate``.
 
 Implementations: ``llama.LlamaEngine`` (the project's own forward pass for the
 Llama family) and ``hf_engine.HFEngine`` (any ``transformers`` causal LM,
-the fallback for other architectures).
+the fallback for other architectures); ``factory.build_engine`` picks one.
 """
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ class PoolExhausted(RuntimeError):
     """The KV pool cannot hold the requested tokens; nothing was changed."""
 
 
+def check_feature_layers(feature_layers: tuple[int, ...], num_layers: int) -> None:
+    """Raises ValueError unless every index is in 0..num_layers."""
+    bad = [i for i in feature_layers if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(f"feature layer {bad[0]} outside 0..{num_layers}")
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     model: str  # id or path as given
@@ -35,6 +42,7 @@ class ModelFacts:
     max_model_len: int  # longest context in tokens
     eos_token_ids: tuple[int, ...]
     hidden_size: int
+    num_layers: int  # decoder layers; feature layer indices go 0..num_layers
     dtype: str  # "float32" | "bfloat16"
     kv_capacity_tokens: int  # pool size in tokens
 
@@ -52,10 +60,17 @@ class ForwardOutput:
     logits: torch.Tensor
     # [sum(num_logits), hidden] final-norm hidden states, when asked for
     hidden_states: torch.Tensor | None = None
+    # [T, len(feature_layers) * hidden]: for every row fed (all items' new
+    # tokens, in item order) the asked layers' hidden states side by side, in
+    # the order asked, in the engine's activation dtype; None when none asked
+    features: torch.Tensor | None = None
 
 
 class Engine(abc.ABC):
     facts: ModelFacts
+    #: how the engine chose its CPU GEMM path (gemm_select.select's report:
+    #: "chosen", per-path verdicts and ms), or None where it chose none
+    gemm_report: dict | None = None
 
     @abc.abstractmethod
     def ensure_capacity(self, seq_id: str, total_len: int) -> None:
@@ -64,10 +79,18 @@ class Engine(abc.ABC):
         cannot hold it."""
 
     @abc.abstractmethod
-    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False) -> ForwardOutput:
+    def forward(self, items: list[ForwardItem], return_hidden_states: bool = False,
+                feature_layers: tuple[int, ...] = ()) -> ForwardOutput:
         """One forward pass over a ragged batch; each item's tokens attend to
         its own cached prefix and causally among themselves. Capacity must
-        have been ensured. Item seq_ids are distinct."""
+        have been ensured. Item seq_ids are distinct.
+
+        feature_layers: layers whose hidden states to return for every row
+        (``ForwardOutput.features``): 0 = the token embeddings, i = the output
+        of decoder layer i (the residual stream after i layers), num_layers =
+        the last layer's output *before* the final norm. transformers'
+        ``output_hidden_states`` uses the same indices, except that its last
+        entry is taken after the final norm."""
 
     @abc.abstractmethod
     def cached_len(self, seq_id: str) -> int:
@@ -84,6 +107,3 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def free_tokens(self) -> int:
         """Tokens that can still be reserved."""
-
-    def has(self, seq_id: str) -> bool:
-        return self.cached_len(seq_id) > 0

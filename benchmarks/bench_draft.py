@@ -1,0 +1,226 @@
+"""Model drafts against copy drafts, end to end (real processes, real gRPC):
+plain decoding (none), ngram, suffix, draft and draft_hybrid (fixed length,
+and the model drafts also with the adaptive length that plans by the draft's
+own confidence) on open-ended chat prompts and on bench_e2e's overlap
+prompts, single stream and --streams concurrent streams; ms per draft step
+and per verify; transformers assisted generation
+(``generate(assistant_model=<same draft>)``) and, given --vllm-python, vLLM
+draft-model speculation with the same draft, in the same run. Every
+speculative output is checked token for token against plain decoding.
+Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
+
+    flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR \\
+        [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--vllm-python PY] \\
+        [--out bench_results/draft.json]
+
+The draft must share the target's tokenizer (e.g. made by `specdec distill`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_e2e import PROMPTS as OVERLAP_PROMPTS
+from bench_e2e import chat_ids, run_concurrent, run_single
+
+from specdec.launcher import Stack
+from specdec.models import default_model, load_tokenizer, resolve_model
+
+CHAT_PROMPTS = {
+    "story": "Write a short story about a fox who learns to share.",
+    "explain": "Explain why the sky is blue in simple words.",
+    "tips": "Give me five tips for sleeping better.",
+    "poem": "Write a poem about the sea at night.",
+    "email": "Write a friendly email inviting my team to a picnic on Saturday.",
+    "recipe": "How do I make a simple tomato soup?",
+}
+#: single-stream runs: (method, draft length)
+SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("suffix", "fixed"), ("draft", "fixed"), ("draft", "adaptive"),
+          ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
+CONCURRENT = ["none", "ngram", "draft", "draft_hybrid"]
+VLLM_RUNNER = Path(__file__).with_name("vllm_draft.py")
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                platform.processor())
+
+
+def run_hf_assisted(target: str, draft: str, prompts: dict[str, list[int]], k: int, max_tokens: int) -> dict:
+    """transformers greedy generate with and without assistant_model=draft."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(target)
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch.float32, **src.hf_kwargs()).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = k
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    out = {}
+    for name, kwargs in (("hf_plain", {}), ("hf_assisted", {"assistant_model": assistant})):
+        tokens, wall = 0, 0.0
+        for ids in prompts.values():
+            x = torch.tensor([ids])
+            start = time.perf_counter()
+            with torch.inference_mode():
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                                   pad_token_id=model.generation_config.eos_token_id, **kwargs)
+            wall += time.perf_counter() - start
+            tokens += y.shape[1] - len(ids)
+        out[name] = {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall}
+    return out
+
+
+def run_vllm(python: str, target: str, draft: str, prompts: dict[str, list[int]], k: int, max_tokens: int) -> dict:
+    """vLLM plain and draft-model speculation, in vLLM's own interpreter
+    (benchmarks/vllm_draft.py); {"error": ...} when it cannot run."""
+    job = {"target": target, "draft": draft, "prompts": list(prompts.values()), "k": k, "max_tokens": max_tokens}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    done = subprocess.run([python, str(VLLM_RUNNER), f.name], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def timings(r: dict) -> dict:
+    """ms per draft step (one draft token), per propose call and per verify."""
+    rounds = max(r["rounds"], 1)
+    return {"ms_per_draft_step": 1000 * r["propose_s"] / r["draft_tokens"] if r["draft_tokens"] else None,
+            "ms_per_propose": 1000 * r["propose_s"] / rounds, "ms_per_verify": 1000 * r["verify_s"] / rounds}
+
+
+def mixed(results: dict) -> dict:
+    """Tokens/s of each single-stream method over both workloads together."""
+    out = {}
+    for key, r in results["single"].items():
+        wl, method = key.split("/", 1)
+        acc = out.setdefault(method, {"tokens": 0, "wall_s": 0.0})
+        acc["tokens"] += r["tokens"]
+        acc["wall_s"] += r["wall_s"]
+    return {m: {**v, "tok_s": v["tokens"] / v["wall_s"]} for m, v in out.items()}
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {"chat, 1 stream": {k.split("/", 1)[1]: v["tok_s"] for k, v in results["single"].items()
+                                 if k.startswith("chat/")},
+              "overlap, 1 stream": {k.split("/", 1)[1]: v["tok_s"] for k, v in results["single"].items()
+                                    if k.startswith("overlap/")},
+              f"chat, {results['streams']} streams": {k.split("/", 1)[1]: v["tok_s"]
+                                                      for k, v in results["concurrent"].items()
+                                                      if k.startswith("chat/")},
+              f"overlap, {results['streams']} streams": {k.split("/", 1)[1]: v["tok_s"]
+                                                         for k, v in results["concurrent"].items()
+                                                         if k.startswith("overlap/")}}
+    for name, r in results.get("hf", {}).items():
+        groups["chat, 1 stream"][name] = r["tok_s"]
+    for name, r in results.get("vllm", {}).items():
+        if isinstance(r, dict) and "tok_s" in r:
+            groups["chat, 1 stream"][name] = r["tok_s"]
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4.5), sharey=False)
+    for ax, (title, bars) in zip(axes, groups.items()):
+        ax.bar(range(len(bars)), list(bars.values()), color="#4477aa")
+        ax.set_xticks(range(len(bars)), list(bars), rotation=60, ha="right", fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("tokens/s")
+    fig.suptitle(f"{Path(results['model']).name} + draft {Path(results['draft']).name}, k={results['k']}, "
+                 f"{results['cpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--draft", required=True, help="draft model directory (shares the target's tokenizer)")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
+    ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
+                                                        "draft-model speculation (target given as --vllm-target)")
+    ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
+    ap.add_argument("--out", default="bench_results/draft.json")
+    args = ap.parse_args()
+
+    tok = load_tokenizer(resolve_model(args.model))
+    encode = (lambda t: chat_ids(tok, t)) if getattr(tok, "chat_template", None) else \
+        (lambda t: list(tok(t)["input_ids"]))
+    workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
+                 "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
+    results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "k": args.k,
+                     "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
+    print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, k={args.k}, {args.max_tokens} tokens",
+          flush=True)
+    methods = ",".join(dict.fromkeys(m for m, _ in SINGLE if m != "none"))
+    with Stack(model=args.model, methods=methods, draft_model=args.draft,
+               log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
+        for wl, prompts in workloads.items():
+            plain = None
+            for method, length in SINGLE:
+                r = run_single(stack.gateway_addr, prompts, method, args.k, args.max_tokens, length)
+                ids = {n: p["token_ids"] for n, p in r["per_prompt"].items()}
+                plain = plain or ids
+                r["identical_to_plain"] = ids == plain
+                r.update(timings(r))
+                results["single"][f"{wl}/{r['method']}"] = r
+                print(f"  {wl}/{r['method']}: {r['tok_s']:.1f} tok/s", flush=True)
+            for method in CONCURRENT:
+                r = run_concurrent(stack.gateway_addr, list(prompts.values()), args.streams, method, args.k,
+                                   args.max_tokens)
+                results["concurrent"][f"{wl}/{method}"] = {k: v for k, v in r.items() if k != "token_ids"}
+    results["mixed"] = mixed(results)
+    if not args.skip_hf:
+        results["hf"] = run_hf_assisted(args.model, args.draft, workloads["chat"], args.k, args.max_tokens)
+    if args.vllm_python:
+        results["vllm"] = run_vllm(args.vllm_python, args.vllm_target or args.model, args.draft,
+                                   workloads["chat"], args.k, args.max_tokens)
+    report(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in results["single"].values():
+        for p in r["per_prompt"].values():
+            p.pop("token_ids")
+    out.write_text(json.dumps(results, indent=2))
+    try:
+        chart(results, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+    except ImportError:
+        print(f"wrote {out} (no chart: install the bench extra, matplotlib)", file=sys.stderr)
+
+
+def report(results: dict) -> None:
+    print(f"\n{'workload/method':26} {'tok/s':>7} {'x plain':>7} {'acc len':>7} {'ms/draft':>8} {'ms/prop':>7} "
+          f"{'ms/verify':>9} same")
+    for key, r in results["single"].items():
+        base = results["single"][key.split("/")[0] + "/none"]["tok_s"]
+        step = f"{r['ms_per_draft_step']:8.1f}" if r["ms_per_draft_step"] is not None else f"{'-':>8}"
+        print(f"{key:26} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['mean_accepted_length']:7.2f} {step} "
+              f"{r['ms_per_propose']:7.1f} {r['ms_per_verify']:9.1f} {r['identical_to_plain']}")
+    print("\nboth workloads together (mixed set):")
+    for method, r in results["mixed"].items():
+        print(f"  {method:24} {r['tok_s']:7.1f} tok/s")
+    print(f"\n{results['streams']} concurrent streams:")
+    for key, r in results["concurrent"].items():
+        print(f"  {key:24} {r['tok_s']:7.1f} tok/s  mean acc len {r['mean_accepted_length']:.2f}")
+    for name, r in {**results.get("hf", {}), **results.get("vllm", {})}.items():
+        if isinstance(r, dict) and "tok_s" in r:
+            print(f"  chat/{name:19} {r['tok_s']:7.1f} tok/s")
+    if "error" in results.get("vllm", {}):
+        print(f"  vllm: {results['vllm']['error']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Overlapped rounds against lock-step (issue 16): aggregate tokens/s of 1, 8
+and 32 concurrent greedy ngram streams through a real scorer and a real
+proposer that answers each Propose message ``--added-latency-ms`` later (0,
+5, 20 ms: a remote or model-based proposer), with the gateway's ``--overlap``
+off (lock-step), on (overlap while the cost model says it pays) and always.
+
+One scorer, one proposer per latency and one gateway per (latency, mode),
+all started once; the rows of one latency run interleaved, ``--repeats``
+times, and the median is shown. Every row's tokens are checked against the
+lock-step row. The loss columns compare with the same mode at 0 ms and with
+lock-step at 0 ms. Prints a table with the CPU model and writes JSON.
+
+    flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
+        [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from specdec.client import make_request, stream
+from specdec.launcher import Stack, free_port, wait_serving
+from specdec.models import load_tokenizer, resolve_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_e2e import PROMPTS as CHAT_PROMPTS  # noqa: E402
+from bench_e2e import chat_ids  # noqa: E402
+
+STORY_PROMPTS = ["Once upon a time", "Tom saw a big dog. The dog was happy. Tom saw a big dog. The",
+                 "Lily went to the park with her mom.", "The sun was hot. The sun was hot. The",
+                 "Ben had a red ball. He liked to play with it every day."]
+MODES = ["off", "on", "always"]
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
+
+
+def prompt_ids(model: str) -> list[list[int]]:
+    tokenizer = load_tokenizer(resolve_model(model))
+    if tokenizer.chat_template:
+        return [chat_ids(tokenizer, text) for text in CHAT_PROMPTS.values()]
+    return [list(tokenizer(text)["input_ids"]) for text in STORY_PROMPTS]
+
+
+def start_services(stack: Stack, latencies: list[float]) -> dict[tuple[float, str], str]:
+    """A proposer per latency and a gateway per (latency, mode) beside the
+    stack's scorer; returns their gateway addresses."""
+    scorer = stack.by_name("scorer")[0].addr
+    gateways = {}
+    for latency in latencies:
+        proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", "ngram",
+                                                             "--added-latency-ms", str(latency)], free_port())
+        wait_serving(proposer.addr, proposer.proc, 300, proposer.name, None)
+        for mode in MODES:
+            gateway = stack._spawn(f"gateway-{latency:g}ms-{mode}", [
+                "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"ngram={proposer.addr}",
+                "--default-method", "ngram", "--overlap", mode], free_port())
+            gateways[latency, mode] = gateway.addr
+    for service in stack.by_name("gateway-"):
+        wait_serving(service.addr, service.proc, 300, service.name, None)
+    return gateways
+
+
+def request(ids: list[int], k: int, max_tokens: int):
+    r = make_request(ids, max_tokens=max_tokens, method="ngram", k=k)
+    r.ignore_eos = True  # every stream makes max_tokens
+    return r
+
+
+def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int) -> dict:
+    jobs = [prompts[i % len(prompts)] for i in range(streams)]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        gens = list(pool.map(lambda ids: stream(addr, request(ids, k, max_tokens)), jobs))
+    wall = time.perf_counter() - start
+    tokens = sum(len(g.token_ids) for g in gens)
+    rounds = sum(g.stats.rounds for g in gens)
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+            "mean_accepted_length": tokens / rounds,
+            "propose_ms_per_round": 1000 * sum(g.stats.propose_s for g in gens) / rounds,
+            "verify_ms_per_round": 1000 * sum(g.stats.verify_s for g in gens) / rounds,
+            "token_ids": [g.token_ids for g in gens]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="/work/shared/models/stories260K")
+    ap.add_argument("--latencies", default="0,5,20", help="proposer's added latency per message, ms")
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (EOS ignored)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench_results/overlap.json")
+    args = ap.parse_args()
+    latencies = [float(x) for x in args.latencies.split(",")]
+    streams = [int(x) for x in args.streams.split(",")]
+    prompts = prompt_ids(args.model)
+    cpu = cpu_model()
+    result = {"model": args.model, "cpu": cpu, "k": args.k, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "rows": []}
+    log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
+    print(f"CPU: {cpu}\nstarting the services on {args.model}; logs in {log_dir}", file=sys.stderr)
+    with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir) as stack:
+        gateways = start_services(stack, latencies)
+        for addr in set(gateways.values()):
+            run(addr, prompts, 2, args.k, 8)  # warm up
+        for latency in latencies:
+            for n in streams:
+                samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                for rep in range(args.repeats):
+                    for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+                        samples[mode].append(run(gateways[latency, mode], prompts, n, args.k, args.max_tokens))
+                reference = samples["off"][0]["token_ids"]
+                for mode in MODES:
+                    runs = samples[mode]
+                    row = {"latency_ms": latency, "streams": n, "mode": mode,
+                           "tok_s": statistics.median(r["tok_s"] for r in runs),
+                           "tok_s_runs": [r["tok_s"] for r in runs],
+                           "identical_to_lock_step": all(r["token_ids"] == reference for r in runs)}
+                    for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round"):
+                        row[key] = statistics.median(r[key] for r in runs)
+                    result["rows"].append(row)
+                    print(f"  {latency:g} ms, {n} streams, overlap {mode}: {row['tok_s']:.1f} tok/s",
+                          file=sys.stderr)
+
+    by = {(r["latency_ms"], r["streams"], r["mode"]): r for r in result["rows"]}
+    print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.max_tokens} tokens per "
+          f"stream, median of {args.repeats}\nCPU: {cpu}")
+    print(f"{'latency':>8}{'streams':>8}{'overlap':>8}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
+          f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'identical':>10}")
+    for r in result["rows"]:
+        same0 = by[(latencies[0], r["streams"], r["mode"])]["tok_s"]
+        off0 = by[(latencies[0], r["streams"], "off")]["tok_s"]
+        off = by[(r["latency_ms"], r["streams"], "off")]["tok_s"]
+        r["vs_off"], r["loss_vs_same_mode_0ms"], r["vs_off_0ms"] = r["tok_s"] / off, 1 - r["tok_s"] / same0, \
+            r["tok_s"] / off0
+        print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>8}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
+              f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
+              f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
+              f"{r['mean_accepted_length']:>8.2f}{str(r['identical_to_lock_step']):>10}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""Proposer service benchmark: the cost of one round through a real proposer
+process and its real bidi Propose stream on loopback, as the gateway drives it.
+
+B live sequences (prompts cut from Python stdlib sources, tokenized with the
+SmolLM2 tokenizer) are opened on the first round; every later round
+appends each sequence's next 3 true tokens and asks k=5 drafts. A sequence
+that runs out of text is released as completed (so suffix/hybrid's global
+tree fills) and re-opened on a new slice. Each row runs ``--seconds``.
+
+Reported per (method, B): ms per round (one exchange: write the message, read
+the response, as gateway/clients.ProposerStream does), µs per sequence-round
+(round / B) and the proposer's compute share (its reported compute_s / round).
+
+``--replicas 1,2,4`` (fan-out): the B sequences of one method are spread over
+n proposer processes with the gateway's own consistent hashing
+(gateway.discovery.ReplicaSet.pick, as gateway/placement.py places them) and
+each replica gets its part concurrently (asyncio.gather, as gateway/loop.py's
+_propose); reported: round time and each replica's mean compute_s.
+
+``--baseline-src DIR`` runs the same rows also against another copy of the
+``proposer_svc`` package (e.g. main's:
+``git archive main proposer_svc | tar -x -C /tmp/main-src``), in the same run;
+``--src DIR`` takes the code under test from such a copy too.
+
+Usage:
+    flock /tmp/specdec-bench.lock python benchmarks/bench_proposer.py \
+        [--methods ngram,suffix,hybrid] [--batch-sizes 1,32,256] [--seconds 5] \
+        [--replicas 1,2,4] [--baseline-src /tmp/main-src/proposer_svc] [--out bench_results/proposer.json]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specdec.gateway.clients import ProposerStream
+from specdec.gateway.discovery import ReplicaSet
+from specdec.launcher import free_port, wait_serving
+from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.security import aio_channel
+
+PROMPT_LEN = 256  # tokens of each sequence's prompt
+OUTPUT_LEN = 512  # tokens appended before the sequence is released and re-opened
+APPEND = 3  # tokens appended per round
+K = 5  # drafts asked per round
+TIMEOUT_S = 60.0
+
+#: runs a proposer with ``specdec.proposer_svc`` taken from argv[1] (a
+#: baseline copy of the package), the rest of the command line as `specdec`'s
+_BOOT = """
+import importlib.util, sys
+src = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location("specdec.proposer_svc", src + "/__init__.py",
+                                              submodule_search_locations=[src])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["specdec.proposer_svc"] = mod
+spec.loader.exec_module(mod)
+from specdec.cli import main
+sys.argv[0] = "specdec"
+main()
+"""
+
+
+# ------------------------------------------------------------------ text
+def token_stream(min_tokens: int) -> np.ndarray:
+    """Real text as one int32 token stream: Python stdlib sources, SmolLM2
+    tokenizer (the default model's, as benchmarks/bench_suffix_micro.py)."""
+    from specdec.models import default_model, load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(default_model()))
+    root = Path(os.__file__).parent
+    files = sorted(p for p in root.glob("*.py") if 12_000 < p.stat().st_size < 200_000)
+    ids: list[int] = []
+    for path in files:
+        ids.extend(tok.encode(path.read_text(errors="replace")))
+        if len(ids) >= min_tokens:
+            break
+    return np.asarray(ids, dtype=np.int32)
+
+
+@dataclass
+class Seq:
+    """One live sequence: its slice of the stream and how far it got."""
+
+    seq_id: str
+    start: int  # stream offset of its prompt
+    sent: int = 0  # tokens the proposer holds (0: open next round)
+
+
+@dataclass
+class Workload:
+    """B sequences over one token stream, each sliding through its own slice."""
+
+    stream: np.ndarray
+    batch: int
+    method: str
+    seqs: list[Seq] = field(default_factory=list)
+    generation: int = 0
+
+    def __post_init__(self) -> None:
+        self.seqs = [self._fresh(i) for i in range(self.batch)]
+
+    def _fresh(self, i: int) -> Seq:
+        """Sequence i's next slice: slices do not overlap until the stream
+        wraps around (so the global tree does not hold the very text)."""
+        slices = len(self.stream) // (PROMPT_LEN + OUTPUT_LEN)
+        start = (self.generation % slices) * (PROMPT_LEN + OUTPUT_LEN)
+        self.generation += 1
+        return Seq(f"{self.method}-{i}-{self.generation}", start)
+
+    def request(self, seqs: list[Seq], releases: list[str]) -> pb.ProposeRequest:
+        """The round's message for ``seqs`` (opening those not yet sent)."""
+        req = pb.ProposeRequest()
+        req.releases.extend(pb.SequenceRelease(seq_id=s, completed=True) for s in releases)
+        for s in seqs:
+            if s.sent == 0:
+                n = PROMPT_LEN
+                u = req.sequences.add(seq_id=s.seq_id, open=True, context_len=n, num_speculative_tokens=K)
+                u.token_ids.extend(self.stream[s.start:s.start + n].tolist())
+                u.options.method, u.options.min_token_prob = self.method, 0.1
+            else:
+                n = s.sent + APPEND
+                u = req.sequences.add(seq_id=s.seq_id, context_len=n, num_speculative_tokens=K)
+                u.token_ids.extend(self.stream[s.start + s.sent:s.start + n].tolist())
+            s.sent = n
+        return req
+
+    def recycle(self) -> list[str]:
+        """Replaces the sequences that ran out of text; returns their ids (to
+        release as completed)."""
+        done = []
+        for i, s in enumerate(self.seqs):
+            if s.sent >= PROMPT_LEN + OUTPUT_LEN:
+                done.append(s.seq_id)
+                self.seqs[i] = self._fresh(i)
+        return done
+
+
+# ------------------------------------------------------------- processes
+class Proposers:
+    """n proposer processes serving `methods` (from `src` when given)."""
+
+    def __init__(self, n: int, methods: str, src: str | None, log_dir: str) -> None:
+        self.procs, self.addrs = [], []
+        for i in range(n):
+            port = free_port()
+            cli = ["proposer", "--methods", methods, "--port", str(port), "--log-level", "WARNING"]
+            cmd = ([sys.executable, "-c", _BOOT, src, *cli] if src else [sys.executable, "-m", "specdec.cli", *cli])
+            log = open(os.path.join(log_dir, f"proposer{i}-{port}.log"), "w")
+            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            self.addrs.append(f"127.0.0.1:{port}")
+        for proc, addr in zip(self.procs, self.addrs):
+            wait_serving(addr, proc, 120, f"proposer {addr}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(10)
+
+
+async def run_row(addrs: list[str], workload: Workload, seconds: float) -> dict:
+    """Rounds for ``seconds`` (after one opening round and one warm round);
+    the sequences go to replicas by the gateway's hash ring."""
+    ring = ReplicaSet("bench", addrs)
+    channels = {a: aio_channel(a, None, []) for a in addrs}
+    streams = {a: ProposerStream(channels[a]) for a in addrs}
+    by_replica = {a: [] for a in addrs}
+    for s in workload.seqs:
+        by_replica[ring.pick(s.seq_id)].append(s)
+
+    async def round_on(addr: str, releases: list[str]) -> tuple[float, float]:
+        seqs = by_replica[addr]
+        request = workload.request(seqs, [r for r in releases if ring.pick(r) == addr])
+        response = await streams[addr].exchange(request, TIMEOUT_S)
+        assert len(response.drafts) == len(seqs)
+        bad = [d for d in response.drafts if d.status != pb.SEQUENCE_STATUS_OK]
+        assert not bad, bad[0]
+        return response.compute_s, sum(len(d.token_ids) for d in response.drafts)
+
+    async def one_round() -> tuple[float, list[float], int]:
+        releases = workload.recycle()
+        if releases:
+            by_replica.clear()
+            by_replica.update({a: [] for a in addrs})
+            for s in workload.seqs:
+                by_replica[ring.pick(s.seq_id)].append(s)
+        start = time.perf_counter()
+        found = await asyncio.gather(*(round_on(a, releases) for a in addrs))
+        return time.perf_counter() - start, [c for c, _ in found], sum(n for _, n in found)
+
+    for _ in range(2):  # open, then one warm round
+        await one_round()
+    rounds, computes, drafts = [], [], 0
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        wall, compute, n = await one_round()
+        rounds.append(wall)
+        computes.append(compute)
+        drafts += n
+    for s in streams.values():
+        s.reset()
+    for c in channels.values():
+        await c.close()
+    round_s = float(np.mean(rounds))
+    compute = np.asarray(computes)  # [rounds, replicas]
+    return {"method": workload.method, "batch": workload.batch, "replicas": len(addrs), "rounds": len(rounds),
+            "ms_per_round": 1e3 * round_s, "median_ms_per_round": 1e3 * float(np.median(rounds)),
+            "us_per_seq_round": 1e6 * round_s / workload.batch,
+            "compute_share": float(compute.max(axis=1).mean() / round_s),
+            "replica_compute_ms": [1e3 * float(c) for c in compute.mean(axis=0)],
+            "drafts_per_seq_round": drafts / (len(rounds) * workload.batch)}
+
+
+def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
+          seconds: float, stream: np.ndarray, log_dir: str) -> list[dict]:
+    rows = []
+    for n in replicas:
+        procs = Proposers(n, ",".join(methods), src, log_dir)
+        try:
+            for method in methods:
+                for b in (batches if n == 1 else [max(batches)]):
+                    row = asyncio.run(run_row(procs.addrs, Workload(stream, b, method), seconds))
+                    row["code"] = label
+                    rows.append(row)
+                    print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
+                          f"{row['us_per_seq_round']:7.1f} us/seq-round  compute share {row['compute_share']:.2f}",
+                          flush=True)
+        finally:
+            procs.stop()
+    return rows
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+
+
+def git_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'us/seq-rnd':>10s} "
+          f"{'compute':>7s}  replica compute ms")
+    for r in rows:
+        print(f"{r['code']:9s} {r['method']:7s} {r['batch']:4d} {r['replicas']:4d} {r['ms_per_round']:9.2f} "
+              f"{r['us_per_seq_round']:10.1f} {r['compute_share']:7.2f}  "
+              f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--methods", default="ngram,suffix,hybrid")
+    ap.add_argument("--batch-sizes", default="1,32,256")
+    ap.add_argument("--replicas", default="1", help="comma-separated replica counts (fan-out rows use the largest B)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per row")
+    ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
+    ap.add_argument("--src", help="the proposer_svc package directory under test (default: the installed one), "
+                                  "e.g. a snapshot, so that edits during a queued run do not leak in")
+    ap.add_argument("--out", default="bench_results/proposer.json")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    replicas = [int(n) for n in args.replicas.split(",")]
+    cpu = cpu_model()
+    print(f"CPU: {cpu}; {os.cpu_count()} cores; commit {git_commit()}", flush=True)
+    stream = token_stream(4 * max(batches) * (PROMPT_LEN + OUTPUT_LEN))
+    rows = []
+    with tempfile.TemporaryDirectory() as log_dir:
+        if args.baseline_src:
+            rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, stream, log_dir)
+        rows += bench("this", args.src, methods, batches, replicas, args.seconds, stream, log_dir)
+    print_table(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "cpu": cpu, "commit": git_commit(), "baseline_src": args.baseline_src, "src": args.src,
+        "seconds_per_row": args.seconds, "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,397 @@
+"""Which GEMM path the Llama runner's projections take on CPU, chosen on the
+machine it runs on: only a path whose rows do not depend on the row count
+may be used, and among those the fastest.
+
+Row-count invariance. Plain decoding feeds one row, verification k + 1
+rows, a batch many sequences' rows, a prefill chunk hundreds: speculation is
+lossless only if every row of a GEMM comes out bitwise the same whatever the
+number of rows beside it. Whether a BLAS kernel gives that depends on the
+CPU (MKL's float32 sgemm does for >= 12 rows on AMD EPYC with native
+bfloat16, and not on an Intel Xeon without it), so it is checked, not
+assumed: ``invariance_failure`` runs each distinct weight shape of the model
+on ``CHECK_BASE_ROWS`` rows one at a time and on inputs of every row count in
+``check_row_counts`` (the rows tiled), padded as ``Linear`` pads, on the
+engine's thread count, and names the first row that differs. Inputs larger
+than a batch of verifications (prefill chunks) meet the LM head through a
+slice of its vocabulary (``checked_weight``), which keeps the check's cost
+at start-up in seconds, not tens of seconds, in float32.
+
+Selection (``select``): a forced path (``gemm`` other than "auto") is used
+only if it passes the check, else the engine refuses to start
+(``GemmRefused``, naming the shape and the row count). "auto" checks every
+path in ``GEMM_PATHS``, times the invariant ones on the model's own weights
+(every projection of a forward pass at 1, k + 1 and a batch of rows,
+``TIMED_ROWS``, weighted toward batch-1 decoding by ``TIME_WEIGHTS``) and
+keeps the fastest. Verdicts, and timings taken while the machine was not
+busy (``machine_busy``), are cached as JSON under
+``cache_dir()`` (``$SPECDEC_GEMM_CACHE_DIR``, default
+``~/.cache/specdec/gemm``), keyed by CPU model, torch version, dtype, thread
+count, shapes and row counts, so a second start costs a file read.
+
+bfloat16 runs at the speed of a float32 GEMM or worse on a CPU without
+native bfloat16 (``native_bf16``: the avx512_bf16 or amx_bf16 flag); the
+engine says so in a warning, and the benchmark only times bfloat16 where it
+is native.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdec.engine.config import GEMM_PATH_NAMES
+from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
+#: Bumped when the check or the cache layout changes (old entries are ignored).
+CACHE_VERSION = 2
+#: Distinct input rows whose one-row results every larger input is compared with.
+CHECK_BASE_ROWS = 32
+#: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
+#: output rows of a weight (``checked_weight``): covers a decode step, every
+#: verification (up to MAX_SPECULATIVE_TOKENS + 1 rows) and batches of them
+#: on the whole LM head.
+SLICE_FROM_ROWS = 64
+#: Distinct input rows of a weight wider than SLICE_OUT_FEATURES checked
+#: whole (each costs a one-row pass over the LM head's weight): every row
+#: position of every input is still compared with its own one-row result,
+#: only fewer distinct values are tiled.
+WIDE_BASE_ROWS = 8
+#: Output rows of the slice (of the vocabulary, for the LM head) that the
+#: largest inputs are checked on.
+SLICE_OUT_FEATURES = 4096
+#: Row counts timed: a decode step, a verification of the default k drafts, a batch.
+TIMED_ROWS = (1, DEFAULT_NUM_SPECULATIVE_TOKENS + 1, 32)
+#: Weight of each timed row count in a path's score (ms): batch-1 decoding first.
+TIME_WEIGHTS = (0.6, 0.3, 0.1)
+
+
+@dataclass(frozen=True)
+class GemmPath:
+    """A way to compute x W^T + b on CPU.
+
+    kind: "aten" (F.linear: MKL for float32) or "onednn" (weights prepacked
+      in oneDNN's blocked layout); min_rows: inputs with fewer rows are
+      zero-padded to this many (a lone row or a short tail takes kernels that
+      sum in another order on some CPUs)."""
+
+    name: str
+    kind: str
+    min_rows: int
+
+
+#: Every path the selector knows, by the name ``gemm`` takes. The unpadded
+#: oneDNN path is the fastest decode step where a lone row sums like the
+#: others; on AMD EPYC it does not (GEMV kernel), and the check rejects it.
+GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
+                                   GemmPath("onednn-unpadded", "onednn", 1))}
+assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
+
+
+class GemmRefused(ValueError):
+    """A GEMM path that breaks row-count invariance on this machine was forced
+    (or no path keeps it)."""
+
+
+class Linear:
+    """y = x W^T + b computed through one GemmPath, padding small inputs.
+
+    weight: [out, in]; bias: [out] or None. Its rows are independent of the
+    row count when ``invariance_failure`` accepted the path on this machine."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: GemmPath) -> None:
+        self.path = path
+        self.min_rows = path.min_rows
+        self.bias = bias
+        self.out_features, self.in_features = weight.shape
+        self.onednn = path.kind == "onednn"
+        # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, in] -> [T, out]"""
+        T = x.shape[0]
+        if T < self.min_rows:
+            # cat + new_zeros: ~15 us a call, F.pad (constant_pad_nd) ~47 us (torch.profiler, batch-1 decode)
+            return self._gemm(torch.cat([x, x.new_zeros(self.min_rows - T, x.shape[1])]))[:T]
+        return self._gemm(x.contiguous())
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+#: (role, weight [out, in], bias [out] or None): the projections of a model.
+Weights = list[tuple[str, torch.Tensor, "torch.Tensor | None"]]
+MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Callable[[torch.Tensor], torch.Tensor]]
+
+
+# ---- the machine -----------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def native_bf16() -> bool:
+    """Whether the CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's 'Model name')."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdec" / "gemm")
+
+
+# ---- the check -------------------------------------------------------------------
+
+
+def check_row_counts(max_rows: int = 512) -> tuple[int, ...]:
+    """Row counts the engine's GEMMs see and the check covers: every count up
+    to a full verification (MAX_SPECULATIVE_TOKENS + 1), then batches and
+    prefill chunks of a few sizes, odd ones included, up to max_rows."""
+    small = range(1, MAX_SPECULATIVE_TOKENS + 2)
+    return tuple(sorted({*small, *(n for n in (24, 33, 64, 128, 421, 512) if n <= max_rows)}))
+
+
+def distinct_shapes(weights: Weights) -> Weights:
+    """The first weight of each (role, shape, has-bias): what the check runs."""
+    seen: dict[tuple, tuple] = {}
+    for role, w, b in weights:
+        seen.setdefault((role, tuple(w.shape), b is not None), (role, w, b))
+    return list(seen.values())
+
+
+def checked_weight(w: torch.Tensor, b: torch.Tensor | None, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight (and bias) an n-row input is checked on: the whole weight up
+    to SLICE_FROM_ROWS rows; beyond, at most SLICE_OUT_FEATURES of its output
+    rows (the LM head: a slice of the vocabulary)."""
+    if n <= SLICE_FROM_ROWS or w.shape[0] <= SLICE_OUT_FEATURES:
+        return w, b
+    return w[:SLICE_OUT_FEATURES], None if b is None else b[:SLICE_OUT_FEATURES]
+
+
+@torch.inference_mode()
+def invariance_failure(make_linear: MakeLinear, weights: Weights, row_counts: tuple[int, ...],
+                       dtype: torch.dtype) -> str | None:
+    """None if, for every distinct weight shape, each row of an n-row input
+    (n in row_counts) equals bitwise the same row computed alone; else a
+    message naming the first shape, row count and row that differ.
+
+    The n-row inputs tile CHECK_BASE_ROWS random rows (WIDE_BASE_ROWS for
+    the LM head), so every row has a one-row reference and every position in
+    the kernels' blocking is seen.
+    Inputs of more than SLICE_FROM_ROWS rows meet a weight with more than
+    SLICE_OUT_FEATURES output rows (the LM head) through a slice of it, with
+    one-row references computed on that slice (``checked_weight``): a
+    kernel's dependence on the row count lies in how it blocks and splits the
+    rows of x, which a slice thousands of outputs wide, of the same
+    in_features, still meets at every row count checked; the full LM head's
+    largest inputs would cost most of the check's time. (The LM head only
+    meets such inputs in batches of many verifications.)"""
+    gen = torch.Generator().manual_seed(0)
+    for role, w, b in distinct_shapes(weights):
+        base = torch.randn(CHECK_BASE_ROWS, w.shape[1], generator=gen).to(dtype)  # [R, in]
+        references: dict[int, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
+        for n in row_counts:
+            checked, bias = checked_weight(w, b, n)
+            out = checked.shape[0]
+            if out not in references:
+                linear = make_linear(checked, bias)
+                rows = CHECK_BASE_ROWS if out <= SLICE_OUT_FEATURES else WIDE_BASE_ROWS
+                references[out] = linear, torch.cat([linear(base[i:i + 1]) for i in range(rows)])  # [rows, out]
+            linear, alone = references[out]
+            tiles = -(-n // len(alone))
+            x = base[:len(alone)].repeat(tiles, 1)[:n]  # [n, in]
+            same = (linear(x) == alone.repeat(tiles, 1)[:n]).all(dim=1)  # [n]
+            if not bool(same.all()):
+                row = int((~same).nonzero()[0])
+                what = "" if checked is w else f" (its first {out} output rows)"
+                return (f"{role} weight {w.shape[0]}x{w.shape[1]}{what} ({dtype}): row {row} of a {n}-row input "
+                        f"differs from the same row computed alone")
+    return None
+
+
+# ---- timing ------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def time_paths(paths: list[GemmPath], weights: Weights, dtype: torch.dtype,
+               reps: int = 2) -> dict[str, dict[int, float]]:
+    """ms for all of a forward pass's projections (every weight given, in
+    order), per path and row count in TIMED_ROWS: the fastest of reps runs
+    after a warm-up, the paths taking turns within each rep so that load from
+    other processes falls on all of them alike (it only ever adds time)."""
+    built = {p.name: [Linear(w, b, p) for _, w, b in weights] for p in paths}
+    xs = {n: {d: torch.randn(n, d).to(dtype) for d in {w.shape[1] for _, w, _ in weights}} for n in TIMED_ROWS}
+    best = {p.name: {n: float("inf") for n in TIMED_ROWS} for p in paths}
+    for _ in range(reps + 1):
+        for name, linears in built.items():
+            for n in TIMED_ROWS:
+                t0 = time.perf_counter()
+                for linear in linears:
+                    linear(xs[n][linear.in_features])
+                best[name][n] = min(best[name][n], (time.perf_counter() - t0) * 1e3)
+    return best
+
+
+def machine_busy() -> bool:
+    """Whether other processes keep the cores busy (1-minute load average
+    above the core count): timings taken then are used but not cached."""
+    return os.getloadavg()[0] > (os.cpu_count() or 1)
+
+
+def score_ms(timings: dict[int, float]) -> float:
+    """One number per path: the timed rows' ms weighted by TIME_WEIGHTS."""
+    return sum(w * timings[n] for w, n in zip(TIME_WEIGHTS, TIMED_ROWS))
+
+
+# ---- selection ---------------------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    """The chosen path, the linears built with it (in the order of the
+    weights given), and the report logged, cached and exported."""
+
+    path: GemmPath
+    linears: list[Linear]
+    report: dict
+
+
+def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts: tuple[int, ...]) -> dict:
+    shapes: dict[str, int] = {}
+    for role, w, b in weights:
+        name = f"{role}:{w.shape[0]}x{w.shape[1]}{'+b' if b is not None else ''}"
+        shapes[name] = shapes.get(name, 0) + 1
+    return {"version": CACHE_VERSION, "cpu": cpu_model(), "torch": torch.__version__, "dtype": str(dtype),
+            "threads": num_threads, "shapes": shapes, "row_counts": list(row_counts)}
+
+
+def _cache_file(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.json"
+
+
+def _load(key: dict) -> dict:
+    """The cached report for key, or a fresh one."""
+    try:
+        report = json.loads(_cache_file(key).read_text())
+        if report.get("key") == key:
+            return report
+    except (OSError, ValueError):
+        pass
+    return {"key": key, "paths": {}}
+
+
+def _save(report: dict) -> None:
+    path = _cache_file(report["key"])
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(path)  # atomic: concurrent engines never read half a file
+    except OSError as e:
+        log.warning("gemm selection: cannot cache in %s: %s", path.parent, e)
+
+
+def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "auto",
+           max_rows: int = 512) -> Selection:
+    """The GEMM path for these weights on this machine (module doc): gemm is
+    "auto" or a name in GEMM_PATHS. Raises GemmRefused when the forced path,
+    or every path, breaks row-count invariance."""
+    if gemm != "auto" and gemm not in GEMM_PATHS:
+        raise ValueError(f"gemm must be 'auto' or one of {', '.join(GEMM_PATHS)}, got {gemm!r}")
+    row_counts = check_row_counts(max_rows)
+    report = _load(cache_key(weights, dtype, num_threads, row_counts))
+    verdicts, dirty = report["paths"], False
+    names = list(GEMM_PATHS) if gemm == "auto" else [gemm]
+    t0 = time.perf_counter()
+    for name in names:
+        entry = verdicts.setdefault(name, {})
+        if "failure" not in entry:
+            t = time.perf_counter()
+            entry["failure"] = invariance_failure(functools.partial(Linear, path=GEMM_PATHS[name]), weights,
+                                                  row_counts, dtype)
+            entry["check_s"] = round(time.perf_counter() - t, 3)
+            dirty = True
+    untimed = [GEMM_PATHS[n] for n in names if verdicts[n]["failure"] is None and "ms" not in verdicts[n]]
+    if gemm == "auto" and untimed:
+        t = time.perf_counter()
+        busy = machine_busy()
+        for name, ms in time_paths(untimed, weights, dtype).items():
+            verdicts[name].update(ms={str(n): round(v, 3) for n, v in ms.items()}, score_ms=round(score_ms(ms), 3),
+                                  busy=busy)
+        report["time_s"] = round(time.perf_counter() - t, 3)
+        dirty = True
+    if gemm != "auto":
+        failure = verdicts[gemm]["failure"]
+        if failure is not None:
+            raise GemmRefused(f"gemm={gemm!r} breaks row-count invariance on this CPU ({cpu_model()}): "
+                              f"{failure}; use gemm='auto'")
+        chosen = gemm
+    else:
+        ok = [n for n in names if verdicts[n]["failure"] is None]
+        if not ok:
+            raise GemmRefused("no GEMM path keeps row-count invariance on this CPU (" + cpu_model() + "): "
+                              + "; ".join(f"{n}: {verdicts[n]['failure']}" for n in names))
+        chosen = min(ok, key=lambda n: verdicts[n]["score_ms"])
+        report["choice"] = chosen
+    if dirty:
+        report["select_s"] = round(time.perf_counter() - t0, 3)
+        _save(_without_busy_timings(report))
+    linears = [Linear(w, b, GEMM_PATHS[chosen]) for _, w, b in weights]
+    log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
+             dtype, report["key"]["cpu"], num_threads, summary(report))
+    return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto"})
+
+
+def _without_busy_timings(report: dict) -> dict:
+    """The report to cache: timings taken on a busy machine are dropped (the
+    next start times again), verdicts kept (they do not depend on load)."""
+    paths = {n: {k: v for k, v in e.items() if not e.get("busy") or k not in ("ms", "score_ms", "busy")}
+             for n, e in report["paths"].items()}
+    choice = {} if any(e.get("busy") for e in report["paths"].values()) else {"choice": report.get("choice")}
+    return {**{k: v for k, v in report.items() if k != "choice"}, "paths": paths, **choice}
+
+
+def summary(report: dict) -> str:
+    """One line per the report's paths: verdict and timings."""
+    parts = []
+    for name, e in report["paths"].items():
+        if e.get("failure"):
+            parts.append(f"{name}: rejected ({e['failure']})")
+        elif "ms" in e:
+            parts.append(f"{name}: " + ", ".join(f"{n} rows {v:.2f} ms" for n, v in e["ms"].items()))
+        else:
+            parts.append(f"{name}: invariant")
+    return "; ".join(parts)

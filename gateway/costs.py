@@ -1,0 +1,141 @@
+"""Verify cost per scorer replica, and the plan of which draft tokens a
+Verify call carries (adaptive draft length, gateway/adaptive.py).
+
+``plan_drafts`` is pure: it decides how many of each sequence's proposed
+draft tokens to keep and how many tokens the call will feed; the caller
+applies the plan and, once the call returns, feeds its time back with
+``VerifyCosts.observe``.
+
+``overlap_pays`` uses the same fit (plus the call's measured RPC overhead)
+to decide whether the loop's overlapped rounds (gateway/loop.py) beat
+lock-step ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
+
+from specdec.drafts import Draft
+from specdec.gateway import metrics
+from specdec.gateway.adaptive import CostModel, plan_draft_lengths
+from specdec.gateway.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """Draft tokens to keep per sequence of one Verify call."""
+
+    keep: dict[str, int]  # seq_id -> draft tokens to verify
+    tokens_fed: int  # rows the call feeds the model: prefill or 1, plus the kept drafts
+    decode_only: bool  # every sequence is primed (the cost fit describes such rounds only)
+
+
+def plan_drafts(seqs: list[Sequence], drafts: dict[str, Draft],
+                estimate: tuple[float, float] | None) -> DraftPlan:
+    """Keeps the draft tokens worth verifying this round (adaptive sequences
+    only; fixed-length ones keep all theirs, their drafts are part of the
+    round's cost, not candidates). Mutates nothing."""
+    base = [1 if seq.scorer_primed else len(seq.tokens) for seq in seqs]
+    proposed = [len(drafts[s.seq_id]) for s in seqs]
+    adaptive = [s.params.adaptive for s in seqs]
+    keep = list(proposed)
+    if any(adaptive) and any(proposed):
+        lengths = plan_draft_lengths([draft_gains(s, drafts[s.seq_id]) if a else []
+                                      for s, a in zip(seqs, adaptive)],
+                                     [b + (0 if a else p) for b, p, a in zip(base, proposed, adaptive)],
+                                     estimate)
+        keep = [min(n, p) if a else p for n, p, a in zip(lengths, proposed, adaptive)]
+    return DraftPlan(keep={s.seq_id: n for s, n in zip(seqs, keep)}, tokens_fed=sum(base) + sum(keep),
+                     decode_only=all(s.scorer_primed for s in seqs))
+
+
+def draft_gains(seq: Sequence, draft: Draft) -> list[float]:
+    """Acceptance probability of each token of the draft (non-increasing).
+    A model draft says how sure it is: position j is accepted with the
+    product of its tokens' draft probabilities q up to j (the draft's own
+    confidence, which knows this very context). A one-hot draft has only the
+    sequence's history of acceptance (``AcceptanceEstimate``)."""
+    confidence = draft.confidence()
+    if confidence is None:
+        return seq.acceptance.gains(len(draft))
+    return list(accumulate(confidence, mul))
+
+
+def apply_plan(seqs: list[Sequence], drafts: dict[str, Draft], plan: DraftPlan) -> dict[str, Draft]:
+    """The drafts the plan keeps (counting what it trimmed)."""
+    kept = {}
+    for seq in seqs:
+        draft = drafts[seq.seq_id]
+        kept[seq.seq_id] = draft.truncated(plan.keep[seq.seq_id])
+        if len(kept[seq.seq_id]) < len(draft):
+            metrics.TRIMMED_DRAFTS.labels(seq.params.method).inc(len(draft) - len(kept[seq.seq_id]))
+    return kept
+
+
+#: Overlapped rounds must promise at least this much less time per round
+#: than lock-step ones to be chosen (noise in the fits must not flip the mode).
+OVERLAP_MARGIN = 0.95
+
+
+def overlap_pays(propose_s: float, verify: tuple[float, float], tokens: float) -> bool:
+    """Whether two cohorts, one verified while the other is proposed, move
+    every sequence one round on sooner than a lock-step round.
+
+    propose_s: wall time of one propose phase; verify: (fixed_s, per_token_s)
+    wall time of a Verify call; tokens: rows a Verify of all sequences feeds.
+    Lock-step costs ``P + V(T)``; the two cohorts cost two steps of
+    ``max(V(T/2), P)`` (a proposer's time is taken as independent of the
+    batch: latency-bound, the conservative case). So they pay when the
+    proposer takes longer than the fixed part of a Verify (a GPU scorer, where
+    half a batch costs almost a whole one, needs a slow proposer) and less
+    than a whole Verify (else the proposer, run twice, is the bottleneck)."""
+    fixed, per_token = verify
+    lock_step = propose_s + fixed + per_token * tokens
+    overlapped = 2 * max(fixed + per_token * tokens / 2, propose_s)
+    return overlapped < OVERLAP_MARGIN * lock_step
+
+
+class VerifyCosts:
+    """The Verify time of each scorer replica (``CostModel``), fed with every
+    decode-only call and exported as specdec_gateway_verify_cost_seconds;
+    and each replica's RPC overhead (call time beyond the scorer's compute)."""
+
+    OVERHEAD_DECAY = 0.9
+
+    def __init__(self) -> None:
+        self.models: dict[str, CostModel] = {}
+        self.overhead_s: dict[str, float] = {}
+
+    def estimate(self, addr: str) -> tuple[float, float] | None:
+        model = self.models.get(addr)
+        estimate = model.estimate() if model is not None else None
+        if estimate is not None:
+            metrics.VERIFY_COST.labels(addr, "fixed").set(estimate[0])
+            metrics.VERIFY_COST.labels(addr, "per_token").set(estimate[1])
+        return estimate
+
+    def wall_estimate(self, addr: str) -> tuple[float, float] | None:
+        """(fixed_s, per_token_s) of a whole Verify call as the gateway waits
+        for it: the fit plus the RPC overhead."""
+        estimate = self.estimate(addr)
+        if estimate is None:
+            return None
+        return estimate[0] + self.overhead_s.get(addr, 0.0), estimate[1]
+
+    def observe(self, addr: str, plan: DraftPlan, compute_s: float, rpc_s: float) -> None:
+        overhead = max(0.0, rpc_s - compute_s)
+        d = self.OVERHEAD_DECAY
+        self.overhead_s[addr] = d * self.overhead_s.get(addr, overhead) + (1 - d) * overhead
+        if plan.decode_only:
+            self.models.setdefault(addr, CostModel()).observe(plan.tokens_fed, compute_s)
+
+    def forget(self, addr: str) -> None:
+        """Drops a replica that discovery removed."""
+        self.overhead_s.pop(addr, None)
+        if self.models.pop(addr, None) is not None:
+            for part in ("fixed", "per_token"):
+                try:
+                    metrics.VERIFY_COST.remove(addr, part)
+                except KeyError:
+                    pass

@@ -1,0 +1,136 @@
+"""The gateway's edge towards proposers and scorers: domain values (drafts,
+sequences, verdicts) to and from the Propose and Verify messages. The round
+itself (gateway/loop.py) sees only the domain types."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.drafts import Draft
+from specdec.gateway.sequence import FeatureBlock, Sequence
+from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES
+from specdec.protos.v1 import specdec_pb2 as pb
+
+
+class Status(enum.Enum):
+    """What became of one sequence's Verify in a round."""
+
+    OK = "ok"  # output tokens to commit
+    UNKNOWN_SEQUENCE = "unknown_sequence"  # the scorer lost its KV cache: re-prefill
+    INVALID = "invalid"  # the request is bad: fail it
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # KV pool full: retry later
+    BUSY = "busy"  # a Verify for it is still in flight on the scorer: retry later
+    SCORER_FAILED = "scorer_failed"  # the call failed: move to another replica
+    NO_SCORER = "no_scorer"  # no replica to place it on
+
+
+_STATUS = {
+    pb.SEQUENCE_STATUS_OK: Status.OK,
+    pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE: Status.UNKNOWN_SEQUENCE,
+    pb.SEQUENCE_STATUS_INVALID: Status.INVALID,
+    pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED: Status.RESOURCE_EXHAUSTED,
+    pb.SEQUENCE_STATUS_BUSY: Status.BUSY,
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One sequence's outcome of the verify step, for the commit step."""
+
+    seq: Sequence
+    status: Status
+    num_drafts: int = 0  # draft tokens sent for verification
+    output_token_ids: tuple[int, ...] = ()  # accepted drafts + one target token (OK only)
+    num_accepted: int = 0
+    message: str = ""
+    features: FeatureBlock | None = None  # target features the scorer returned (OK only)
+
+
+def sequence_update(seq: Sequence) -> pb.SequenceUpdate:
+    """The sequence's tokens since the proposer last saw it (all of them, with
+    its options, when the proposer must open it)."""
+    p = seq.params
+    update = pb.SequenceUpdate(seq_id=seq.seq_id, context_len=len(seq.tokens),
+                               num_speculative_tokens=seq.num_speculative_tokens())
+    if seq.proposer_len == 0:
+        update.open = True
+        update.token_ids.extend(seq.tokens)
+        update.options.CopyFrom(pb.ProposerOptions(
+            method=p.method, min_n=p.min_n, max_n=p.max_n, reference_token_ids=p.reference_ids,
+            max_tree_depth=p.max_tree_depth, max_spec_factor=p.max_spec_factor,
+            min_token_prob=p.min_token_prob, temperature=p.temperature, seed=p.seed))
+    else:
+        update.token_ids.extend(seq.tokens[seq.proposer_len:])
+    return update
+
+
+def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> pb.ProposeRequest:
+    """One Propose message: releases (seq_id, completed) first, then updates,
+    each with the target features that arrived for it (none on an open: the
+    proposer's answer says what it needs), FEATURE_BYTES_PER_MESSAGE at most
+    in all (the rest waits for the next round)."""
+    updates = []
+    budget = FEATURE_BYTES_PER_MESSAGE
+    for seq in seqs:
+        update = sequence_update(seq)
+        block = None if update.open else seq.relay_features(budget, alone=budget == FEATURE_BYTES_PER_MESSAGE)
+        if block is not None:
+            update.features.CopyFrom(pb.Features(start=block.start, rows=block.rows, dim=block.dim,
+                                                 data=block.data))
+            budget -= len(block.data)
+        updates.append(update)
+    return pb.ProposeRequest(
+        releases=[pb.SequenceRelease(seq_id=seq_id, completed=completed) for seq_id, completed in releases],
+        sequences=updates)
+
+
+def declared_features(msg: pb.Draft) -> tuple[tuple[int, ...], int]:
+    """(feature_layers, features_from) of a proposer's answer to an open."""
+    return tuple(msg.feature_layers), msg.features_from
+
+
+def draft_from_message(msg: pb.Draft) -> Draft:
+    return Draft(np.asarray(msg.token_ids, dtype=np.int32),
+                 tuple(np.asarray(p.token_ids, dtype=np.int32) for p in msg.probs),
+                 tuple(np.asarray(p.probs, dtype=np.float32) for p in msg.probs))
+
+
+def verify_request(seqs: list[Sequence], drafts: dict[str, Draft]) -> pb.VerifyRequest:
+    """One Verify call: each sequence's drafts, and its whole context when the
+    scorer does not hold it yet."""
+    request = pb.VerifyRequest()
+    for seq in seqs:
+        p = seq.params
+        d = drafts[seq.seq_id]
+        v = request.sequences.add(
+            seq_id=seq.seq_id, context_len=len(seq.tokens), draft_token_ids=d.token_ids.tolist(),
+            verify_strategy=p.verify_strategy, accept_policy=p.accept_policy)
+        for ids, probs in zip(d.prob_token_ids, d.probs):
+            v.draft_probs.add(token_ids=ids.tolist(), probs=probs.tolist())
+        v.sampling.temperature, v.sampling.top_k, v.sampling.top_p = p.temperature, p.top_k, p.top_p
+        v.sampling.seed = p.seed
+        if not seq.scorer_primed:
+            v.context_token_ids.extend(seq.tokens)
+        if seq.features.layers:
+            v.feature_layers.extend(seq.features.layers)
+            if not seq.scorer_primed:
+                v.max_context_features = seq.features.context_rows(len(seq.tokens))
+    return request
+
+
+def verdicts_from_response(seqs: list[Sequence], drafts: dict[str, Draft],
+                           response: pb.VerifyResponse) -> list[Verdict]:
+    return [Verdict(seq, _STATUS.get(r.status, Status.RESOURCE_EXHAUSTED), len(drafts[seq.seq_id]),
+                    tuple(r.output_token_ids), r.num_accepted, r.message, _feature_block(r))
+            for seq, r in zip(seqs, response.results)]
+
+
+def _feature_block(result: pb.VerifyResult) -> FeatureBlock | None:
+    """The result's features; None without any, or when their sizes disagree
+    (a broken scorer costs the proposer rows, never a token)."""
+    f = result.features
+    if not result.HasField("features") or f.start < 0 or len(f.data) != f.rows * f.dim * FEATURE_VALUE_BYTES:
+        return None
+    return FeatureBlock(f.start, f.rows, f.dim, f.data)

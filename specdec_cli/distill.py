@@ -1,0 +1,417 @@
+"""``specdec distill``: make a small draft model (``--kind draft``) or an
+EAGLE-3 head (``--kind eagle3``, ``distill_eagle3``) for a target that has none.
+
+Recipe (all offline; nothing but the target and this package is needed):
+
+1. data: prompts the recipe generates from fixed word lists (instructions
+   for a chat model, story openings otherwise), answered by the *target
+   itself* (sampled at ``TEACHER_TEMPERATURE``, seeded); the target's top-``TEACHER_TOP_K``
+   next-token distribution at every answer position is kept;
+2. student: the target's embeddings, final norm and LM head plus ``--layers``
+   of its decoder layers (evenly spaced, first and last included); the
+   embeddings and head stay frozen (the draft keeps the target's token space,
+   and a step costs a third less);
+3. training: cross-entropy of the student against the target's (top-K,
+   renormalised) distribution, AdamW, until ``--steps`` or until
+   ``--minutes`` (counted from the start of step 1, data included) are up;
+   a checkpoint (student, optimiser, data, step) every
+   ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that;
+4. acceptance: greedy speculation simulated on held-out prompts (target
+   greedy answers, student drafts of k tokens), printed and written to the
+   model card;
+5. output: a standard Hugging Face checkpoint (config.json,
+   model.safetensors, tokenizer files) plus README.md, the model card, and
+   with ``--draft-vocab N`` a draft_vocab.json keeping N target ids in the
+   draft's head (the draft proposer then computes only those rows).
+
+``--kind eagle3`` keeps steps 1, 3 and 5's shape with an EAGLE-3 head as the
+student (its features, draft vocabulary, chained loss and public layout are
+described in ``distill_eagle3``); its acceptance is measured with the saved
+head served by the proposer's own code.
+
+A fixed ``--seed`` with a fixed ``--steps`` gives the same draft (also
+across an interrupted run resumed with ``--resume``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.proposer_svc.draft_model import DRAFT_VOCAB_FILE
+
+TEACHER_TOP_K = 32  # target probabilities kept per position
+TEACHER_TEMPERATURE = 0.7  # the target's answers: near its greedy text, still varied
+CHECKPOINT_EVERY_S = 60.0
+CHECKPOINT_FILE = "distill-checkpoint.pt"
+ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
+KINDS = ("draft", "eagle3")
+#: eagle3: target tokens kept in the head's draft vocabulary (capped at the target's)
+DEFAULT_DRAFT_VOCAB = 4096
+
+TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "winter", "friendship",
+          "learning to swim", "a busy city", "the ocean", "an old map", "gardening", "a rainy day",
+          "music", "a mountain trip", "honey bees", "a new school", "the stars", "cooking pasta", "a storm",
+          "a train journey", "saving money", "a haunted house", "playing chess", "the first day of spring",
+          "a lighthouse keeper", "recycling", "a lost puppy", "healthy breakfast", "a dragon", "the internet",
+          "a picnic", "writing a letter", "an island", "a football match", "time management", "a snowman",
+          "the solar system", "a kind neighbour", "camping in the woods"]
+HELD_OUT_TOPICS = ["a quiet library", "volcanoes", "a birthday party", "the desert"]
+INSTRUCTIONS = ["Write a short story about {}.", "Explain {} to a child.", "Give three tips about {}.",
+                "Write a poem about {}.", "Describe {} in a few sentences."]
+STORY_OPENINGS = ["Once upon a time, there was {}.", "One day, a girl found {}.", "Tom liked {}.",
+                  "The little dog saw {}.", "Lily and her mom talked about {}."]
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    target: str
+    out: str
+    layers: int = 4
+    minutes: float = 20.0
+    steps: int = 0  # 0: until the time budget ends
+    samples: int = 128  # target answers generated
+    max_new_tokens: int = 128
+    batch_size: int = 8
+    lr: float = 3e-4
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1  # torch threads (1 is fastest for small drafts on a shared machine)
+    kind: str = "draft"  # "draft": a small LM (layers of the target); "eagle3": an EAGLE-3 head
+    # draft: > 0 reduces the draft's head to this many target ids (draft_vocab.json), 0 keeps the full head;
+    # eagle3: the head's draft vocabulary (0: DEFAULT_DRAFT_VOCAB)
+    draft_vocab: int = 0
+
+
+def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
+    """The recipe's prompts as token ids: chat instructions when the tokenizer
+    has a chat template, story openings otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        texts = [i.format(t) for t in topics for i in INSTRUCTIONS]
+        rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=False) for t in texts]
+        return [list(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rendered]  # as the gateway does
+    return [list(tokenizer(o.format(t))["input_ids"]) for t in topics for o in STORY_OPENINGS]
+
+
+def student_from_target(target, layers: int):
+    """A float32 copy of the target keeping ``layers`` evenly spaced decoder
+    layers (first and last included) and all of its embeddings, norm and head;
+    the embeddings and head are frozen (``trainable`` lists what trains)."""
+    import copy
+
+    n = target.config.num_hidden_layers
+    if not 1 <= layers <= n:
+        raise ValueError(f"--layers: must be in 1..{n}, got {layers}")
+    keep = sorted({round(i * (n - 1) / max(layers - 1, 1)) for i in range(layers)})
+    student = copy.deepcopy(target)
+    if getattr(student, "hf_quantizer", None) is not None:  # GGUF: dequantised on load, the copy is plain float
+        student.hf_quantizer, student.is_quantized, student.quantization_method = None, False, None
+        if hasattr(student.config, "quantization_config"):
+            del student.config.quantization_config
+    student.model.layers = torch.nn.ModuleList([student.model.layers[i] for i in keep])
+    for j, layer in enumerate(student.model.layers):
+        layer.self_attn.layer_idx = j
+    student.config.num_hidden_layers = len(keep)
+    if getattr(student.config, "layer_types", None):
+        student.config.layer_types = [student.config.layer_types[i] for i in keep]
+    for frozen in (student.get_input_embeddings(), student.get_output_embeddings()):
+        frozen.weight.requires_grad_(False)  # the target's token space stays; only the layers learn
+    return student.train()
+
+
+def trainable(student) -> list[torch.nn.Parameter]:
+    return [p for p in student.parameters() if p.requires_grad]
+
+
+@torch.inference_mode()
+def teacher_data(target, tokenizer, cfg: DistillConfig, log) -> dict:
+    """Target answers to the recipe's prompts and the target's top-K
+    next-token distribution (its logits as it generated, before temperature)
+    at every answer position: row ``j`` of top_ids/top_logp predicts token
+    ``start + j + 1``.
+    Returns {"tokens": [list[int]], "start": [int] (last prompt position),
+    "top_ids": [int32 [m, K]], "top_logp": [float32 [m, K]]}."""
+    torch.manual_seed(cfg.seed)
+    all_prompts = prompts(tokenizer, TOPICS)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    data: dict = {"tokens": [], "start": [], "top_ids": [], "top_logp": []}
+    started = time.monotonic()
+    for b in range(0, cfg.samples, cfg.batch_size):
+        batch = [all_prompts[(b + i) % len(all_prompts)] for i in range(min(cfg.batch_size, cfg.samples - b))]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padded [B, width]
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = target.generate(ids, attention_mask=mask, do_sample=True, temperature=TEACHER_TEMPERATURE, top_k=0,
+                              max_new_tokens=cfg.max_new_tokens, pad_token_id=pad, output_logits=True,
+                              return_dict_in_generate=True)
+        logits = torch.stack(out.logits, dim=1).float()  # [B, new, V]
+        for row, p in enumerate(batch):
+            answer = out.sequences[row, width:].tolist()
+            if tokenizer.eos_token_id in answer:
+                answer = answer[:answer.index(tokenizer.eos_token_id) + 1]
+            seq = p + answer
+            top = torch.log_softmax(logits[row, :len(answer)], -1).topk(TEACHER_TOP_K, dim=-1)  # [m, K]
+            data["tokens"].append(seq)
+            data["start"].append(len(p) - 1)
+            data["top_ids"].append(top.indices.int())
+            data["top_logp"].append(top.values)
+        done = min(b + cfg.batch_size, cfg.samples)
+        log(f"data: {done}/{cfg.samples} target answers, {time.monotonic() - started:.0f}s")
+    return data
+
+
+def distill_loss(student, data: dict, rows: list[int]) -> tuple[torch.Tensor, int]:
+    """Cross-entropy of the student against the target's renormalised top-K
+    distribution on the answer positions of ``rows``; (mean loss, positions)."""
+    total, count = torch.zeros(()), 0
+    for r in rows:
+        seq, start = data["tokens"][r], data["start"][r]
+        logp = torch.log_softmax(student(torch.tensor([seq[:-1]])).logits[0, start:].float(), -1)  # [m, V]
+        t_ids = data["top_ids"][r].long()  # [m, K]
+        t_p = torch.softmax(data["top_logp"][r], -1)  # [m, K], renormalised
+        total = total - (t_p * logp.gather(1, t_ids)).sum()
+        count += len(t_ids)
+    return total / max(count, 1), count
+
+
+def draft_vocab(data: dict, tokenizer, size: int) -> list[int]:
+    """The ``size`` target ids the draft head keeps (sorted): special tokens,
+    then the ids most frequent in the target's answers and top-K lists."""
+    counts = torch.zeros(len(tokenizer), dtype=torch.float64)  # [V]
+    for seq, top in zip(data["tokens"], data["top_ids"]):
+        counts.index_add_(0, torch.tensor(seq), torch.ones(len(seq), dtype=torch.float64))
+        counts.index_add_(0, top.flatten().long(), torch.ones(top.numel(), dtype=torch.float64))
+    counts[[i for i in tokenizer.all_special_ids if i < len(counts)]] = math.inf
+    return sorted(counts.topk(min(size, len(counts))).indices.tolist())
+
+
+@torch.inference_mode()
+def mean_accepted_length(target, student, tokenizer, k: int = ACCEPTANCE_K, max_new_tokens: int = 64,
+                         head_ids: list[int] | None = None) -> float:
+    """Greedy speculation simulated on the held-out prompts: per round the
+    student drafts k tokens greedily (from head_ids only, when given), the
+    accepted ones are its longest prefix agreeing with the target's greedy
+    answer, plus one target token."""
+    suppress = None if head_ids is None else sorted(set(range(len(tokenizer))) - set(head_ids))
+    lengths = []
+    for p in prompts(tokenizer, HELD_OUT_TOPICS)[::3]:
+        ids = torch.tensor([p])
+        answer = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)[0, len(p):]
+        pos = 0
+        while pos < len(answer):
+            ctx = torch.cat([ids[0], answer[:pos]])
+            draft = student.generate(ctx[None], attention_mask=torch.ones(1, len(ctx), dtype=torch.long),
+                                     do_sample=False, max_new_tokens=k, suppress_tokens=suppress,
+                                     pad_token_id=tokenizer.eos_token_id)[0, len(ctx):]
+            accepted = 0
+            while accepted < len(draft) and pos + accepted < len(answer) and draft[accepted] == answer[pos + accepted]:
+                accepted += 1
+            lengths.append(accepted + 1)
+            pos += accepted + 1
+    return sum(lengths) / len(lengths)
+
+
+def _progress(step: int, total: int | None, loss: float, tok_s: float, eta_s: float) -> str:
+    frac = step / total if total else 0.0
+    bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+    return (f"\r[{bar}] step {step}{f'/{total}' if total else ''} loss {loss:.4f} "
+            f"{tok_s:,.0f} tok/s ETA {eta_s / 60:.1f} min ")
+
+
+def distill(cfg: DistillConfig, resume: bool = False, log=print) -> dict:
+    """Runs the recipe; returns the model card's facts. Torch's thread count
+    is cfg.threads while it runs."""
+    threads = torch.get_num_threads()
+    try:
+        return _distill(cfg, resume, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    ckpt_path = out / CHECKPOINT_FILE
+    torch.manual_seed(cfg.seed)
+    target = load_hf_model(cfg.target)
+    tokenizer = load_tokenizer(resolve_model(cfg.target))
+    step, trained_s, data_s = 0, 0.0, 0.0
+    state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
+    if state:
+        data, data_s = state["data"], state["data_s"]
+    else:
+        data_started = time.monotonic()
+        data = teacher_data(target, tokenizer, cfg, log)
+        data_s = time.monotonic() - data_started
+    student, loss_of = _student(cfg, target, data)
+    optimizer = torch.optim.AdamW(trainable(student), lr=cfg.lr)
+    if state:
+        student.load_state_dict(state["student"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, trained_s = state["step"], state["trained_s"]
+        torch.set_rng_state(state["rng"])
+        log(f"resumed at step {step} ({trained_s / 60:.1f} min trained)")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(data["tokens"]), generator=gen).tolist()
+    budget_s = cfg.minutes * 60 - data_s  # --minutes covers the target's answers and the training
+    started, saved = time.monotonic() - trained_s, time.monotonic()
+    tokens_seen = 0
+    while (cfg.steps and step < cfg.steps) or (not cfg.steps and time.monotonic() - started < budget_s):
+        rows = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
+        loss, n = loss_of(student, data, rows)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable(student), 1.0)
+        optimizer.step()
+        step, tokens_seen = step + 1, tokens_seen + n
+        elapsed = time.monotonic() - started
+        tok_s = tokens_seen / max(elapsed - trained_s, 1e-9)
+        eta = (elapsed / step * (cfg.steps - step)) if cfg.steps else budget_s - elapsed
+        sys.stderr.write(_progress(step, cfg.steps or None, loss.item(), tok_s, max(eta, 0.0)))
+        sys.stderr.flush()
+        if time.monotonic() - saved >= CHECKPOINT_EVERY_S:
+            _save_checkpoint(ckpt_path, student, optimizer, data, data_s, step, elapsed)
+            saved = time.monotonic()
+    sys.stderr.write("\n")
+    _save_checkpoint(ckpt_path, student, optimizer, data, data_s, step, time.monotonic() - started)
+    student.eval()
+    if cfg.kind == "eagle3":
+        from specdec.distill_eagle3 import eagle3_accepted_length
+
+        student.save(out)
+        held_out = prompts(tokenizer, HELD_OUT_TOPICS)[::3]
+        accepted = eagle3_accepted_length(target, out, cfg.target, held_out, ACCEPTANCE_K,
+                                          min(cfg.max_new_tokens, 64))
+        shape = {"feature_layers": list(student.layers), "draft_vocab_size": len(student.hot)}
+    else:
+        head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.draft_vocab else None
+        accepted = mean_accepted_length(target, student, tokenizer, max_new_tokens=min(cfg.max_new_tokens, 64),
+                                        head_ids=head_ids)
+        student.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        if head_ids is not None:
+            (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": head_ids}))
+        shape = {"num_layers": student.config.num_hidden_layers}
+    log(f"{cfg.kind} mean accepted length at k={ACCEPTANCE_K} on held-out prompts: {accepted:.3f}")
+    card = {"config": asdict(cfg), "steps": step, "data_minutes": round(data_s / 60, 2),
+            "train_minutes": round((time.monotonic() - started) / 60, 2),
+            "mean_accepted_length_k5": round(accepted, 4), "teacher_top_k": TEACHER_TOP_K, **shape,
+            "examples": len(data["tokens"])}
+    _write_card(out, cfg, card)
+    return card
+
+
+def _student(cfg: DistillConfig, target, data: dict):
+    """The student of cfg.kind and its loss (student, data, rows) -> (mean
+    loss, positions); eagle3 adds the target's features to data (kept in
+    the checkpoint)."""
+    if cfg.kind == "draft":
+        return student_from_target(target, cfg.layers), distill_loss
+    from specdec.distill_eagle3 import Eagle3Student, add_features, eagle3_layers, eagle3_loss, hot_tokens
+
+    layers = eagle3_layers(target)
+    if "features" not in data:
+        add_features(target, data, layers)
+    hot = hot_tokens(data, target.config.vocab_size, cfg.draft_vocab or DEFAULT_DRAFT_VOCAB)
+    student = Eagle3Student(target, layers, hot).train()
+    t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    t2d_index[student.hot] = torch.arange(len(student.hot))
+    return student, lambda st, d, rows: eagle3_loss(st, d, rows, t2d_index)
+
+
+def _save_checkpoint(path: Path, student, optimizer, data, data_s: float, step: int, trained_s: float) -> None:
+    tmp = path.with_suffix(".partial")
+    torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "data": data, "data_s": data_s,
+                "step": step, "trained_s": trained_s, "rng": torch.get_rng_state()}, tmp)
+    tmp.replace(path)  # atomic: a crash mid-save keeps the previous checkpoint
+
+
+def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
+    shape = (["--layers", str(cfg.layers)] if cfg.kind == "draft" else
+             ["--kind", "eagle3"])
+    command = "specdec distill " + " ".join(shlex.quote(a) for a in [
+        "--target", cfg.target, "--out", cfg.out, *shape, "--minutes", str(cfg.minutes),
+        "--steps", str(cfg.steps), "--samples", str(cfg.samples), "--max-new-tokens", str(cfg.max_new_tokens),
+        "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr), "--seed", str(cfg.seed),
+        "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab)])
+    if cfg.kind == "draft":
+        title = "Draft model"
+        student = (f"the target's embeddings, final norm and LM head and {card['num_layers']} of its decoder "
+                   f"layers (evenly spaced)")
+        head = (f"reduced to {cfg.draft_vocab} target ids ({DRAFT_VOCAB_FILE}: the most frequent in the "
+                "answers and the target's top-K, special tokens first)" if cfg.draft_vocab else "the full vocabulary")
+    else:
+        title = "EAGLE-3 head"
+        student = (f"one EAGLE-3 decoder layer over the target's hidden states of layers "
+                   f"{card['feature_layers']} (output of decoder layer i; vLLM reads "
+                   f"eagle_aux_hidden_state_layer_ids this way, SGLang adds 1), in the public layout vLLM and "
+                   f"SGLang load; token embeddings shared with the target")
+        head = f"a draft vocabulary of {card['draft_vocab_size']} target tokens (d2t)"
+    (out / "README.md").write_text(f"""# {title} for {cfg.target}
+
+Made by `specdec distill` (specdec_cli/distill.py):
+
+    {command}
+
+- Student: {student}; trained for {card['steps']} steps ({card['train_minutes']} min).
+- Training data: {card['examples']} answers of the target itself (sampled at temperature
+  {TEACHER_TEMPERATURE}, seed {cfg.seed}) to prompts the recipe generates from its fixed word lists (chat
+  instructions or story openings); no other data. Loss: cross-entropy against the target's
+  renormalised top-{TEACHER_TOP_K} next-token distribution at every answer position.
+- Draft head: {head}.
+- Mean accepted length at k={ACCEPTANCE_K} (greedy, held-out prompts): {card['mean_accepted_length_k5']}.
+
+```json
+{json.dumps(card, indent=2)}
+```
+""")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("distill", help="train a small draft model or an EAGLE-3 head for a target (offline)")
+    p.add_argument("--target", required=True, help="the target model (HF id, directory or .gguf)")
+    p.add_argument("--out", required=True, help="output directory (a Hugging Face checkpoint, or an EAGLE-3 "
+                                                "head in the public layout)")
+    p.add_argument("--kind", default="draft", choices=list(KINDS),
+                   help="draft: a small LM made of target layers; eagle3: an EAGLE-3 head (serve with --eagle3)")
+    p.add_argument("--layers", type=int, default=DistillConfig.layers,
+                   help="draft: decoder layers kept from the target")
+    p.add_argument("--minutes", type=float, default=DistillConfig.minutes,
+                   help="time budget: the target's answers plus training (the acceptance measurement follows)")
+    p.add_argument("--steps", type=int, default=0, help="train exactly this many steps (reproducible); 0: "
+                                                        "until --minutes")
+    p.add_argument("--samples", type=int, default=DistillConfig.samples, help="target answers to train on")
+    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
+    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
+    p.add_argument("--lr", type=float, default=DistillConfig.lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=["cpu"], help="training device (CPU only for now)")
+    p.add_argument("--threads", type=int, default=DistillConfig.threads, help="torch threads")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft: > 0 keeps this many target ids in the draft's head (written to draft_vocab.json; "
+                        "a draft step then computes a smaller head), 0 the full vocabulary; eagle3: the head's "
+                        f"draft vocabulary, the most frequent target tokens in the data (0: {DEFAULT_DRAFT_VOCAB})")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+
+
+def distill_command(args) -> int:
+    cfg = DistillConfig(args.target, args.out, args.layers, args.minutes, args.steps, args.samples,
+                        args.max_new_tokens, args.batch_size, args.lr, args.seed, args.device, args.threads,
+                        args.kind, args.draft_vocab)
+    if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 1 or cfg.draft_vocab < 0:
+        raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 1, --draft-vocab >= 0")
+    card = distill(cfg, resume=args.resume)
+    print(json.dumps(card))
+    return 0

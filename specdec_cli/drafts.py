@@ -1,0 +1,59 @@
+"""The one draft type: a proposer's guesses for one sequence in one round.
+
+Proposers return it, the gateway checks and trims it, and the servicers turn
+it into the gRPC ``Draft`` / ``draft_probs`` messages at the edge.
+
+Pure Python and numpy: no gRPC, so every layer can import it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Draft:
+    """Draft tokens for one sequence.
+
+    Invariant of a well-formed draft: ``probs`` is empty (one-hot drafts:
+    n-gram, suffix) or holds one entry per draft token, and
+    ``prob_token_ids[j]`` and ``probs[j]`` have the same length. Position j's
+    draft distribution is non-zero only at ``prob_token_ids[j]`` (draft models
+    sample from their own top-K, renormalised)."""
+
+    token_ids: np.ndarray  # int32 [n]
+    prob_token_ids: tuple[np.ndarray, ...] = ()  # n x int32 [K_j], or () for one-hot drafts
+    probs: tuple[np.ndarray, ...] = ()  # n x float32 [K_j], aligned with prob_token_ids
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, n: int) -> Draft:
+        """The first n draft tokens (with their probabilities)."""
+        if n >= len(self):
+            return self
+        return Draft(self.token_ids[:n], self.prob_token_ids[:n], self.probs[:n])
+
+    def confidence(self) -> list[float] | None:
+        """q(token_j), the draft's own probability of each of its tokens, or
+        None for a one-hot draft (n-gram, suffix: no confidence to give)."""
+        if not self.probs:
+            return None
+        return [float(p[ids == t].sum()) for t, ids, p in zip(self.token_ids, self.prob_token_ids, self.probs)]
+
+    def is_well_formed(self, num_speculative_tokens: int, vocab_size: int) -> bool:
+        """At most num_speculative_tokens tokens, all inside the vocabulary,
+        and probabilities (if any) for every token, aligned."""
+        ids = self.token_ids
+        if len(ids) > num_speculative_tokens or (len(ids) and (ids.min() < 0 or ids.max() >= vocab_size)):
+            return False
+        if not self.probs and not self.prob_token_ids:
+            return True
+        return (len(self.probs) == len(self.prob_token_ids) == len(ids)
+                and all(len(t) == len(p) for t, p in zip(self.prob_token_ids, self.probs)))
+
+
+EMPTY_DRAFT_TOKENS = np.zeros(0, dtype=np.int32)
+#: Zero draft tokens: what a sequence verifies when its proposer had nothing.
+NO_DRAFT = Draft(EMPTY_DRAFT_TOKENS)

@@ -1,0 +1,77 @@
+"""Limits and defaults that more than one service applies: decided here once,
+imported by the gateway, the proposers and the scorer.
+
+The draft budget is called ``num_speculative_tokens`` everywhere (the most
+draft tokens a proposer may return for one sequence in one round; the gRPC
+field of the same name carries it). A count of drafts actually proposed or
+verified is ``num_drafts``.
+
+Pure Python: no torch, no gRPC, so every layer can import it.
+"""
+from __future__ import annotations
+
+import random
+
+#: Largest draft budget per sequence and round, checked by the gateway (client
+#: requests), the proposer servicer (updates) and the scorer (drafts to verify).
+MAX_SPECULATIVE_TOKENS = 16
+#: Draft budget when a request names none (gateway ``--default-k``).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+#: Output tokens when a request names no ``max_tokens`` (capped by the context).
+DEFAULT_MAX_TOKENS = 256
+#: Most choices (``n``) one OpenAI-API request may ask for: each is its own
+#: sequence with its own KV cache, so a larger n is a larger load.
+MAX_HTTP_CHOICES = 4
+
+#: Largest gRPC message every server and client here sends or accepts.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Most target layers one sequence may ask features (hidden states) of:
+#: EAGLE-3 uses 3, MTP 1.
+MAX_FEATURE_LAYERS = 4
+#: Feature bytes one Verify answer or one Propose message carries at most
+#: (half the message limit; the rest is room for tokens and probabilities).
+#: The scorer cuts first touches' context rows to fit (the last positions
+#: are kept), the gateway holds back relays beyond it to the next round.
+FEATURE_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 2
+#: Bytes of one feature value on the wire (bfloat16).
+FEATURE_VALUE_BYTES = 2
+
+# Per-method proposer knobs, used when a request leaves them unset.
+DEFAULT_MIN_N = 1  # n-gram: shortest match length
+DEFAULT_MAX_N = 4  # n-gram: longest match length (raised to min_n when smaller)
+DEFAULT_MAX_TREE_DEPTH = 64  # suffix: longest suffix matched against the trees
+DEFAULT_MAX_SPEC_FACTOR = 1.0  # suffix: drafts <= ceil(match_len * factor)
+DEFAULT_MIN_TOKEN_PROB = 0.1  # suffix: stop a draft below this estimated probability
+#: draft: a sampled draft token comes from the draft model's K most likely
+#: tokens (renormalised); its sparse probabilities travel with it.
+DEFAULT_DRAFT_TOP_K = 8
+#: draft: a Propose message with more sequences than this gets no model drafts
+#: (plain decoding for that round): at high batch the scorer's forward is
+#: compute-bound and the draft model's steps cost more than they save.
+DEFAULT_DRAFT_MAX_BATCH = 64
+
+# Verification strategies: the numbers of the proto's VerifyStrategy (a test
+# checks that they agree), used by kernels/verify.py.
+GREEDY, REJECTION, TARGET_MATCH, TOPP = 1, 2, 3, 4
+# Debugging overrides: the numbers of the proto's AcceptPolicy.
+POLICY_NORMAL, POLICY_ACCEPT_ALL, POLICY_REJECT_ALL = 0, 1, 2
+
+#: Seeds are kept to 63 bits (they travel as int64 tensors to the kernels).
+SEED_MASK = (1 << 63) - 1
+
+
+def is_greedy(temperature: float) -> bool:
+    """Temperature 0 means greedy decoding (argmax), whatever else is set."""
+    return temperature == 0
+
+
+def default_verify_strategy(temperature: float) -> int:
+    """The strategy of a request that names none: GREEDY at temperature 0
+    (lossless and cheapest), REJECTION (lossless for any sampling) otherwise."""
+    return GREEDY if is_greedy(temperature) else REJECTION
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The seed a sequence samples with: the client's (masked to 63 bits), or
+    a random one drawn once, so that every round of the request uses it."""
+    return (random.getrandbits(63) if seed is None else int(seed)) & SEED_MASK

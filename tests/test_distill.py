@@ -1,0 +1,102 @@
+"""`specdec distill` on stories260K: the command runs end to end (progress,
+acceptance printed, model card), its output is a plain transformers
+checkpoint that the draft proposer accepts (with the reduced head that
+--draft-vocab writes), and a run interrupted and
+resumed gives exactly the draft of an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+from specdec.distill import CHECKPOINT_FILE, DistillConfig, distill
+
+SMALL = ["--layers", "2", "--samples", "8", "--max-new-tokens", "16", "--batch-size", "4", "--seed", "3"]
+
+
+def _config(target: str, out, steps: int) -> DistillConfig:
+    return DistillConfig(target, str(out), layers=2, steps=steps, samples=8, max_new_tokens=16, batch_size=4,
+                         seed=3)
+
+
+def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.engine.config import EngineConfig
+    from specdec.proposer_svc.draft_model import DraftModelSettings, build_draft_proposer
+
+    out = tmp_path / "draft"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
+                           "--out", str(out), "--steps", "4", "--draft-vocab", "100", *SMALL],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 4/4" in done.stderr and "tok/s" in done.stderr and "ETA" in done.stderr
+    assert "mean accepted length at k=5" in done.stdout
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2
+    assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(stories_path).get_vocab()
+    card = (out / "README.md").read_text()
+    assert "specdec distill" in card and "answers of the target itself" in card
+    card = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "--draft-vocab 100" in (out / "README.md").read_text() and card["config"]["draft_vocab"] == 100
+    head_ids = json.loads((out / "draft_vocab.json").read_text())["target_ids"]
+    assert len(head_ids) == 100 and {1, 2} <= set(head_ids)  # BOS and EOS are always kept
+    proposer = build_draft_proposer(DraftModelSettings(EngineConfig(str(out), kv_capacity_tokens=1024), stories_path))
+    assert proposer.engine.facts.vocab_size == 100  # the reduced head the draft proposer runs
+
+
+def test_resume_after_an_interrupted_run_gives_the_same_draft(stories_path, tmp_path):
+    whole = distill(_config(stories_path, tmp_path / "whole", steps=4), log=lambda *_: None)
+    distill(_config(stories_path, tmp_path / "cut", steps=2), log=lambda *_: None)  # "interrupted" after 2
+    assert torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)["step"] == 2
+    resumed = distill(_config(stories_path, tmp_path / "cut", steps=4), resume=True, log=lambda *_: None)
+    assert resumed["steps"] == whole["steps"] == 4
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fresh = distill(_config(stories_path, tmp_path / "other", steps=2), log=lambda *_: None)
+    assert fresh["steps"] == 2  # without --resume a run starts over
+
+
+EAGLE3 = ["--kind", "eagle3", "--draft-vocab", "200", "--samples", "8", "--max-new-tokens", "16", "--batch-size", "4",
+          "--seed", "3"]
+
+
+def test_distill_eagle3_writes_the_public_layout_that_the_eagle3_proposer_loads(stories_path, tmp_path):
+    """config.json names the draft vocabulary, the target width and the
+    layers; the weights are fc / midlayer.* / norm / lm_head with d2t offsets
+    and the t2d mask of the most frequent target tokens; no embed_tokens."""
+    from specdec.proposer_svc.eagle3 import load_eagle3
+
+    out = tmp_path / "head"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
+                           "--out", str(out), "--steps", "3", *EAGLE3], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step 3/3" in done.stderr and "eagle3 mean accepted length at k=5" in done.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert (config["draft_vocab_size"], config["vocab_size"], config["target_hidden_size"]) == (200, 512, 64)
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 2, 2]  # vLLM's default for 5 layers
+    w = load_file(out / "model.safetensors")
+    assert w["fc.weight"].shape == (64, 3 * 64) and w["lm_head.weight"].shape == (200, 64)
+    assert w["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * 64 and "midlayer.hidden_norm.weight" in w
+    assert "embed_tokens.weight" not in w and {"norm.weight", "d2t", "t2d"} <= w.keys()
+    hot = torch.arange(200) + w["d2t"]
+    assert torch.equal(torch.sort(hot).values, hot) and torch.equal(w["t2d"].nonzero()[:, 0], hot)
+    head = load_eagle3(str(out), stories_path)
+    assert head.spec.feature_layers == (2, 2, 2) and torch.equal(head.draft_to_target, hot)
+    assert "EAGLE-3 head" in (out / "README.md").read_text()
+
+
+def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path):
+    def config(out, steps):
+        return DistillConfig(stories_path, str(out), steps=steps, samples=8, max_new_tokens=16, batch_size=4,
+                             seed=3, kind="eagle3", draft_vocab=200, lr=2e-3)
+
+    distill(config(tmp_path / "whole", 4), log=lambda *_: None)
+    distill(config(tmp_path / "cut", 2), log=lambda *_: None)
+    distill(config(tmp_path / "cut", 4), resume=True, log=lambda *_: None)
+    a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,160 @@
+"""The draft proposer in-process on stories260K (the engine is real, no
+gRPC): KV catch-up and rollback keep the cache equal to what a fresh
+proposer would build, seeded sampling is reproducible and q is the
+renormalised top-K at the request temperature, a large round falls back to
+no drafts, the confidence cut shortens drafts, and a reduced draft head maps
+its rows to target ids (draft_vocab.json) while a smaller head without one is
+refused."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.engine.config import EngineConfig
+from specdec.proposer_svc.base import SeqOptions
+from specdec.proposer_svc.draft import DraftConfig, DraftModelProposer, choose_tokens, seeded_uniform
+
+PROMPT = np.array([1, 403, 261, 429, 407, 261, 378], dtype=np.int32)
+NO_CUT = SeqOptions(min_token_prob=0.0)
+
+
+@pytest.fixture(scope="module")
+def engine(stories_path):
+    from specdec.engine.factory import build_engine
+
+    return build_engine(EngineConfig(stories_path, kv_capacity_tokens=4096))
+
+
+def _proposer(engine, **kw) -> DraftModelProposer:
+    return DraftModelProposer(engine, DraftConfig(vocab_limit=512, **kw))
+
+
+def test_incremental_drafts_equal_fresh_drafts(engine):
+    """After accepting some drafts and a correction, the incrementally
+    updated cache drafts exactly what a proposer opened on the whole context does."""
+    inc = _proposer(engine)
+    inc.start("inc", PROMPT, NO_CUT)
+    context = PROMPT.copy()
+    for accept, correction in [(2, 5), (0, 9), (4, 30), (1, 77)]:
+        d = inc.propose([("inc", 4)])[0].token_ids
+        new = np.concatenate([d[:accept], [correction]]).astype(np.int32)
+        inc.extend("inc", new)
+        context = np.concatenate([context, new])
+        fresh = _proposer(engine)
+        fresh.start(f"fresh{len(context)}", context, NO_CUT)
+        expect = fresh.propose([(f"fresh{len(context)}", 4)])[0].token_ids
+        got = inc.propose([("inc", 4)])[0].token_ids
+        assert got.tolist() == expect.tolist()
+        assert engine.cached_len("inc") == len(context) + len(got) - 1
+        fresh.stop(f"fresh{len(context)}", completed=False)
+        inc.extend("inc", np.zeros(0, dtype=np.int32))
+    inc.stop("inc", completed=True)
+    assert engine.cached_len("inc") == 0
+
+
+def test_sampled_drafts_are_seeded_and_carry_top_k_q():
+    logits = torch.randn(3, 50)
+    a = choose_tokens(logits, [0.7, 0.7, 0.0], [5, 5, 5], [10, 11, 12], top_k=6)
+    b = choose_tokens(logits, [0.7, 0.7, 0.0], [5, 5, 5], [10, 11, 12], top_k=6)
+    assert [c.token for c in a] == [c.token for c in b]
+    q = torch.softmax(logits[0].double() / 0.7, -1)
+    top = q.topk(6)
+    assert a[0].sparse_ids.tolist() == top.indices.tolist()
+    np.testing.assert_allclose(a[0].sparse_probs, (top.values / top.values.sum()).numpy(), rtol=1e-5)
+    assert a[0].token in a[0].sparse_ids and a[2].token == int(logits[2].argmax())
+    # a greedy draft carries its top-K at temperature 1 too: the confidence the gateway plans with
+    greedy_top = torch.softmax(logits[2].double(), -1).topk(6)
+    assert a[2].sparse_ids.tolist() == greedy_top.indices.tolist() and a[2].sparse_ids[0] == a[2].token
+    np.testing.assert_allclose(a[2].sparse_probs, (greedy_top.values / greedy_top.values.sum()).numpy(), rtol=1e-5)
+    # the sample follows q: many positions, one seed
+    draws = [choose_tokens(logits[:1], [0.7], [9], [p], top_k=6)[0].token for p in range(4000)]
+    freq = np.bincount(draws, minlength=50)[top.indices.numpy()] / 4000
+    np.testing.assert_allclose(freq, (top.values / top.values.sum()).numpy(), atol=0.03)
+    assert seeded_uniform(1, 2) != seeded_uniform(2, 2) and 0 <= seeded_uniform(1, 2) < 1
+
+
+def test_a_round_larger_than_max_batch_gets_no_drafts(engine):
+    prop = _proposer(engine, max_batch=2)
+    for i in range(3):
+        prop.start(f"b{i}", PROMPT, NO_CUT)
+    assert all(len(d.token_ids) == 0 for d in prop.propose([(f"b{i}", 4) for i in range(3)]))
+    assert all(len(d.token_ids) == 4 for d in prop.propose([(f"b{i}", 4) for i in range(2)]))
+    for i in range(3):
+        prop.stop(f"b{i}", completed=False)
+
+
+def test_confidence_cut_shortens_drafts(engine):
+    prop = _proposer(engine)
+    prop.start("all", PROMPT, NO_CUT)
+    prop.start("cut", PROMPT, SeqOptions(min_token_prob=0.7))
+    full, cut = prop.propose_scored([("all", 8), ("cut", 8)])
+    assert len(full.draft.token_ids) == 8 and len(cut.draft.token_ids) < 8
+    assert cut.draft.token_ids.tolist() == full.draft.token_ids[:len(cut.draft.token_ids)].tolist()
+    assert 0 < full.score <= 8
+
+
+# ------------------------------------------------------- reduced draft vocabulary
+def _draft_dir(stories_path, tmp_path, name: str, target_ids=None, head_rows: int | None = None):
+    """stories260K as a draft directory, with a draft_vocab.json mapping and/or
+    a head cut to head_rows rows (its tokenizer stays the target's)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from specdec.proposer_svc.draft_model import DRAFT_VOCAB_FILE
+
+    out = tmp_path / name
+    shutil.copytree(stories_path, out)
+    if head_rows is not None:
+        model = AutoModelForCausalLM.from_pretrained(stories_path)
+        model.resize_token_embeddings(head_rows)
+        model.save_pretrained(out)
+    if target_ids is not None:
+        (out / DRAFT_VOCAB_FILE).write_text(json.dumps({"target_ids": [int(i) for i in target_ids]}))
+    return str(out)
+
+
+def _built(draft: str, target: str) -> DraftModelProposer:
+    from specdec.proposer_svc.draft_model import DraftModelSettings, build_draft_proposer
+
+    return build_draft_proposer(DraftModelSettings(EngineConfig(draft, kv_capacity_tokens=1024), target))
+
+
+def _drafts(prop: DraftModelProposer, options: SeqOptions = NO_CUT, k: int = 6):
+    prop.start("s", PROMPT, options)
+    draft = prop.propose([("s", k)])[0]
+    prop.stop("s", completed=False)
+    return draft
+
+
+def test_a_reduced_draft_head_maps_its_rows_to_target_ids(stories_path, tmp_path):
+    full = _drafts(_built(stories_path, stories_path))
+    # every row kept, in another order: the mapping alone decides, drafts are unchanged
+    order = np.random.default_rng(0).permutation(512)
+    permuted = _built(_draft_dir(stories_path, tmp_path, "perm", order), stories_path)
+    assert permuted.engine.facts.vocab_size == 512
+    got = _drafts(permuted)
+    assert got.token_ids.tolist() == full.token_ids.tolist()
+    np.testing.assert_allclose(got.confidence(), full.confidence(), rtol=1e-5)
+    # a head of 100 rows: drafts are target ids, all inside the kept set, sampled ones too
+    keep = np.concatenate([full.token_ids[:2], np.setdiff1d(np.arange(3, 200), full.token_ids[:2])[:98]])
+    small = _built(_draft_dir(stories_path, tmp_path, "small", keep), stories_path)
+    assert small.engine.facts.vocab_size == 100
+    greedy = _drafts(small)
+    sampled = _drafts(small, SeqOptions(min_token_prob=0.0, temperature=0.8, seed=3))
+    assert greedy.token_ids[:2].tolist() == full.token_ids[:2].tolist()
+    for draft in (greedy, sampled):
+        assert set(draft.token_ids.tolist()) <= set(keep.tolist())
+        assert all(set(ids.tolist()) <= set(keep.tolist()) for ids in draft.prob_token_ids)
+
+
+def test_a_small_head_without_mapping_and_a_bad_mapping_are_refused(stories_path, tmp_path):
+    with pytest.raises(ValueError, match="head has 500 rows.*512 tokens.*draft_vocab.json"):
+        _built(_draft_dir(stories_path, tmp_path, "cut", head_rows=500), stories_path)
+    with pytest.raises(ValueError, match="draft_vocab.json: target_ids must be distinct ids in"):
+        _built(_draft_dir(stories_path, tmp_path, "dup", [5, 5, 6]), stories_path)
+    with pytest.raises(ValueError, match="draft_vocab.json: target_ids must be distinct ids in"):
+        _built(_draft_dir(stories_path, tmp_path, "out", [5, 512]), stories_path)

@@ -1,0 +1,135 @@
+"""The feature-head loaders and the eagle3/mtp proposer in-process on
+stories260K (no gRPC): what the public layouts may vary (default layers,
+``layers.0.`` naming, MiMo MTP naming), what they may not (missing tensors,
+wrong shapes, d2t outside the vocabulary), and how features are taken (a
+window, overlapping rows by position, gaps refused)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from feature_heads import target_features, write_eagle3_head, write_mtp_target
+from safetensors.torch import load_file, save_file
+
+from specdec.proposer_svc.base import SeqOptions
+from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp
+from specdec.proposer_svc.feature_draft import FeatureDraftProposer, FeatureGap
+
+CONTEXT = [1, 403, 407, 261, 378, 285, 429, 267, 376, 433, 261, 300, 275]
+NO_CUT = SeqOptions(min_token_prob=0.0)
+
+
+@pytest.fixture(scope="module")
+def head_dir(stories_path, tmp_path_factory) -> Path:
+    return write_eagle3_head(tmp_path_factory.mktemp("head") / "h", Path(stories_path), [1, 3, 4])
+
+
+def _drafts(proposer, target, context, k=4, start=0, seq="s") -> list[int]:
+    proposer.start(seq, np.asarray(context, dtype=np.int32), NO_CUT)
+    rows = target_features(target, context, list(proposer.feature_layers))
+    proposer.add_features(seq, start, rows[start:len(context) - 1])
+    return proposer.propose([(seq, k)])[0].token_ids.tolist()
+
+
+def test_a_config_naming_no_layers_reads_vllms_default(stories_path, tmp_path):
+    head = load_eagle3(str(write_eagle3_head(tmp_path / "h", Path(stories_path), None)), stories_path)
+    assert head.spec.feature_layers == (2, 5 // 2, 5 - 3)
+
+
+def test_layers_0_naming_with_a_model_prefix_loads_the_same_head(head_dir, stories_path, tmp_path, target):
+    """vLLM maps midlayer. to layers.0. and adds model. to non-head names: a
+    checkpoint written either way is the same head."""
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    w = load_file(str(head_dir / "model.safetensors"))
+    save_file({("model.layers.0." + k.removeprefix("midlayer.")) if k.startswith("midlayer.") else k: v
+               for k, v in w.items()}, str(renamed / "model.safetensors"))
+    (renamed / "config.json").write_text((head_dir / "config.json").read_text())
+    a = FeatureDraftProposer("eagle3", load_eagle3(str(head_dir), stories_path))
+    b = FeatureDraftProposer("eagle3", load_eagle3(str(renamed), stories_path))
+    assert _drafts(a, target, CONTEXT) == _drafts(b, target, CONTEXT)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w, c: w.pop("fc.weight"), "missing fc.weight"),
+    (lambda w, c: w.__setitem__("fc.weight", w["fc.weight"][:, :-1]), "fc.weight"),
+    (lambda w, c: w.__setitem__("d2t", w["d2t"] + 600), "d2t"),
+    (lambda w, c: c.__setitem__("target_hidden_size", 32), "target_hidden_size"),
+    (lambda w, c: c.__setitem__("eagle_config", {"eagle_aux_hidden_state_layer_ids": [1, 9, 4]}),
+     "eagle_aux_hidden_state_layer_ids"),
+    (lambda w, c: c.__setitem__("num_hidden_layers", 2), "num_hidden_layers"),
+])
+def test_a_head_that_does_not_fit_is_refused_naming_why(head_dir, stories_path, tmp_path, change, message):
+    w = load_file(str(head_dir / "model.safetensors"))
+    config = json.loads((head_dir / "config.json").read_text())
+    change(w, config)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({k: v.contiguous() for k, v in w.items()}, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_eagle3(str(bad), stories_path)
+
+
+def test_mimo_mtp_naming_loads_and_drafts(stories_path, tmp_path, target):
+    head = load_mtp(str(write_mtp_target(tmp_path / "mimo", Path(stories_path), naming="mimo")))
+    assert head.spec.kind == "mimo_mtp" and head.spec.feature_layers == (5,)
+    drafts = _drafts(FeatureDraftProposer("mtp", head), target, CONTEXT)
+    assert len(drafts) == 4 and all(0 <= t < 512 for t in drafts)
+
+
+def test_a_target_without_mtp_layers_is_refused(stories_path):
+    with pytest.raises(ValueError, match="carries no MTP layer"):
+        load_mtp(stories_path)
+
+
+def test_features_are_taken_by_position(head_dir, stories_path, target):
+    head = load_eagle3(str(head_dir), stories_path)
+    proposer = FeatureDraftProposer("eagle3", head)
+    whole = _drafts(proposer, target, CONTEXT, seq="whole")
+    rows = target_features(target, CONTEXT, [1, 3, 4])
+    # rows resent from 0 (a re-prefill) are skipped where already held
+    proposer.add_features("whole", 0, rows[:len(CONTEXT) - 1])
+    assert proposer.features_from("whole") == len(CONTEXT) - 1
+    assert proposer.propose([("whole", 4)])[0].token_ids.tolist() == whole
+    # a gap or rows past the context are refused, naming the field
+    with pytest.raises(FeatureGap, match="features.start"):
+        proposer.extend("whole", np.asarray([5, 6, 7], dtype=np.int32))
+        proposer.add_features("whole", len(CONTEXT) + 1, rows[:1])
+    with pytest.raises(FeatureGap, match="features.rows"):
+        proposer.add_features("whole", len(CONTEXT) - 1, np.repeat(rows[:1], 6, axis=0))
+    # a window (the first rows start late) still drafts, from the positions it has
+    windowed = _drafts(proposer, target, CONTEXT, start=6, seq="window")
+    assert len(windowed) == 4
+
+
+def test_features_lagging_behind_the_tokens_give_no_drafts(head_dir, stories_path, target):
+    proposer = FeatureDraftProposer("eagle3", load_eagle3(str(head_dir), stories_path))
+    proposer.start("lag", np.asarray(CONTEXT, dtype=np.int32), NO_CUT)
+    rows = target_features(target, CONTEXT, [1, 3, 4])
+    proposer.add_features("lag", 0, rows[:len(CONTEXT) - 3])  # two rows short
+    assert len(proposer.propose([("lag", 4)])[0]) == 0
+    proposer.add_features("lag", len(CONTEXT) - 3, rows[len(CONTEXT) - 3:len(CONTEXT) - 1])
+    assert len(proposer.propose([("lag", 4)])[0]) == 4
+
+
+def test_the_launcher_gives_proposers_the_head_and_the_target():
+    from specdec.cli import build_parser
+    from specdec.launcher import Stack
+
+    def proposer_args(stack: Stack) -> list[str]:  # the copying proposers' (eagle3 and mtp run there)
+        copy_methods, _ = stack._split_methods()
+        return stack._proposer_args(copy_methods)
+
+    args = proposer_args(Stack(model="M", methods="ngram,eagle3", eagle3="/heads/h"))
+    assert args[args.index("--eagle3") + 1] == "/heads/h" and args[args.index("--target-model") + 1] == "M"
+    args = proposer_args(Stack(model="M", methods="mtp"))
+    assert args[args.index("--target-model") + 1] == "M" and "--eagle3" not in args
+    assert "--target-model" not in proposer_args(Stack(model="M", methods="ngram"))
+    with_draft = Stack(model="M", methods="ngram,draft,eagle3", eagle3="/heads/h", draft_model="D")
+    copy_methods, draft_methods = with_draft._split_methods()
+    assert "eagle3" in copy_methods and draft_methods == ["draft"]
+    assert with_draft._draft_proposer_args(draft_methods).count("--target-model") == 1
+    assert build_parser().parse_args(["serve", "--eagle3", "/heads/h"]).eagle3 == "/heads/h"

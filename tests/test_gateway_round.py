@@ -1,0 +1,281 @@
+"""Unit tests of the gateway's round (propose → verify → commit) around a
+scripted scorer stub: how each Verify status is settled, and that the draft
+plan of the adaptive draft length is pure. The system tests with real
+processes are in test_e2e_stories.py, test_faults.py and test_adaptive.py."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from specdec.drafts import Draft
+from specdec.gateway import metrics
+from specdec.gateway.costs import plan_drafts
+from specdec.gateway.discovery import ReplicaSet
+from specdec.gateway.loop import LoopConfig, SpecLoop
+from specdec.gateway.request import GenParams
+from specdec.gateway.sequence import Delta, Sequence
+from specdec.limits import GREEDY
+from specdec.protos.v1 import specdec_pb2 as pb
+
+SCORER = "scorer-a:1"
+PROMPT = [3, 4, 5]
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class _ScriptedScorer:
+    """Answers each Verify with the next scripted (status, output tokens)."""
+
+    def __init__(self, script: list[tuple[int, list[int]]]) -> None:
+        self.script = list(script)
+        self.requests: list[pb.VerifyRequest] = []
+
+    async def Verify(self, request, timeout=None):
+        self.requests.append(request)
+        status, output = self.script.pop(0)
+        results = [pb.VerifyResult(seq_id=s.seq_id, status=status, output_token_ids=output,
+                                   num_accepted=max(0, len(output) - 1), message="scripted")
+                   for s in request.sequences]
+        return pb.VerifyResponse(results=results, compute_s=0.001)
+
+    async def Release(self, request, timeout=None):
+        return pb.ReleaseResponse()
+
+
+def _params(method: str = "none", num_speculative_tokens: int = 0, adaptive: bool = True) -> GenParams:
+    return GenParams(prompt_ids=list(PROMPT), max_tokens=50, stop=[], ignore_eos=True, temperature=0.0,
+                     top_k=0, top_p=1.0, seed=1, method=method, num_speculative_tokens=num_speculative_tokens,
+                     min_n=1, max_n=4, max_tree_depth=64, max_spec_factor=1.0, min_token_prob=0.1,
+                     verify_strategy=GREEDY, accept_policy=0, adaptive=adaptive)
+
+
+def _loop_with(scorer: _ScriptedScorer, max_stalled_rounds: int = 200) -> SpecLoop:
+    loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {}, vocab_size=100,
+                    config=LoopConfig(max_stalled_rounds=max_stalled_rounds, stall_sleep_s=0.0))
+    loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+    return loop
+
+
+def _run_rounds(scorer: _ScriptedScorer, rounds: int, max_stalled_rounds: int = 200) -> Sequence:
+    """One greedy sequence through ``rounds`` rounds against the scripted scorer."""
+    async def run():
+        loop = _loop_with(scorer, max_stalled_rounds)
+        seq = Sequence("r", _params(), _Tokenizer(), (2,), 512)
+        loop.submit(seq)
+        for _ in range(rounds):
+            await loop._round()
+        return seq
+
+    return asyncio.run(run())
+
+
+def _moves() -> float:
+    return metrics.MOVES.labels("scorer")._value.get()
+
+
+def test_busy_is_a_retry_of_the_round_not_a_lost_sequence():
+    """SEQUENCE_STATUS_BUSY (a Verify for this sequence is still in flight):
+    the round is retried on the same replica, the KV cache is not re-sent and
+    no token changes."""
+    scorer = _ScriptedScorer([(pb.SEQUENCE_STATUS_OK, [7]), (pb.SEQUENCE_STATUS_BUSY, []),
+                              (pb.SEQUENCE_STATUS_BUSY, []), (pb.SEQUENCE_STATUS_OK, [8])])
+
+    async def run():
+        loop = _loop_with(scorer)
+        seq = Sequence("r", _params(), _Tokenizer(), (2,), 512)
+        loop.submit(seq)
+        await loop._round()
+        assert seq.tokens == PROMPT + [7] and seq.scorer_primed
+        moves = _moves()
+        for busy_rounds in (1, 2):
+            await loop._round()
+            assert seq.tokens == PROMPT + [7]
+            assert seq.retries == busy_rounds and not seq.done
+            assert seq.scorer_primed and seq.scorer_addr == SCORER
+        await loop._round()
+        assert seq.tokens == PROMPT + [7, 8] and seq.retries == 0
+        assert _moves() == moves
+        return seq
+
+    seq = asyncio.run(run())
+    first, *later = scorer.requests
+    assert list(first.sequences[0].context_token_ids) == PROMPT
+    assert all(not r.sequences[0].context_token_ids for r in later), "BUSY must not cause a re-prefill"
+    deltas = []
+    while not seq.out.empty():
+        deltas.append(seq.out.get_nowait())
+    assert all(isinstance(d, Delta) for d in deltas)
+    assert [t for d in deltas for t in d.token_ids] == [7, 8]
+
+
+def test_a_sequence_busy_for_too_long_fails_as_unavailable():
+    scorer = _ScriptedScorer([(pb.SEQUENCE_STATUS_OK, [7])] + [(pb.SEQUENCE_STATUS_BUSY, [])] * 3)
+    seq = _run_rounds(scorer, 4, max_stalled_rounds=2)
+    assert seq.failed and seq.failure_code == "UNAVAILABLE"
+    assert seq.tokens == PROMPT + [7]
+
+
+def test_unknown_sequence_re_prefills_from_the_gateway_history():
+    """The contrast to BUSY: a scorer that lost the sequence gets its whole
+    context again next round."""
+    scorer = _ScriptedScorer([(pb.SEQUENCE_STATUS_OK, [7]), (pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, []),
+                              (pb.SEQUENCE_STATUS_OK, [8])])
+    seq = _run_rounds(scorer, 3)
+    assert seq.tokens == PROMPT + [7, 8]
+    assert list(scorer.requests[2].sequences[0].context_token_ids) == PROMPT + [7]
+
+
+def test_draft_plan_is_pure_and_trims_only_adaptive_sequences():
+    seqs = [Sequence("a", _params("ngram", 8, adaptive=True), _Tokenizer(), (2,), 512),
+            Sequence("f", _params("ngram", 8, adaptive=False), _Tokenizer(), (2,), 512)]
+    for seq in seqs:
+        seq.scorer_primed = True
+    ids = np.arange(10, 18, dtype=np.int32)
+    drafts = {s.seq_id: Draft(ids.copy()) for s in seqs}
+    # a pass that is cheap, draft tokens that are dear: adaptive drafts get cut
+    plan = plan_drafts(seqs, drafts, (0.001, 1.0))
+    assert all(np.array_equal(drafts[s.seq_id].token_ids, ids) for s in seqs), "planning mutated the drafts"
+    assert plan.keep[seqs[0].seq_id] < 8 and plan.keep[seqs[1].seq_id] == 8
+    assert plan.tokens_fed == 2 + plan.keep[seqs[0].seq_id] + 8 and plan.decode_only
+
+
+def _model_draft(ids: np.ndarray, confidence: float) -> Draft:
+    """A model draft whose q gives each of its tokens ``confidence``."""
+    return Draft(ids, tuple(np.array([t, 99], dtype=np.int32) for t in ids),
+                 tuple(np.array([confidence, 1 - confidence], dtype=np.float32) for _ in ids))
+
+
+def test_model_drafts_are_trimmed_by_their_own_confidence_not_by_history():
+    ids = np.arange(10, 18, dtype=np.int32)
+    drafts = {"sure": _model_draft(ids, 0.97), "unsure": _model_draft(ids, 0.3), "onehot": Draft(ids)}
+    assert drafts["unsure"].confidence() == pytest.approx([0.3] * 8) and drafts["onehot"].confidence() is None
+    keep = {}
+    for name, draft in drafts.items():
+        seq = Sequence(name, _params("draft", 8), _Tokenizer(), (2,), 512)
+        seq.scorer_primed = True  # the same (young) history of acceptance for all three
+        keep[name] = plan_drafts([seq], {seq.seq_id: draft}, (0.01, 0.002)).keep[seq.seq_id]
+    # history alone (first = cont = 0.6) keeps some of the one-hot draft; the
+    # draft's own confidence keeps all of the sure draft and less of the unsure one
+    assert keep["sure"] == 8 > keep["onehot"] > keep["unsure"]
+
+
+def test_draft_truncation_keeps_probabilities_aligned():
+    draft = Draft(np.array([4, 5, 6], dtype=np.int32),
+                  tuple(np.array([t, 9], dtype=np.int32) for t in (4, 5, 6)),
+                  tuple(np.array([0.75, 0.25], dtype=np.float32) for _ in range(3)))
+    assert draft.is_well_formed(3, 10) and not draft.is_well_formed(2, 10) and not draft.is_well_formed(3, 6)
+    cut = draft.truncated(2)
+    assert cut.token_ids.tolist() == [4, 5] and len(cut.probs) == len(cut.prob_token_ids) == 2
+    assert not Draft(draft.token_ids, draft.prob_token_ids[:1], draft.probs[:1]).is_well_formed(3, 10)
+
+
+def test_a_proposer_stream_reset_mid_exchange_costs_drafts_not_the_loop():
+    """Discovery dropping a proposer replica resets its stream while the loop
+    awaits an answer: the exchange fails with ConnectionError (the round goes
+    on without those drafts) instead of cancelling the gateway's loop task."""
+    import grpc
+    import pytest
+
+    from specdec.gateway.clients import ProposerStream
+    from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+
+    class _Silent(pb_grpc.ProposerServicer):
+        async def Propose(self, request_iterator, context):
+            async for _ in request_iterator:
+                await asyncio.sleep(30)  # never answers in time
+            yield pb.ProposeResponse()
+
+    async def run():
+        server = grpc.aio.server()
+        pb_grpc.add_ProposerServicer_to_server(_Silent(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        stream = ProposerStream(channel)
+        try:
+            asyncio.get_running_loop().call_later(0.2, stream.reset)
+            with pytest.raises(ConnectionError):
+                await stream.exchange(pb.ProposeRequest(), timeout_s=10)
+        finally:
+            await channel.close()
+            await server.stop(0)
+
+    asyncio.run(run())
+
+
+def test_releases_cut_off_by_a_drain_are_sent_by_the_last_flush():
+    """stop() cancels the loop while it may be inside a Release call (the
+    idle flush): those sequence ids must reach the scorer in stop()'s last
+    flush, or their KV caches stay until the scorer's idle expiry."""
+    from specdec.gateway.releases import Releases
+
+    class _SlowThenOk:
+        def __init__(self) -> None:
+            self.calls: list[list[str]] = []
+            self.first = True
+
+        async def Release(self, request, timeout=None):
+            self.calls.append(list(request.seq_ids))
+            if self.first:
+                self.first = False
+                await asyncio.sleep(3600)  # cancelled mid-call
+            return pb.ReleaseResponse()
+
+    scorer = _SlowThenOk()
+
+    class _Conns:
+        def scorer(self, addr):
+            return scorer
+
+    seq = Sequence("r", _params(), _Tokenizer(), (2,), 512)
+    seq.scorer_addr = SCORER
+
+    async def run() -> None:
+        releases = Releases(_Conns())  # type: ignore[arg-type]
+        releases.add(seq)
+        task = asyncio.create_task(releases.flush_scorer(SCORER))
+        while not scorer.calls:
+            await asyncio.sleep(0)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        await releases.flush_all(1.0)
+
+    asyncio.run(run())
+    assert scorer.calls == [[seq.seq_id], [seq.seq_id]]
+
+
+def test_a_verify_aborted_by_a_dropped_channel_is_a_scorer_failure_not_the_loops_end():
+    """Discovery dropping a scorer closes its channel; gRPC then aborts the
+    in-flight Verify with CancelledError inside the loop's task. That is one
+    failed call (the sequence re-prefills), not a cancellation of the loop,
+    which would leave every request hanging."""
+
+    class _ChannelClosedOnce(_ScriptedScorer):
+        async def Verify(self, request, timeout=None):
+            if not self.requests:
+                self.requests.append(request)
+                raise asyncio.CancelledError()  # what grpc.aio raises when the channel closes mid-call
+            return await super().Verify(request, timeout)
+
+    scorer = _ChannelClosedOnce([(pb.SEQUENCE_STATUS_OK, [7])] * 10)
+
+    async def run() -> Sequence:
+        loop = _loop_with(scorer)
+        loop.failures.replica_down_s = 0.0  # the only replica: back at once
+        seq = Sequence("r", _params(), _Tokenizer(), (2,), 512)
+        loop.submit(seq)
+        for _ in range(4):
+            await loop._round()
+        return seq
+
+    seq = asyncio.run(run())
+    assert seq.tokens[len(PROMPT):] == [7, 7, 7] and not seq.done
+    assert list(scorer.requests[1].sequences[0].context_token_ids) == PROMPT  # re-prefilled after the failure

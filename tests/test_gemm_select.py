@@ -1,0 +1,188 @@
+"""The GEMM selector: its row-count invariance check rejects GEMMs whose rows
+depend on the row count (fakes that do so on purpose) and accepts one that
+does not; forcing a rejected path refuses; "auto" skips it; the choice is
+cached on disk. The real paths on real models: test_llama_engine.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdec.engine import gemm_select
+from specdec.engine.gemm_select import GemmRefused, check_row_counts, invariance_failure, select
+
+
+def weights(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    return [("qkv", torch.randn(24, 16, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)),
+            ("down", torch.randn(16, 40, generator=gen).to(dtype), None),
+            ("qkv", torch.randn(24, 16, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype))]
+
+
+def rowwise(w, b):
+    """Exactly row-invariant: each row is computed by itself, the same way."""
+    def f(x):
+        y = torch.stack([(w * row).sum(1) for row in x])
+        return y + b if b is not None else y
+    return f
+
+
+def epsilon_per_row_count(w, b):
+    """x W^T plus an epsilon that grows with the row count."""
+    return lambda x: rowwise(w, b)(x) + x.shape[0] * 1e-3
+
+
+def other_order_from(n_min):
+    """Sums in another order (float64, rounded once) from n_min rows on, the
+    way a BLAS switches kernels for large inputs."""
+    def make(w, b):
+        def f(x):
+            if x.shape[0] < n_min:
+                return rowwise(w, b)(x)
+            y = (x.double() @ w.double().T).float()
+            return y + b if b is not None else y
+        return f
+    return make
+
+
+def test_row_counts_cover_decode_every_verification_and_prefill_chunks():
+    counts = check_row_counts(512)
+    assert set(range(1, 18)) <= set(counts) and 512 in counts and any(n % 2 for n in counts if n > 32)
+    assert max(check_row_counts(64)) == 64 and max(check_row_counts(33)) == 33
+
+
+def test_check_accepts_a_row_invariant_gemm():
+    assert invariance_failure(rowwise, weights(), check_row_counts(128), torch.float32) is None
+
+
+def test_check_rejects_a_row_count_dependent_epsilon():
+    failure = invariance_failure(epsilon_per_row_count, weights(), check_row_counts(128), torch.float32)
+    assert failure == ("qkv weight 24x16 (torch.float32): row 0 of a 2-row input differs from the same row "
+                       "computed alone")
+
+
+def test_check_rejects_a_kernel_switch_at_large_row_counts():
+    failure = invariance_failure(other_order_from(60), weights(), check_row_counts(512), torch.float32)
+    assert failure is not None and "of a 64-row input" in failure
+    # the same GEMM passes when the engine never feeds it that many rows
+    assert invariance_failure(other_order_from(60), weights(), check_row_counts(33), torch.float32) is None
+
+
+def test_wide_weights_are_checked_whole_up_to_batches_and_on_a_slice_beyond(monkeypatch):
+    """An LM head wider than SLICE_OUT_FEATURES: every row count up to
+    SLICE_FROM_ROWS runs on the whole weight, larger ones on a slice; a
+    kernel switch is caught on either."""
+    monkeypatch.setattr(gemm_select, "SLICE_OUT_FEATURES", 16)
+    head = [("lm_head", torch.randn(40, 16, generator=torch.Generator().manual_seed(5)), None)]
+    seen: dict[int, set[int]] = {}
+
+    def recording(w, b):
+        f = other_order_from(100)(w, b)
+
+        def g(x):
+            seen.setdefault(w.shape[0], set()).add(x.shape[0])
+            return f(x)
+        return g
+
+    failure = invariance_failure(recording, head, check_row_counts(512), torch.float32)
+    assert failure == ("lm_head weight 40x16 (its first 16 output rows) (torch.float32): row 0 of a 128-row input "
+                       "differs from the same row computed alone")
+    assert max(seen[40]) == gemm_select.SLICE_FROM_ROWS and seen[16] == {1, 128}
+    failure = invariance_failure(other_order_from(60), head, check_row_counts(512), torch.float32)
+    assert failure is not None and failure.startswith("lm_head weight 40x16 (torch.float32)") and "64-row" in failure
+    assert invariance_failure(rowwise, head, check_row_counts(512), torch.float32) is None
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory, on a machine taken as idle (timings cached)."""
+    monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(gemm_select, "machine_busy", lambda: False)
+    return tmp_path
+
+
+@pytest.fixture
+def aten_breaks(monkeypatch):
+    """The real check, except that "aten" fails it (as MKL does on some CPUs);
+    counts the checks run."""
+    calls = []
+    real = gemm_select.invariance_failure
+
+    def check(make_linear, w, row_counts, dtype):
+        path = make_linear(w[0][1], w[0][2]).path  # a Linear
+        calls.append(path.name)
+        if path.name == "aten":
+            return "qkv weight 24x16 (torch.float32): row 3 of a 6-row input differs from the same row computed alone"
+        return real(make_linear, w, row_counts, dtype)
+
+    monkeypatch.setattr(gemm_select, "invariance_failure", check)
+    return calls
+
+
+def test_forcing_a_path_that_breaks_invariance_refuses_with_the_shape_and_row_count(cache, aten_breaks):
+    with pytest.raises(GemmRefused, match=r"gemm='aten' breaks row-count invariance .*qkv weight 24x16.*6-row input"):
+        select(weights(), torch.float32, 1, "aten", max_rows=64)
+
+
+def test_auto_never_selects_a_rejected_path_and_caches_its_choice(cache, aten_breaks):
+    chosen = select(weights(), torch.float32, 1, "auto", max_rows=64)
+    assert chosen.path.name != "aten" and len(chosen.linears) == 3
+    report = chosen.report
+    assert report["paths"]["aten"]["failure"] and "ms" not in report["paths"]["aten"]
+    timed = [n for n, e in report["paths"].items() if e["failure"] is None]
+    assert chosen.path.name == min(timed, key=lambda n: report["paths"][n]["score_ms"])
+    assert all(set(report["paths"][n]["ms"]) == {str(r) for r in gemm_select.TIMED_ROWS} for n in timed)
+    (file,) = cache.glob("*.json")
+    stored = json.loads(file.read_text())
+    assert stored["choice"] == chosen.path.name
+    assert stored["key"]["cpu"] == gemm_select.cpu_model() and stored["key"]["torch"] == torch.__version__
+    assert stored["key"]["shapes"] == {"qkv:24x16+b": 2, "down:16x40": 1} and stored["key"]["threads"] == 1
+
+    checks = len(aten_breaks)
+    again = select(weights(), torch.float32, 1, "auto", max_rows=64)
+    assert again.path == chosen.path and len(aten_breaks) == checks  # from the cache: nothing re-checked
+    with pytest.raises(GemmRefused):  # a cached verdict refuses a forced path too
+        select(weights(), torch.float32, 1, "aten", max_rows=64)
+    select(weights(), torch.float32, 2, "auto", max_rows=64)  # another thread count: checked anew
+    assert len(aten_breaks) > checks and len(list(cache.glob("*.json"))) == 2
+
+
+def test_timings_taken_on_a_busy_machine_are_not_cached(cache, monkeypatch):
+    monkeypatch.setattr(gemm_select, "machine_busy", lambda: True)
+    chosen = select(weights(), torch.float32, 1, "auto", max_rows=32)
+    assert chosen.report["paths"][chosen.path.name]["busy"]
+    (file,) = cache.glob("*.json")
+    stored = json.loads(file.read_text())
+    assert "choice" not in stored and all("ms" not in e and "failure" in e for e in stored["paths"].values())
+    monkeypatch.setattr(gemm_select, "machine_busy", lambda: False)
+    again = select(weights(), torch.float32, 1, "auto", max_rows=32)  # times again, now cached
+    assert json.loads(file.read_text())["choice"] == again.path.name
+
+
+def test_forced_linears_compute_x_wt_plus_b(cache):
+    w = weights()
+    chosen = select(w, torch.float32, 1, "onednn", max_rows=32)
+    x = torch.randn(5, 16)
+    assert torch.allclose(chosen.linears[0](x), x @ w[0][1].T + w[0][2], atol=1e-5)
+
+
+def test_unknown_path_is_named():
+    with pytest.raises(ValueError, match="gemm must be"):
+        select(weights(), torch.float32, 1, "mkl")
+
+
+def test_scorer_exports_the_engine_choice(stories_path, cache):
+    from prometheus_client import REGISTRY
+
+    from specdec.engine.config import EngineConfig
+    from specdec.engine.factory import build_engine
+    from specdec.scorer_svc.server import export_gemm_choice
+
+    engine = build_engine(EngineConfig(stories_path, kv_capacity_tokens=64))
+    export_gemm_choice(engine)
+    labels = {"path": engine.gemm, "dtype": "float32", "cpu": gemm_select.cpu_model(),
+              "threads": str(engine.num_threads), "forced": "false"}
+    assert REGISTRY.get_sample_value("specdec_engine_gemm_info", labels) == 1.0
+    timed = engine.gemm_report["paths"][engine.gemm]["ms"]
+    assert REGISTRY.get_sample_value("specdec_engine_gemm_ms", {"path": engine.gemm, "rows": "1"}) == timed["1"]

@@ -1,0 +1,284 @@
+"""The gateway's overlapped rounds (gateway/loop.py).
+
+Unit tests around a scripted proposer and scorer that take time: the
+proposer drafts one cohort while the scorer verifies the other, every
+sequence still goes propose → verify → commit in order, and the output is
+lock-step's; ``--overlap on`` splits only when the measured costs say so.
+
+System tests with real processes over gRPC on stories260K, the gateway run
+with ``--overlap always`` (stories260K's Verify is so cheap that ``on`` would
+mostly choose lock-step): greedy output of every method and draft length, in
+concurrent streams, equals transformers greedy; seeded sampling gives the
+same tokens with overlap as without. A proposer killed mid-run: test_faults.py."""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from conftest import assert_same_as_greedy, hf_greedy, hf_model, start_stack
+
+from specdec.client import make_request, stream
+from specdec.gateway.costs import overlap_pays
+from specdec.gateway.discovery import ReplicaSet
+from specdec.gateway.loop import LoopConfig, Overlap, SpecLoop
+from specdec.gateway.request import GenParams
+from specdec.gateway.sequence import Sequence
+from specdec.limits import GREEDY
+from specdec.protos.v1 import specdec_pb2 as pb
+
+SCORER, PROPOSER = "scorer-a:1", "proposer-a:1"
+VOCAB = 100
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def _target(context: list[int]) -> int:
+    """The scripted target model's greedy next token."""
+    return (3 * context[-1] + len(context)) % VOCAB
+
+
+class _Calls:
+    """(kind, seq_ids, start, end) of every call, in a shared clock."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, frozenset[str], float, float]] = []
+
+    def overlapping(self) -> list[tuple[frozenset[str], frozenset[str]]]:
+        """(proposed seq_ids, verified seq_ids) of each propose call that was
+        in flight while a Verify call was."""
+        proposes = [c for c in self.log if c[0] == "propose"]
+        verifies = [c for c in self.log if c[0] == "verify"]
+        return [(p[1], v[1]) for p in proposes for v in verifies if p[2] < v[3] and v[2] < p[3]]
+
+
+class _SlowProposer:
+    """A proposer stream that answers after ``latency_s`` with drafts of the
+    target's continuation, of varied length and now and then wrong at the
+    end, keeping every sequence's tokens as a real proposer does."""
+
+    def __init__(self, calls: _Calls, latency_s: float) -> None:
+        self.calls, self.latency_s = calls, latency_s
+        self.tokens: dict[str, list[int]] = {}
+        self.rounds = 0
+
+    async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
+        start = time.perf_counter()
+        await asyncio.sleep(self.latency_s)
+        self.rounds += 1
+        response = pb.ProposeResponse(batch_id=request.batch_id)
+        for u in request.sequences:
+            if u.open:
+                self.tokens[u.seq_id] = []
+            context = self.tokens[u.seq_id]
+            context.extend(u.token_ids)
+            assert len(context) == u.context_len, "the proposer saw tokens out of order"
+            draft, guess = [], list(context)
+            length = self.rounds % (u.num_speculative_tokens + 1)
+            for i in range(length):
+                wrong = i == length - 1 and self.rounds % 3 == 0
+                draft.append((_target(guess) + wrong) % VOCAB)
+                guess.append(draft[-1])
+            response.drafts.add(seq_id=u.seq_id, status=pb.SEQUENCE_STATUS_OK, token_ids=draft)
+        self.calls.log.append(("propose", frozenset(u.seq_id for u in request.sequences),
+                               start, time.perf_counter()))
+        return response
+
+
+class _SlowScorer:
+    """Greedy verification against ``_target``, taking ``fixed_s +
+    per_token_s`` per row fed (and saying so in compute_s)."""
+
+    def __init__(self, calls: _Calls, fixed_s: float, per_token_s: float) -> None:
+        self.calls, self.fixed_s, self.per_token_s = calls, fixed_s, per_token_s
+        self.contexts: dict[str, list[int]] = {}
+
+    async def Verify(self, request, timeout=None):
+        start = time.perf_counter()
+        for v in request.sequences:
+            if v.context_token_ids:
+                self.contexts[v.seq_id] = list(v.context_token_ids)
+        rows = sum(1 + len(v.draft_token_ids) + len(v.context_token_ids) for v in request.sequences)
+        compute_s = self.fixed_s + self.per_token_s * rows
+        await asyncio.sleep(compute_s)
+        results = []
+        for v in request.sequences:
+            context = self.contexts[v.seq_id]
+            assert len(context) == v.context_len, "verified on a context the gateway did not commit"
+            output = []
+            for token in v.draft_token_ids:
+                if token != _target(context + output):
+                    break
+                output.append(token)
+            num_accepted = len(output)
+            output.append(_target(context + output))
+            context.extend(output)
+            results.append(pb.VerifyResult(seq_id=v.seq_id, status=pb.SEQUENCE_STATUS_OK,
+                                           output_token_ids=output, num_accepted=num_accepted))
+        self.calls.log.append(("verify", frozenset(v.seq_id for v in request.sequences),
+                               start, time.perf_counter()))
+        return pb.VerifyResponse(results=results, compute_s=compute_s)
+
+    async def Release(self, request, timeout=None):
+        for seq_id in request.seq_ids:
+            self.contexts.pop(seq_id, None)
+        return pb.ReleaseResponse()
+
+
+def _params(prompt: list[int], k: int, max_tokens: int) -> GenParams:
+    return GenParams(prompt_ids=prompt, max_tokens=max_tokens, stop=[], ignore_eos=True, temperature=0.0,
+                     top_k=0, top_p=1.0, seed=1, method="ngram", num_speculative_tokens=k,
+                     min_n=1, max_n=4, max_tree_depth=64, max_spec_factor=1.0, min_token_prob=0.1,
+                     verify_strategy=GREEDY, accept_policy=0, adaptive=False)
+
+
+def _expected(prompt: list[int], max_tokens: int) -> list[int]:
+    tokens = list(prompt)
+    while len(tokens) < len(prompt) + max_tokens:
+        tokens.append(_target(tokens))
+    return tokens
+
+
+def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency_s: float = 0.02,
+              fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3):
+    """Runs num_seqs sequences to the end; returns (their tokens, the call log)."""
+    calls = _Calls()
+    proposer, scorer = _SlowProposer(calls, latency_s), _SlowScorer(calls, fixed_s, per_token_s)
+
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("ngram", [PROPOSER])},
+                        vocab_size=VOCAB, config=LoopConfig(overlap=overlap, stall_sleep_s=0.0))
+        loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+        loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
+        seqs = [Sequence(f"r{i}", _params([5 + i, 7, 11 + i], k, max_tokens), _Tokenizer(), (), 512)
+                for i in range(num_seqs)]
+        for seq in seqs:
+            loop.submit(seq)
+        for _ in range(10 * max_tokens):
+            if all(s.done for s in seqs):
+                break
+            await loop._round()
+        assert all(s.done and not s.failed for s in seqs)
+        return [s.tokens for s in seqs]
+
+    return asyncio.run(run()), calls
+
+
+def test_proposer_drafts_one_cohort_while_the_scorer_verifies_the_other():
+    outputs, calls = _generate(Overlap.ALWAYS)
+    assert outputs == [_expected([5 + i, 7, 11 + i], 24) for i in range(4)]
+    overlapping = calls.overlapping()
+    assert len(overlapping) >= 5, "no propose call ran while a Verify did"
+    for proposed, verified in overlapping:
+        assert proposed and verified and not proposed & verified, "a sequence was proposed while verified"
+    sizes = [len(seq_ids) for kind, seq_ids, *_ in calls.log]
+    assert sizes[:6] == [2] * 6 and max(sizes) == 2, f"the cohorts are not halves: {sizes}"
+
+
+def test_lock_step_never_overlaps_and_gives_the_same_output():
+    """The control: with overlap off the same scripted calls never overlap
+    (so the test above fails on a lock-step loop), and the tokens agree."""
+    overlapped, _ = _generate(Overlap.ALWAYS)
+    lock_step, calls = _generate(Overlap.OFF)
+    assert calls.overlapping() == []
+    assert lock_step == overlapped
+
+
+def test_one_sequence_runs_lock_step():
+    outputs, calls = _generate(Overlap.ALWAYS, num_seqs=1)
+    assert outputs == [_expected([5, 7, 11], 24)]
+    assert calls.overlapping() == []
+
+
+@pytest.mark.parametrize("fixed_s,per_token_s,overlaps", [
+    (0.0, 0.002, True),  # a CPU-like scorer: rows cost, a half Verify costs half
+    (0.06, 0.0, False),  # a GPU-like scorer: a half batch costs a whole one, the proposer is quicker
+])
+def test_overlap_on_follows_the_measured_costs(fixed_s, per_token_s, overlaps):
+    """--overlap on splits only when the fitted costs say two cohorts win
+    (at first, without figures, it tries)."""
+    outputs, calls = _generate(Overlap.ON, num_seqs=6, max_tokens=40, latency_s=0.005,
+                               fixed_s=fixed_s, per_token_s=per_token_s)
+    assert outputs == [_expected([5 + i, 7, 11 + i], 40) for i in range(6)]
+    second_half = calls.log[len(calls.log) // 2][2]  # the cost model has its figures by then
+    late = [(p, v) for p, v in calls.overlapping()
+            if min(c[2] for c in calls.log if c[1] in (p, v)) >= second_half]
+    assert bool(late) == overlaps
+
+
+def test_overlap_pays_when_the_proposer_fits_between_a_verify_s_fixed_cost_and_its_whole():
+    cpu = (0.001, 0.0001)  # 1 ms + 0.1 ms per row
+    assert overlap_pays(0.005, cpu, 200)  # 5 ms proposer, 21 ms Verify: hidden behind half of it
+    assert not overlap_pays(0.0002, cpu, 200)  # a proposer cheaper than a Verify's fixed part
+    assert not overlap_pays(0.05, cpu, 200)  # a proposer slower than the whole Verify
+    gpu = (0.02, 0.00001)  # 20 ms + 10 µs per row: half a batch costs almost a whole one
+    assert not overlap_pays(0.005, gpu, 256)
+    assert overlap_pays(0.03, gpu, 2048)  # a slow proposer and a large batch: 60 ms against 70 ms
+
+
+# ------------------------------------------------------------ real processes
+
+PROMPTS = ["Once upon a time",
+           "Tom saw a big dog. The dog was happy. Tom saw a big dog. The dog was happy. Tom saw a big"]
+METHODS = ["ngram", "suffix", "hybrid", "draft"]  # draft: stories260K drafting for itself
+MAX_TOKENS = 40
+
+
+def _overlap_stack(path, tmp_path_factory, overlap: str):
+    from specdec.proposer_svc.registry import COPY_METHODS
+
+    return start_stack(path, tmp_path_factory, f"overlap-{overlap}", methods=",".join([*COPY_METHODS, "draft"]),
+                       draft_model=path, metrics=True, extra_gateway_args=["--overlap", overlap])
+
+
+@pytest.fixture(scope="module")
+def overlap_stack(stories_path, tmp_path_factory):
+    stack = _overlap_stack(stories_path, tmp_path_factory, "always")
+    yield stack
+    stack.stop()
+
+
+def _overlapped_steps(stack) -> float:
+    return stack.by_name("gateway")[0].metrics().get("specdec_gateway_overlapped_steps_total", 0.0)
+
+
+def _concurrently(addr: str, requests: list) -> list:
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda r: stream(addr, r), requests))
+
+
+def test_greedy_identity_with_overlap_for_every_method_and_k(overlap_stack, stories_path):
+    cases = [(prompt, method, k) for prompt in PROMPTS for method in METHODS for k in (1, 3, 8)]
+    steps = _overlapped_steps(overlap_stack)
+    gens = _concurrently(overlap_stack.gateway_addr,
+                         [make_request(p, max_tokens=MAX_TOKENS, method=m, k=k) for p, m, k in cases])
+    assert _overlapped_steps(overlap_stack) > steps + 10, "the gateway did not overlap its rounds"
+    for (prompt, method, k), gen in zip(cases, gens):
+        expected = hf_greedy(stories_path, tuple(hf_model(stories_path)[1](prompt)["input_ids"]), MAX_TOKENS)
+        assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
+        assert gen.stats.draft_tokens <= k * gen.stats.rounds, (method, k)
+    assert sum(g.stats.accepted_tokens for g in gens) > 0  # the proposers' drafts were used
+
+
+def test_seeded_sampling_with_overlap_is_reproducible_and_equals_lock_step(overlap_stack):
+    """Concurrent streams run overlapped; a stream alone runs lock-step (one
+    live sequence has nothing to overlap with). ngram and draft: their drafts
+    depend on the sequence alone (suffix and hybrid also learn from earlier
+    outputs, so with sampling a later run draws on other drafts: the same
+    distribution, other tokens)."""
+    addr = overlap_stack.gateway_addr
+    requests = [make_request(PROMPTS[i % 2], max_tokens=24, method=m, k=4, temperature=0.9, top_p=0.95,
+                             seed=100 + i) for i, m in enumerate(["ngram", "draft"] * 4)]
+    steps = _overlapped_steps(overlap_stack)
+    overlapped = [g.token_ids for g in _concurrently(addr, requests)]
+    assert _overlapped_steps(overlap_stack) > steps
+    again = [g.token_ids for g in _concurrently(addr, requests)]
+    steps = _overlapped_steps(overlap_stack)
+    lock_step = [stream(addr, r).token_ids for r in requests]
+    assert _overlapped_steps(overlap_stack) == steps
+    assert overlapped == again == lock_step
+    assert len({tuple(t) for t in overlapped}) > 2  # seeds (and prompts) matter

@@ -1,0 +1,203 @@
+"""The batched proposer servicer (one Proposer.advance per method and message)
+against the per-sequence proposer API: many sequences per message, opens,
+updates, releases (completed ones feed the suffix global tree), re-opens
+after UNKNOWN_SEQUENCE, and bad updates in the middle of a batch, in-process
+and through a real proposer process over gRPC."""
+from __future__ import annotations
+
+import queue
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from specdec.launcher import free_port, wait_serving
+from specdec.proposer_svc.base import SeqOptions
+from specdec.proposer_svc.registry import build_proposers
+from specdec.proposer_svc.server import ProposerServicer
+from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
+
+METHODS = ["ngram", "suffix", "hybrid"]
+OK, UNKNOWN, INVALID = pb.SEQUENCE_STATUS_OK, pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, pb.SEQUENCE_STATUS_INVALID
+
+
+def _text(rng: np.random.Generator, length: int) -> list[int]:
+    """Tokens drawn from a few shared phrases (so every method drafts)."""
+    phrases = [list(range(10 * p, 10 * p + 3 + p % 5)) for p in range(8)]
+    out: list[int] = []
+    while len(out) < length:
+        out.extend(phrases[int(rng.integers(len(phrases)))] if rng.random() < 0.8 else [int(rng.integers(100))])
+    return out[:length]
+
+
+class Driver:
+    """Rounds of Propose messages over many sequences, each checked against
+    reference proposers driven one call at a time with the same inputs."""
+
+    def __init__(self, exchange, seed: int) -> None:
+        self.exchange = exchange  # ProposeRequest -> ProposeResponse
+        self.rng = np.random.default_rng(seed)
+        self.reference = build_proposers(METHODS)
+        self.tokens: dict[str, list[int]] = {}  # seq_id -> its whole text
+        self.sent: dict[str, int] = {}  # seq_id -> tokens the proposer holds (0: open next)
+        self.method: dict[str, str] = {}
+        self.next_id = 0
+        self.drafted = 0
+
+    def add(self, count: int) -> None:
+        for _ in range(count):
+            seq_id = f"s{self.next_id}"
+            self.next_id += 1
+            self.tokens[seq_id] = _text(self.rng, 400)
+            self.sent[seq_id], self.method[seq_id] = 0, METHODS[self.next_id % len(METHODS)]
+
+    def update(self, seq_id: str, k: int) -> pb.SequenceUpdate:
+        """The next update of seq_id (opening it with 20..60 tokens, else 1..4 more)."""
+        n = self.sent[seq_id]
+        if n == 0:
+            end = int(self.rng.integers(20, 60))
+            return pb.SequenceUpdate(seq_id=seq_id, open=True, token_ids=self.tokens[seq_id][:end], context_len=end,
+                                     num_speculative_tokens=k, options=pb.ProposerOptions(
+                                         method=self.method[seq_id], min_token_prob=0.1))
+        end = n + int(self.rng.integers(1, 5))
+        return pb.SequenceUpdate(seq_id=seq_id, token_ids=self.tokens[seq_id][n:end], context_len=end,
+                                 num_speculative_tokens=k)
+
+    def round(self, releases: list[tuple[str, bool]] = (), extra: list[pb.SequenceUpdate] = (),
+              skip: str = "") -> pb.ProposeResponse:
+        """Sends the extra updates, then every live sequence's but skip's, and
+        checks the drafts of the latter against the reference."""
+        gone = {s for s, _ in releases} | {skip}
+        updates = list(extra) + [self.update(s, int(self.rng.integers(0, 9))) for s in self.tokens if s not in gone]
+        response = self.exchange(pb.ProposeRequest(
+            releases=[pb.SequenceRelease(seq_id=s, completed=c) for s, c in releases], sequences=updates))
+        assert [d.seq_id for d in response.drafts] == [u.seq_id for u in updates]
+        for seq_id, completed in releases:
+            self.reference[self.method.pop(seq_id)].stop(seq_id, completed)
+            del self.tokens[seq_id], self.sent[seq_id]
+        ours = list(zip(updates, response.drafts))[len(extra):]
+        for u, d in ours:
+            assert d.status == OK, (u.seq_id, d.message)
+            prop = self.reference[self.method[u.seq_id]]
+            if u.open:
+                prop.start(u.seq_id, np.array(u.token_ids, dtype=np.int32), SeqOptions(min_token_prob=0.1))
+            else:
+                prop.extend(u.seq_id, np.array(u.token_ids, dtype=np.int32))
+            self.sent[u.seq_id] = u.context_len
+        for u, d in ours:
+            k = u.num_speculative_tokens
+            expected = self.reference[self.method[u.seq_id]].propose([(u.seq_id, k)])[0].truncated(k)
+            assert list(d.token_ids) == expected.token_ids.tolist(), u.seq_id
+            self.drafted += len(expected.token_ids)
+        return response
+
+    def scenario(self) -> None:
+        """Opens, rounds, completed and cancelled releases (the suffix global
+        tree fills), bad updates and a desynchronised sequence mid-batch (only
+        they fail), and the re-open that follows."""
+        self.add(40)
+        for _ in range(6):
+            self.round()
+        done = list(self.tokens)[:10]
+        self.round(releases=[(s, i % 3 != 0) for i, s in enumerate(done)])
+        self.add(10)
+        for _ in range(4):
+            self.round()
+        live = list(self.tokens)
+        victim, holder = live[3], live[5]
+        bad_len = self.update(victim, 3)
+        bad_len.context_len += 1  # a length the proposer does not hold
+        extra = [pb.SequenceUpdate(seq_id=holder, token_ids=[1], num_speculative_tokens=99),
+                 pb.SequenceUpdate(seq_id=holder, token_ids=[-4], num_speculative_tokens=2),
+                 bad_len,
+                 pb.SequenceUpdate(seq_id="", num_speculative_tokens=2),
+                 pb.SequenceUpdate(seq_id="nobody", token_ids=[1], num_speculative_tokens=2)]
+        response = self.round(extra=extra, skip=victim)
+        assert [d.status for d in response.drafts[:len(extra)]] == [INVALID, INVALID, UNKNOWN, INVALID, UNKNOWN]
+        assert [d.message.split(":")[0] for d in response.drafts[:2]] == ["num_speculative_tokens", "token_ids"]
+        assert len(response.drafts[2].token_ids) == 0
+        # the proposer dropped victim: its next update is refused, then it re-opens
+        self.sent[victim] = self.sent[victim] + len(bad_len.token_ids)
+        response = self.exchange(pb.ProposeRequest(sequences=[self.update(victim, 3)]))
+        assert response.drafts[0].status == UNKNOWN
+        self.sent[victim] = 0
+        self.reference[self.method[victim]].stop(victim, False)
+        for _ in range(3):
+            self.round()
+        assert self.drafted > 100
+
+
+def _bad_updates_named(exchange) -> None:
+    """Bad updates in one message: each INVALID with its field named, the good ones served."""
+    good = pb.SequenceUpdate(seq_id="g", open=True, token_ids=[1, 2, 3, 1, 2], context_len=5,
+                             num_speculative_tokens=2, options=pb.ProposerOptions(method="ngram"))
+    bad = [pb.SequenceUpdate(seq_id="b1", open=True, token_ids=[1], num_speculative_tokens=99,
+                             options=pb.ProposerOptions(method="ngram")),
+           pb.SequenceUpdate(seq_id="b2", open=True, token_ids=[1, -2], options=pb.ProposerOptions(method="ngram")),
+           pb.SequenceUpdate(seq_id="", num_speculative_tokens=1),
+           pb.SequenceUpdate(seq_id="b3", open=True, token_ids=[1], options=pb.ProposerOptions(method="nope")),
+           pb.SequenceUpdate(seq_id="b4", open=True, token_ids=[1],
+                             options=pb.ProposerOptions(method="ngram", min_n=3, max_n=2))]
+    response = exchange(pb.ProposeRequest(sequences=[bad[0], bad[1], good, bad[2], bad[3], bad[4]]))
+    statuses = [(d.status, d.message) for d in response.drafts]
+    assert statuses[2] == (OK, "") and list(response.drafts[2].token_ids) == [3, 1]
+    for (status, message), field in zip(statuses[:2] + statuses[3:],
+                                        ["num_speculative_tokens", "token_ids", "seq_id", "options.method",
+                                         "options.min_n"]):
+        assert status == INVALID and message.startswith(field), message
+    follow = exchange(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, token_ids=[3], context_len=6, num_speculative_tokens=2) for s in ("b1", "g")]))
+    assert [d.status for d in follow.drafts] == [UNKNOWN, OK]  # nothing of b1 was opened
+    assert list(follow.drafts[1].token_ids) == [1, 2]
+
+
+def test_a_sequence_named_twice_in_one_message_is_updated_in_order():
+    """Its updates apply one after the other (each length check sees the
+    previous one), as if sent in two messages."""
+    handle = ProposerServicer(build_proposers(METHODS)).handle
+    for method in METHODS:
+        opts = pb.ProposerOptions(method=method, min_token_prob=0.1)
+        response = handle(pb.ProposeRequest(sequences=[
+            pb.SequenceUpdate(seq_id="d", open=True, token_ids=[1, 2, 3, 1], context_len=4, options=opts),
+            pb.SequenceUpdate(seq_id="d", token_ids=[2], context_len=5, num_speculative_tokens=2),
+            pb.SequenceUpdate(seq_id="d", token_ids=[3, 1], context_len=7, num_speculative_tokens=2),
+            pb.SequenceUpdate(seq_id="d", open=True, token_ids=[7, 8, 7], context_len=3, options=opts,
+                              num_speculative_tokens=1)]))
+        assert [d.status for d in response.drafts] == [OK] * 4, [d.message for d in response.drafts]
+        assert list(response.drafts[3].token_ids) == [8]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_servicer_drafts_as_the_per_sequence_api(seed):
+    servicer = ProposerServicer(build_proposers(METHODS))
+    Driver(servicer.handle, seed).scenario()
+
+
+def test_batched_servicer_names_bad_fields():
+    _bad_updates_named(ProposerServicer(build_proposers(METHODS)).handle)
+
+
+def test_real_proposer_process_batches_as_the_per_sequence_api():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "proposer", "--methods", ",".join(METHODS),
+                             "--port", str(port)])
+    requests: queue.Queue = queue.Queue()
+    try:
+        addr = f"127.0.0.1:{port}"
+        wait_serving(addr, proc, 120, "proposer")
+        with grpc.insecure_channel(addr) as channel:
+            responses = pb_grpc.ProposerStub(channel).Propose(iter(requests.get, None))
+
+            def exchange(request: pb.ProposeRequest) -> pb.ProposeResponse:
+                requests.put(request)
+                return next(responses)
+
+            Driver(exchange, seed=2).scenario()
+            _bad_updates_named(exchange)
+            requests.put(None)
+    finally:
+        proc.terminate()
+        proc.wait(30)
