@@ -241,6 +241,21 @@ def invariance_failure(make_linear: MakeLinear, weights: Weights, row_counts: tu
     return None
 
 
+#: How a path's verdict starts when the CPU cannot run it at all.
+UNSUPPORTED = "not supported by this CPU"
+
+
+def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    """invariance_failure for one path; a path the CPU cannot run (oneDNN's
+    bfloat16 kernels need AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AMD EPYC
+    with AVX2 only has neither) fails with UNSUPPORTED and torch's reason."""
+    try:
+        return invariance_failure(functools.partial(Linear, path=path), weights, row_counts, dtype)
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"{UNSUPPORTED} ({dtype}): {reason}"
+
+
 # ---- timing ------------------------------------------------------------------------
 
 
@@ -293,8 +308,10 @@ def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts
     for role, w, b in weights:
         name = f"{role}:{w.shape[0]}x{w.shape[1]}{'+b' if b is not None else ''}"
         shapes[name] = shapes.get(name, 0) + 1
-    return {"version": CACHE_VERSION, "cpu": cpu_model(), "torch": torch.__version__, "dtype": str(dtype),
-            "threads": num_threads, "shapes": shapes, "row_counts": list(row_counts)}
+    # the model name alone does not tell CPUs apart ("AMD EPYC" with and without AVX-512): the flags do
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return {"version": CACHE_VERSION, "cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__,
+            "dtype": str(dtype), "threads": num_threads, "shapes": shapes, "row_counts": list(row_counts)}
 
 
 def _cache_file(key: dict) -> Path:
@@ -340,8 +357,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         entry = verdicts.setdefault(name, {})
         if "failure" not in entry:
             t = time.perf_counter()
-            entry["failure"] = invariance_failure(functools.partial(Linear, path=GEMM_PATHS[name]), weights,
-                                                  row_counts, dtype)
+            entry["failure"] = path_failure(GEMM_PATHS[name], weights, row_counts, dtype)
             entry["check_s"] = round(time.perf_counter() - t, 3)
             dirty = True
     untimed = [GEMM_PATHS[n] for n in names if verdicts[n]["failure"] is None and "ms" not in verdicts[n]]
@@ -356,8 +372,8 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     if gemm != "auto":
         failure = verdicts[gemm]["failure"]
         if failure is not None:
-            raise GemmRefused(f"gemm={gemm!r} breaks row-count invariance on this CPU ({cpu_model()}): "
-                              f"{failure}; use gemm='auto'")
+            what = "cannot run" if failure.startswith(UNSUPPORTED) else "breaks row-count invariance"
+            raise GemmRefused(f"gemm={gemm!r} {what} on this CPU ({cpu_model()}): {failure}; use gemm='auto'")
         chosen = gemm
     else:
         ok = [n for n in names if verdicts[n]["failure"] is None]

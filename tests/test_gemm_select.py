@@ -186,3 +186,28 @@ def test_scorer_exports_the_engine_choice(stories_path, cache):
     assert REGISTRY.get_sample_value("specdec_engine_gemm_info", labels) == 1.0
     timed = engine.gemm_report["paths"][engine.gemm]["ms"]
     assert REGISTRY.get_sample_value("specdec_engine_gemm_ms", {"path": engine.gemm, "rows": "1"}) == timed["1"]
+
+
+def test_a_path_the_cpu_cannot_run_is_refused_by_name_and_skipped_by_auto(cache, monkeypatch):
+    """oneDNN's bfloat16 kernels raise on a CPU without AVX512-BW/VL/DQ (an
+    AVX2-only AMD EPYC): that is the path's verdict, not a crash of the engine;
+    the CPU's flags are part of the cache key (the model name "AMD EPYC"
+    covers CPUs with and without AVX-512)."""
+    real_init = gemm_select.Linear.__init__
+
+    def init(self, weight, bias, path):
+        if path.kind == "onednn":
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw\nmore")
+        real_init(self, weight, bias, path)
+
+    monkeypatch.setattr(gemm_select.Linear, "__init__", init)
+    with pytest.raises(GemmRefused, match=r"gemm='onednn' cannot run on this CPU .*not supported by this CPU "
+                                          r"\(torch.float32\): mkldnn_reorder_linear_weight: bf16 path needs"):
+        select(weights(), torch.float32, 1, "onednn", max_rows=32)
+    chosen = select(weights(), torch.float32, 1, "auto", max_rows=32)
+    assert chosen.path.name == "aten"
+    assert chosen.report["paths"]["onednn-unpadded"]["failure"].startswith(gemm_select.UNSUPPORTED)
+    stored = json.loads(next(cache.glob("*.json")).read_text())["key"]
+    assert gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32)) == stored
+    monkeypatch.setattr(gemm_select, "cpu_flags", lambda: {"avx2", "avx512f"})
+    assert gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32)) != stored
