@@ -99,6 +99,7 @@ def test_killing_an_eagle3_proposer_mid_run_changes_nothing(heads_stack):
     assert disturbed == undisturbed
 
 
+@pytest.mark.slow  # a quality figure (trains a head for a minute); the invariant tests above stay in the default run
 def test_a_distilled_head_accepts_more_than_ngram_on_fresh_prompts(stories_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("distilled") / "head"
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--kind", "eagle3", "--target",

@@ -37,8 +37,9 @@ def expected(smollm_path, smollm_stack):
 
 
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("method,k", [("naive", 1), ("naive", 3), ("naive", 8),
-                                      ("ngram", 1), ("ngram", 3), ("ngram", 8)])
+@pytest.mark.parametrize("method,k", [pytest.param("naive", 1, marks=pytest.mark.slow), ("naive", 3),
+                                      pytest.param("naive", 8, marks=pytest.mark.slow), ("ngram", 1),
+                                      pytest.param("ngram", 3, marks=pytest.mark.slow), ("ngram", 8)])
 def test_greedy_matches_transformers_on_smollm(smollm_stack, smollm_path, expected, prompt, method, k):
     prompt_ids, reference = expected[prompt]
     gen = stream(smollm_stack.gateway_addr,

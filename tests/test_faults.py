@@ -83,7 +83,7 @@ def _moves(stack, kind: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
 
 
-@pytest.mark.parametrize("overlap", ["off", "always"])
+@pytest.mark.parametrize("overlap", [pytest.param("off", marks=pytest.mark.slow), "always"])  # lock-step: slow suite
 def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory, overlap):
     """Lock-step, and overlapped (the replica may die while one cohort's
     Propose is in flight and the other's Verify runs)."""

@@ -14,7 +14,8 @@ from specdec.client import make_request, stream
 from specdec.launcher import free_port
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGINT],
+                         ids=["SIGTERM", "SIGINT"])  # both take the same path in serve; SIGTERM in the slow suite
 def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
