@@ -18,7 +18,9 @@ found through an open-addressing hash table keyed by (parent, token) and
 chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
 ``seqs`` gives stream s's start in the pool, the number of its tokens
-inserted so far and its time base.
+inserted so far and its time base. The per-request tries of all live
+requests share one such set of arrays, each with its own root
+(``RequestArena``), so a round of many requests is one kernel call.
 
 Leaf compression. A node seen once (count 1) implies a chain of count-1
 descendants that simply follows its single occurrence; such a node is stored
@@ -45,11 +47,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import numpy as np
-from numba import njit, types
-from numba.typed import List
+from numba import njit
 
 from specdec.drafts import Draft
 from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence
@@ -59,8 +59,8 @@ TOK, PARENT, COUNT, DEPTH, BEST, FIRST, NEXT, PREV, LSEQ, LPOS = range(10)
 NUM_FIELDS = 10
 # entries of `hdr` (int64 [5]); H_POOL_END: end of the used part of the pool
 H_USED, H_FREE, H_LIVE, H_KEYS, H_POOL_END = range(5)
-# columns of `seqs` (int64 [S, 3])
-S_START, S_LEN, S_TIME = range(3)
+# columns of `seqs` (int64 [S, 3]; a RequestArena's has S_CAP too: [S, 4])
+S_START, S_LEN, S_TIME, S_CAP = range(4)
 
 # the streams of a per-request trie
 REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
@@ -226,11 +226,12 @@ def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, n
 
 
 @njit(cache=True)
-def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, end, active, n_active,
+def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, root, end, active, n_active,
                   max_depth):
     """Inserts stream ``seq``'s tokens from position seqs[seq, S_LEN] up to
-    ``end`` (already written in the pool), stopping early when the node or
-    hash arrays might overflow; returns the new seqs[seq, S_LEN].
+    ``end`` (already written in the pool) into the tree under ``root``,
+    stopping early when the node or hash arrays might overflow; returns the
+    new seqs[seq, S_LEN].
 
     active: int32 [max_depth + 1], its first n_active[0] entries the stream's
     active nodes (updated in place).
@@ -245,7 +246,7 @@ def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, end, active
         tok = pool[start + pos]
         seqs[seq, S_LEN] = pos + 1
         num = 0
-        c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, ROOT, tok, seq, pos, base + pos,
+        c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, root, tok, seq, pos, base + pos,
                   max_depth)
         if c >= 0 and nodes[c, DEPTH] < max_depth:
             scratch[num] = c
@@ -391,108 +392,107 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 
 
 # ------------------------------------------------------ rounds of requests
-# The per-request tries of many sequences, reached through numba typed lists
-# indexed by slot (nodes_l ... n_active_l, see _TrieTable): one call per round
-# instead of one per sequence. Built and updated by cached kernels too, so a
-# process compiles nothing for them. (Passed one by one: the dispatcher types
-# a tuple of lists slowly, ~0.4 ms a call.)
+# The per-request tries of all live sequences share one set of flat arrays
+# (an *arena*, see RequestArena): every request has its own root node and two
+# streams (rows 2 * slot + REFERENCE_STREAM / CONTEXT_STREAM of ``seqs``), and
+# since hash keys are (parent, token) with parents of one request only, one
+# hash table serves them all. So a round of many sequences (insert the new
+# tokens, then draft) is one kernel call over plain arrays, and arrays grow
+# once for all (doubling), not once per request.
 @njit(cache=True)
-def new_trie_lists():
-    """Empty lists of (nodes, stamps, hkeys, hvals, hdr, pool, seqs, active, n_active) by slot."""
-    return (List.empty_list(types.int32[:, ::1]), List.empty_list(types.int64[::1]),
-            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[:, ::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[::1]))
-
-
-@njit(cache=True)
-def put_trie(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, slot, nodes, stamps,
-             hkeys, hvals, hdr, pool, seqs, active, n_active):
-    """Stores one trie's arrays (and its active nodes) in slot (== length: appended)."""
-    if slot == len(nodes_l):
-        nodes_l.append(nodes)
-        stamps_l.append(stamps)
-        hkeys_l.append(hkeys)
-        hvals_l.append(hvals)
-        hdr_l.append(hdr)
-        pool_l.append(pool)
-        seqs_l.append(seqs)
-        active_l.append(active)
-        n_active_l.append(n_active)
+def new_root(nodes, stamps, hdr):
+    """Allocates a root (depth 0, no children) and returns its row."""
+    c = hdr[H_FREE]
+    if c >= 0:
+        hdr[H_FREE] = nodes[c, NEXT]
     else:
-        nodes_l[slot] = nodes
-        stamps_l[slot] = stamps
-        hkeys_l[slot] = hkeys
-        hvals_l[slot] = hvals
-        hdr_l[slot] = hdr
-        pool_l[slot] = pool
-        seqs_l[slot] = seqs
-        active_l[slot] = active
-        n_active_l[slot] = n_active
+        c = hdr[H_USED]
+        hdr[H_USED] += 1
+    hdr[H_LIVE] += 1
+    nodes[c, :] = -1
+    nodes[c, COUNT] = nodes[c, DEPTH] = 0
+    stamps[c] = 0
+    return c
 
 
 @njit(cache=True)
-def append_batch(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, depths, slots,
-                 tokens, bounds, written, first):
-    """Appends tokens[bounds[i]:bounds[i + 1]] to the context stream of the
-    trie in slot slots[i], for i = first.. in order (as SuffixTrie.append).
-    written: bool [n], the tokens already copied to the pool (in/out).
-    Returns the first i whose pool (not written[i]) or node/hash arrays
-    (written[i]) are full, for the caller to grow them and call again; n
-    when all are inserted."""
-    for i in range(first, slots.shape[0]):
-        s = slots[i]
-        pool, hdr, seqs = pool_l[s], hdr_l[s], seqs_l[s]
-        if not written[i]:
-            at, num = hdr[H_POOL_END], bounds[i + 1] - bounds[i]
-            if at + num > pool.shape[0]:
-                return i
-            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
-            hdr[H_POOL_END] = at + num
-            written[i] = True
-        end = hdr[H_POOL_END] - seqs[CONTEXT_STREAM, S_START]
-        if append_tokens(nodes_l[s], stamps_l[s], hkeys_l[s], hvals_l[s], hdr, pool, seqs, CONTEXT_STREAM, end,
-                         active_l[s], n_active_l[s], depths[s]) < end:
-            return i
-    return slots.shape[0]
+def free_tree(nodes, hkeys, hvals, hdr, root):
+    """Frees the tree under ``root`` (root included): its rows go to the free
+    list and its hash keys are deleted."""
+    stack = [root]
+    while len(stack):
+        c = stack.pop()
+        child = nodes[c, FIRST]
+        while child >= 0:  # siblings are read before any of them is freed
+            stack.append(child)
+            child = nodes[child, NEXT]
+        if c != root:
+            _hash_del(hkeys, hvals, _key(nodes[c, PARENT], nodes[c, TOK]))
+            hdr[H_KEYS] -= 1
+        hdr[H_LIVE] -= 1
+        nodes[c, NEXT] = hdr[H_FREE]
+        hdr[H_FREE] = c
 
 
 @njit(cache=True)
-def speculate_batch(nodes_l, pool_l, seqs_l, active_l, n_active_l, depths, factors, min_probs, slots, context_lens,
-                    ks, g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, use_global, in_sync, out, offsets,
-                    scores):
-    """SuffixProposer._propose_one for the requests in slots (int64 [n]):
-    the per-request trie's draft, or the global trie's (g_*, searched when
-    use_global) when it scores higher (ties: the longer). Writes in_sync
-    (bool [n]: context length == context_lens[i], or that is 0), the drafts
-    into out (int32 [>= sum of ks]) at offsets (int64 [n + 1]) and their
-    scores (float64 [n]); out-of-sync requests get no draft."""
-    num = 0
+def arena_round(nodes, stamps, hkeys, hvals, hdr, pool, seqs, roots, depths, factors, min_probs, active, n_active,
+                slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth,
+                use_global, in_sync, out, offsets, scores, first):
+    """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
+    the context stream of the request in slot slots[i] and inserts them (as
+    SuffixTrie.append), then, when its context length equals context_lens[i]
+    (0: not checked; in_sync[i] says) and ks[i] > 0, drafts: the per-request
+    trie's best draft, or the global trie's (g_*, searched when use_global)
+    when it scores higher (ties: the longer). Drafts go to out (int32 [>= sum
+    of ks]) at offsets (int64 [n + 1], offsets[first] set), their scores
+    (float64 [n]) to scores. Inserting and drafting one request after the
+    other keeps its rows in cache between the two.
+
+    ends: int64 [n], the context length once i's tokens are in the pool (-1:
+    not yet; in/out). Returns the first i that needs room, for the caller to
+    grow the pool (ends[i] < 0) or the node and hash arrays, and to call again
+    from i; n when all are done.
+    """
     local_best, g_best = np.zeros(3), np.zeros(3)
-    for i in range(slots.shape[0]):
+    for i in range(first, slots.shape[0]):
         s, k = slots[i], ks[i]
-        seqs = seqs_l[s]
-        length = seqs[CONTEXT_STREAM, S_LEN]
-        offsets[i], scores[i] = num, 0.0
+        ctx = 2 * s + CONTEXT_STREAM
+        if ends[i] < 0:
+            length, num = seqs[ctx, S_LEN], bounds[i + 1] - bounds[i]
+            if length + num > seqs[ctx, S_CAP]:  # move the stream to a larger region at the pool's end
+                cap, at, old = 2 * (length + num), hdr[H_POOL_END], seqs[ctx, S_START]
+                if at + cap > pool.shape[0]:
+                    return i
+                pool[at:at + length] = pool[old:old + length]
+                seqs[ctx, S_START], seqs[ctx, S_CAP] = at, cap
+                hdr[H_POOL_END] = at + cap
+            at = seqs[ctx, S_START] + length
+            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
+            ends[i] = length + num
+        if append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, ctx, roots[s], ends[i], active[s],
+                         n_active[s:s + 1], depths[s]) < ends[i]:
+            return i
+        num = offsets[i]
+        length = seqs[ctx, S_LEN]
         in_sync[i] = context_lens[i] == 0 or length == context_lens[i]
-        if not in_sync[i] or k <= 0:
-            continue
-        speculate_active(nodes_l[s], pool_l[s], seqs, depths[s], active_l[s], n_active_l[s][0], k, factors[s],
-                         min_probs[s], out[num:num + k], local_best)
-        drafted, score = int(local_best[1]), local_best[0]
-        if use_global:
-            depth, start = depths[s], seqs[CONTEXT_STREAM, S_START]
-            context = pool_l[s][start + max(0, length - depth):start + length]
-            g_out = np.empty(k, dtype=np.int32)
-            speculate_walk(g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, context, depth, k, factors[s],
-                           min_probs[s], g_out, g_best)
-            if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
-                drafted, score = int(g_best[1]), g_best[0]
-                out[num:num + drafted] = g_out[:drafted]
-        num += drafted
-        scores[i] = score
-    offsets[slots.shape[0]] = num
+        scores[i] = 0.0
+        if in_sync[i] and k > 0:
+            speculate_active(nodes, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
+                             out[num:num + k], local_best)
+            drafted, score = int(local_best[1]), local_best[0]
+            if use_global:
+                depth, start = depths[s], seqs[ctx, S_START]
+                g_out = np.empty(k, dtype=np.int32)
+                speculate_walk(g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth,
+                               pool[start + max(0, length - depth):start + length], depth, k, factors[s],
+                               min_probs[s], g_out, g_best)
+                if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
+                    drafted, score = int(g_best[1]), g_best[0]
+                    out[num:num + drafted] = g_out[:drafted]
+            num += drafted
+            scores[i] = score
+        offsets[i + 1] = num
+    return slots.shape[0]
 
 
 # ----------------------------------------------------------- Python handle
@@ -543,7 +543,7 @@ class SuffixTrie:
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
         while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
-                            self.seqs, seq, end, active, n_active, self.max_depth) < end:
+                            self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
 
     def remove(self, seq: int) -> None:
@@ -603,11 +603,6 @@ class SuffixTrie:
         speculate_walk(self.nodes, self.hkeys, self.hvals, self.pool, self.seqs, self.max_depth,
                        context, max_match, k, max_spec_factor, min_token_prob, out, best)
 
-    def speculate_active(self, active: np.ndarray, n_active: int, k: int, max_spec_factor: float,
-                         min_token_prob: float, out: np.ndarray, best: np.ndarray) -> None:
-        speculate_active(self.nodes, self.pool, self.seqs, self.max_depth, active, n_active, k,
-                         max_spec_factor, min_token_prob, out, best)
-
 
 # ------------------------------------------------------------------ proposer
 @dataclass(frozen=True)
@@ -618,113 +613,117 @@ class SuffixConfig:
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
 
 
-class _Request:
-    """Per-request trie: stream 0 the reference tokens, stream 1 the context
-    (prompt + accepted output, growing at the end of the pool)."""
+class RequestArena(SuffixTrie):
+    """The per-request tries of all live requests in one SuffixTrie's arrays
+    (see arena_round), plus per-slot settings and active nodes.
 
-    def __init__(self, context: np.ndarray, options: SeqOptions, config_depth: int) -> None:
-        self.depth = min(options.max_tree_depth, config_depth)
-        if self.depth < 1:
-            raise ValueError(f"max_tree_depth must be >= 1, got {options.max_tree_depth}")
-        self.max_spec_factor = options.max_spec_factor
-        self.min_token_prob = options.min_token_prob
-        self.prompt_len = len(context)
-        reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
-        size = len(reference) + len(context)
-        self.trie = SuffixTrie(self.depth, 2, node_capacity=2 * size + 64,
-                               pool_capacity=size + 64)
-        self.active = np.zeros(self.depth + 1, dtype=np.int32)
-        self.n_active = np.zeros(1, dtype=np.int64)
-        self.trie.open_stream(REFERENCE_STREAM, 0, len(reference))
-        self.trie.append(REFERENCE_STREAM, reference, self.active, self.n_active)
-        self.n_active[0] = 0
-        self.trie.open_stream(CONTEXT_STREAM, len(reference), len(context))
-        self.extend(context)
+    Invariants: a live slot s has its root at roots[s] (-1: free slot) and
+    streams 2s (reference, time base 0) and 2s + 1 (context, time base the
+    reference's length), each in its own pool region of S_CAP tokens;
+    regions of free slots and moved streams are garbage, reclaimed when the
+    pool is compacted; active[s, :n_active[s]] are the context's active
+    nodes. Freed node rows are reused by later inserts.
+    """
 
-    def extend(self, tokens: np.ndarray) -> None:
-        self.trie.append(CONTEXT_STREAM, tokens, self.active, self.n_active)
-
-    def context(self) -> np.ndarray:
-        return self.trie.tokens(CONTEXT_STREAM)
-
-
-class _TrieLists(NamedTuple):
-    """numba typed lists of the per-request tries' arrays, by slot."""
-
-    nodes: Any
-    stamps: Any
-    hkeys: Any
-    hvals: Any
-    hdr: Any
-    pool: Any
-    seqs: Any
-    active: Any
-    n_active: Any
-
-
-class _TrieTable:
-    """The per-request tries' arrays by slot, for the batch kernels.
-
-    Invariant: the slot of every live request holds its trie's current arrays
-    (``put`` stores them again after the trie reallocated them, as its
-    ``version`` tells)."""
-
-    def __init__(self) -> None:
-        self.lists = _TrieLists(*new_trie_lists())
-        self._versions: list[int] = []  # by slot: the trie version stored (-1: free)
-        self.depths = np.zeros(16, dtype=np.int64)  # by slot
+    def __init__(self, max_depth: int) -> None:
+        super().__init__(max_depth, num_streams=32)
+        self.seqs = np.zeros((32, 4), dtype=np.int64)
+        self.hdr[:] = (0, -1, 0, 0, 0)  # no root: every request allocates its own
+        self.roots = np.full(16, -1, dtype=np.int64)  # by slot
+        self.depths = np.zeros(16, dtype=np.int64)
         self.factors = np.zeros(16)
         self.min_probs = np.zeros(16)
-        self._free: list[int] = []
+        self.active = np.zeros((16, max_depth + 1), dtype=np.int32)
+        self.n_active = np.zeros(16, dtype=np.int64)
+        self._free: list[int] = []  # slots to reuse
+        self._num_slots = 0  # slots ever handed out
 
-    def add(self, req: _Request) -> int:
-        """Gives a request a slot and puts its arrays there."""
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = len(self._versions)
-            self._versions.append(-1)
-            if slot == len(self.depths):
-                self.depths, self.factors, self.min_probs = (np.concatenate([a, np.zeros_like(a)])
-                                                             for a in (self.depths, self.factors, self.min_probs))
-        self.depths[slot], self.factors[slot], self.min_probs[slot] = req.depth, req.max_spec_factor, req.min_token_prob
-        self.put(slot, req)
+    def open(self, context: np.ndarray, depth: int, options: SeqOptions) -> int:
+        """A slot with a new request's trie over its reference and context."""
+        slot = self._free.pop() if self._free else self._new_slot()
+        self.depths[slot], self.factors[slot] = depth, options.max_spec_factor
+        self.min_probs[slot] = options.min_token_prob
+        reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
+        self._place(2 * slot + REFERENCE_STREAM, reference, 0, len(reference))
+        self._place(2 * slot + CONTEXT_STREAM, context, len(reference), max(64, 2 * len(context)))
+        self.grow()
+        self.roots[slot] = new_root(self.nodes, self.stamps, self.hdr)
+        for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
+            self.n_active[slot] = 0
+            while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool, self.seqs,
+                                row, self.roots[slot], end, self.active[slot], self.n_active[slot:slot + 1],
+                                depth) < end:
+                self.grow()
         return slot
 
-    def put(self, slot: int, req: _Request) -> None:
-        """Stores the request's arrays unless the slot holds them already."""
-        t = req.trie
-        if self._versions[slot] != t.version:
-            self._put(slot, t, req.active, req.n_active)
-            self._versions[slot] = t.version
-
-    def append(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, written: np.ndarray,
-               first: int) -> int:
-        """append_batch over these tries."""
-        t = self.lists
-        return append_batch(t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs, t.active, t.n_active,
-                            self.depths, slots, tokens, bounds, written, first)
-
-    def speculate(self, slots: np.ndarray, context_lens: np.ndarray, ks: np.ndarray, glob: SuffixTrie,
-                  use_global: bool, in_sync: np.ndarray, out: np.ndarray, offsets: np.ndarray,
-                  scores: np.ndarray) -> None:
-        """speculate_batch over these tries and the global trie glob."""
-        t = self.lists
-        speculate_batch(t.nodes, t.pool, t.seqs, t.active, t.n_active, self.depths, self.factors, self.min_probs,
-                        slots, context_lens, ks, glob.nodes, glob.hkeys, glob.hvals, glob.pool, glob.seqs,
-                        glob.max_depth, use_global, in_sync, out, offsets, scores)
-
-    def remove(self, slot: int) -> None:
-        """Frees the slot (its arrays are dropped)."""
-        self._put(slot, _NO_TRIE, _NO_ACTIVE, _NO_ACTIVE_COUNT)
-        self._versions[slot] = -1
+    def close(self, slot: int) -> None:
+        """Frees the slot's trie and streams."""
+        free_tree(self.nodes, self.hkeys, self.hvals, self.hdr, self.roots[slot])
+        self.roots[slot] = -1
+        self.seqs[2 * slot:2 * slot + 2] = 0
         self._free.append(slot)
 
-    def _put(self, slot: int, t: SuffixTrie, active: np.ndarray, n_active: np.ndarray) -> None:
-        lists = self.lists
-        put_trie(lists.nodes, lists.stamps, lists.hkeys, lists.hvals, lists.hdr, lists.pool, lists.seqs,
-                 lists.active, lists.n_active, slot, t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs,
-                 active, n_active)
+    def nbytes(self) -> int:
+        return super().nbytes() + sum(a.nbytes for a in (self.roots, self.depths, self.factors, self.min_probs,
+                                                          self.active, self.n_active))
+
+    def context(self, slot: int) -> np.ndarray:
+        """The slot's context (a view, int32 [n]; valid until the next round)."""
+        return self.tokens(2 * slot + CONTEXT_STREAM)
+
+    def round(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+              ks: np.ndarray, glob: SuffixTrie | None) -> tuple[DraftBatch, np.ndarray]:
+        """arena_round over all of slots (int64 [n]), growing arrays between
+        calls; the drafts and their scores (float64 [n])."""
+        n = len(slots)
+        ends, in_sync, scores = np.full(n, -1, dtype=np.int64), np.empty(n, dtype=np.bool_), np.empty(n)
+        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
+        g = glob if glob is not None else _NO_TRIE
+        i = 0
+        while (i := arena_round(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool, self.seqs,
+                                self.roots, self.depths, self.factors, self.min_probs, self.active, self.n_active,
+                                slots, tokens, bounds, ends, context_lens, ks, g.nodes, g.hkeys, g.hvals, g.pool,
+                                g.seqs, g.max_depth, glob is not None, in_sync, out, offsets, scores, i)) < n:
+            if ends[i] < 0:
+                row = 2 * int(slots[i]) + CONTEXT_STREAM
+                self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
+            else:
+                self.grow()
+        return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
+
+    def _new_slot(self) -> int:
+        slot = self._num_slots
+        self._num_slots += 1
+        if slot == len(self.roots):
+            self.roots = np.concatenate([self.roots, np.full_like(self.roots, -1)])
+            self.depths, self.factors, self.min_probs, self.n_active, self.active, self.seqs = (
+                np.concatenate([a, np.zeros_like(a)])
+                for a in (self.depths, self.factors, self.min_probs, self.n_active, self.active, self.seqs))
+        return slot
+
+    def _place(self, row: int, tokens: np.ndarray, time_base: int, cap: int) -> None:
+        """Gives stream ``row`` a region of cap tokens at the pool's end and
+        writes ``tokens`` there (not yet inserted)."""
+        if self.pool_end + cap > len(self.pool):
+            self._compact(cap)
+        at = self.pool_end
+        self.pool[at:at + len(tokens)] = tokens
+        self.seqs[row] = (at, 0, time_base, cap)
+        self.pool_end = at + cap
+
+    def _compact(self, extra: int) -> None:
+        """Packs the live streams' regions at the start of a pool with room
+        for ``extra`` more tokens."""
+        rows = [r for r in range(len(self.seqs)) if self.seqs[r, S_CAP] > 0]
+        used = int(sum(self.seqs[r, S_CAP] for r in rows))
+        pool = np.zeros(max(len(self.pool), 2 * (used + extra)), dtype=np.int32)
+        at = 0
+        for r in rows:
+            start, cap = int(self.seqs[r, S_START]), int(self.seqs[r, S_CAP])
+            pool[at:at + cap] = self.pool[start:start + cap]
+            self.seqs[r, S_START] = at
+            at += cap
+        self.pool, self.pool_end = pool, at
 
 
 class _GlobalCache:
@@ -765,30 +764,34 @@ class SuffixProposer(Proposer):
     count(parent) along the path; a draft's score is the sum over its
     tokens. Best draft: highest score, then longer, then from the per-request
     trie, then the longer match. ``suffix_reference.ReferenceSuffixProposer``
-    is the executable definition.
+    is the executable definition. Every call, one sequence or a round of
+    many, runs the same arena kernels.
     """
 
     name = "suffix"
 
     def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
         self.config = config
-        self._requests: dict[str, _Request] = {}
-        self._table = _TrieTable()
-        self._slot: dict[str, int] = {}
+        self._arena = RequestArena(config.max_tree_depth)
+        self._slot: dict[str, int] = {}  # seq_id -> its arena slot
+        self._prompt_len: dict[str, int] = {}
         self._global = (_GlobalCache(config.max_cached_requests, config.max_tree_depth)
                         if config.max_cached_requests > 0 else None)
         _warm_up()
 
     def start(self, seq_id, context, options):
-        req = _Request(np.ascontiguousarray(context, dtype=np.int32), options, self.config.max_tree_depth)
+        depth = min(options.max_tree_depth, self.config.max_tree_depth)
+        if depth < 1:
+            raise ValueError(f"max_tree_depth must be >= 1, got {options.max_tree_depth}")
         self.stop(seq_id, completed=False)
-        self._requests[seq_id] = req
-        self._slot[seq_id] = self._table.add(req)
+        context = np.ascontiguousarray(context, dtype=np.int32)
+        self._slot[seq_id] = self._arena.open(context, depth, options)
+        self._prompt_len[seq_id] = len(context)
 
     def extend(self, seq_id, token_ids):
-        req = self._request(seq_id)
-        req.extend(np.ascontiguousarray(token_ids, dtype=np.int32))
-        self._table.put(self._slot[seq_id], req)
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
+        zero = np.zeros(1, dtype=np.int64)
+        self._round([seq_id], tokens, np.array([0, len(tokens)], dtype=np.int64), zero, zero)
 
     def advance(self, seq_ids, tokens, bounds, context_lens, ks):
         batch, _ = self.advance_scored(seq_ids, tokens, bounds, context_lens, ks)
@@ -797,30 +800,7 @@ class SuffixProposer(Proposer):
     def advance_scored(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                        ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
         """``advance`` with the drafts' scores (float64 [n], as propose_scored)."""
-        try:
-            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
-        except KeyError as e:
-            raise UnknownSequence(e.args[0]) from None
-        self._append_batch(seq_ids, slots, tokens, bounds)
-        n, table, glob = len(seq_ids), self._table, self._global
-        in_sync, scores = np.empty(n, dtype=np.bool_), np.empty(n)
-        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.empty(n + 1, dtype=np.int64)
-        table.speculate(slots, context_lens, ks, glob.trie if glob is not None else _NO_TRIE,
-                        glob is not None and bool(glob.fifo), in_sync, out, offsets, scores)
-        return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
-
-    def _append_batch(self, seq_ids: list[str], slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray) -> None:
-        """Appends each request's tokens, growing its arrays where needed."""
-        table = self._table
-        written = np.zeros(len(seq_ids), dtype=np.bool_)
-        i = 0
-        while (i := table.append(slots, tokens, bounds, written, i)) < len(seq_ids):
-            req = self._requests[seq_ids[i]]
-            if written[i]:
-                req.trie.grow()
-            else:
-                req.trie.reserve_pool(int(bounds[i + 1] - bounds[i]))
-            table.put(int(slots[i]), req)
+        return self._round(seq_ids, tokens, bounds, context_lens, ks)
 
     def propose(self, requests):
         return [draft for draft, _ in self.propose_scored(requests)]
@@ -828,54 +808,51 @@ class SuffixProposer(Proposer):
     def propose_scored(self, requests: list[tuple[str, int]]) -> list[tuple[Draft, float]]:
         """Drafts with their scores (the sum of the draft tokens'
         probabilities, an estimate of the number accepted)."""
-        return [self._propose_one(self._request(seq_id), k) for seq_id, k in requests]
+        n = len(requests)
+        ks = np.array([max(k, 0) for _, k in requests], dtype=np.int64)
+        batch, scores = self._round([s for s, _ in requests], np.zeros(0, dtype=np.int32),
+                                    np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), ks)
+        off = batch.offsets.tolist()
+        return [(Draft(batch.token_ids[off[i]:off[i + 1]].copy()), float(scores[i])) for i in range(n)]
 
-    def _propose_one(self, req: _Request, k: int) -> tuple[Draft, float]:
-        if k <= 0:
-            return Draft(np.zeros(0, dtype=np.int32)), 0.0
-        local_out, local_best = np.empty(k, dtype=np.int32), np.zeros(3)
-        req.trie.speculate_active(req.active, int(req.n_active[0]), k, req.max_spec_factor,
-                                  req.min_token_prob, local_out, local_best)
+    def _round(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+               ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+        try:
+            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
+        except KeyError as e:
+            raise UnknownSequence(e.args[0]) from None
         glob = self._global
-        if glob is not None and glob.fifo:
-            context = req.context()
-            out, best = np.empty(k, dtype=np.int32), np.zeros(3)
-            glob.trie.speculate_walk(context[max(0, len(context) - req.depth):], req.depth, k,
-                                     req.max_spec_factor, req.min_token_prob, out, best)
-            if (best[0], best[1]) > (local_best[0], local_best[1]):
-                return Draft(out[:int(best[1])]), float(best[0])
-        return Draft(local_out[:int(local_best[1])]), float(local_best[0])
+        return self._arena.round(slots, tokens, bounds, context_lens, ks,
+                                 glob.trie if glob is not None and glob.fifo else None)
 
     def stop(self, seq_id, completed):
-        req = self._requests.pop(seq_id, None)
-        if req is None:
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
             return
-        self._table.remove(self._slot.pop(seq_id))
-        if not completed or self._global is None:
-            return
-        output = req.context()[req.prompt_len:]
-        if len(output):
+        prompt_len = self._prompt_len.pop(seq_id)
+        output = self._arena.context(slot)[prompt_len:].copy()
+        self._arena.close(slot)
+        if not self._slot:  # nothing live: give the arena's memory back
+            self._arena = RequestArena(self.config.max_tree_depth)
+        if completed and self._global is not None and len(output):
             self._global.add(output)
 
     def context_len(self, seq_id):
-        return len(self._request(seq_id).context())
+        try:
+            return len(self._arena.context(self._slot[seq_id]))
+        except KeyError:
+            raise UnknownSequence(seq_id) from None
 
     def stats(self):
-        tries = [r.trie for r in self._requests.values()]
+        tries: list[SuffixTrie] = [self._arena]
         cached = 0
         if self._global is not None:
             tries.append(self._global.trie)
             cached = len(self._global.fifo)
-        return {"live_sequences": float(len(self._requests)),
+        return {"live_sequences": float(len(self._slot)),
                 "cached_requests": float(cached),
                 "tree_nodes": float(sum(t.live_nodes() for t in tries)),
                 "memory_bytes": float(sum(t.nbytes() for t in tries))}
-
-    def _request(self, seq_id: str) -> _Request:
-        try:
-            return self._requests[seq_id]
-        except KeyError:
-            raise UnknownSequence(seq_id) from None
 
 
 def _warm_up() -> None:
@@ -887,21 +864,15 @@ def _warm_up() -> None:
         n_active[0] = 0
         trie.append(seq, np.array([1, 2, 1, 2, 3, 1], dtype=np.int32), active, n_active)
     out, best = np.empty(2, dtype=np.int32), np.zeros(3)
-    trie.speculate_active(active, int(n_active[0]), 2, 1.0, 0.1, out, best)
     trie.speculate_walk(trie.tokens(1), 4, 2, 1.0, 0.1, out, best)
     trie.remove(0)
     trie.grow()
-    table = _TrieTable()
-    req = _Request(np.array([1, 2, 1, 2, 3], dtype=np.int32), SeqOptions(max_tree_depth=4), 4)
-    slots = np.array([table.add(req)])
-    table.append(slots, np.array([1], dtype=np.int32), np.array([0, 1]), np.zeros(1, dtype=np.bool_), 0)
+    arena = RequestArena(4)
+    slot = arena.open(np.array([1, 2, 1, 2, 3], dtype=np.int32), 4, SeqOptions(max_tree_depth=4))
     one = np.ones(1, dtype=np.int64)
-    table.speculate(slots, one * 6, one * 2, trie, True, np.empty(1, dtype=np.bool_), np.empty(2, dtype=np.int32),
-                    np.empty(2, dtype=np.int64), np.empty(1))
-    table.remove(int(slots[0]))
+    arena.round(np.array([slot]), np.array([1], dtype=np.int32), np.array([0, 1]), one * 6, one * 2, trie)
+    arena.close(slot)
 
 
-#: stand in for the global trie of a proposer without one (never searched)
-#: and for the arrays of a free slot
+#: stands in for the global trie of a proposer without one (never searched)
 _NO_TRIE = SuffixTrie(1, 1)
-_NO_ACTIVE, _NO_ACTIVE_COUNT = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64)
