@@ -516,7 +516,6 @@ class SuffixTrie:
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
         self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
-        self.version = 0  # counts reallocations of the arrays
 
     @property
     def pool_end(self) -> int:
@@ -560,7 +559,6 @@ class SuffixTrie:
             grown = np.zeros(max(2 * len(self.pool), self.pool_end + extra), dtype=np.int32)
             grown[:self.pool_end] = self.pool[:self.pool_end]
             self.pool = grown
-            self.version += 1
 
     def compact_pool(self, live: list[int]) -> None:
         """Packs the streams in ``live`` (in this order) at the pool start."""
@@ -582,13 +580,11 @@ class SuffixTrie:
             stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
-            self.version += 1
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.hkeys):
             keys = np.full(2 * len(self.hkeys), _EMPTY, dtype=np.int64)
             vals = np.zeros(2 * len(self.hkeys), dtype=np.int32)
             rehash(self.hkeys, self.hvals, keys, vals)
             self.hkeys, self.hvals = keys, vals
-            self.version += 1
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
@@ -596,12 +592,6 @@ class SuffixTrie:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.nodes, self.stamps, self.hkeys, self.hvals,
                                       self.pool, self.seqs, self.hdr))
-
-    # -- drafts
-    def speculate_walk(self, context: np.ndarray, max_match: int, k: int, max_spec_factor: float,
-                       min_token_prob: float, out: np.ndarray, best: np.ndarray) -> None:
-        speculate_walk(self.nodes, self.hkeys, self.hvals, self.pool, self.seqs, self.max_depth,
-                       context, max_match, k, max_spec_factor, min_token_prob, out, best)
 
 
 # ------------------------------------------------------------------ proposer
@@ -863,8 +853,6 @@ def _warm_up() -> None:
         trie.open_stream(seq, 0, 6)
         n_active[0] = 0
         trie.append(seq, np.array([1, 2, 1, 2, 3, 1], dtype=np.int32), active, n_active)
-    out, best = np.empty(2, dtype=np.int32), np.zeros(3)
-    trie.speculate_walk(trie.tokens(1), 4, 2, 1.0, 0.1, out, best)
     trie.remove(0)
     trie.grow()
     arena = RequestArena(4)
