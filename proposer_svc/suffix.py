@@ -149,7 +149,8 @@ def _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, lseq, lpos, stamp)
     nodes[c, DEPTH] = nodes[parent, DEPTH] + 1
     nodes[c, BEST], nodes[c, FIRST] = -1, -1
     nodes[c, LSEQ], nodes[c, LPOS] = lseq, lpos
-    stamps[c] = stamp
+    if stamps.shape[0]:  # an unstamped trie (RequestArena) has none
+        stamps[c] = stamp
     first = nodes[parent, FIRST]
     nodes[c, NEXT], nodes[c, PREV] = first, -1
     if first >= 0:
@@ -220,7 +221,8 @@ def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, n
                            seqs[old_seq, S_TIME] + old_pos + 1)
             nodes[c, BEST] = g
     nodes[c, COUNT] += 1
-    stamps[c] = now
+    if stamps.shape[0]:
+        stamps[c] = now
     _child_incremented(nodes, parent, c)
     return c
 
@@ -400,7 +402,7 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 # tokens, then draft) is one kernel call over plain arrays, and arrays grow
 # once for all (doubling), not once per request.
 @njit(cache=True)
-def new_root(nodes, stamps, hdr):
+def new_root(nodes, hdr):
     """Allocates a root (depth 0, no children) and returns its row."""
     c = hdr[H_FREE]
     if c >= 0:
@@ -411,7 +413,6 @@ def new_root(nodes, stamps, hdr):
     hdr[H_LIVE] += 1
     nodes[c, :] = -1
     nodes[c, COUNT] = nodes[c, DEPTH] = 0
-    stamps[c] = 0
     return c
 
 
@@ -504,10 +505,12 @@ class SuffixTrie:
     """
 
     def __init__(self, max_depth: int, num_streams: int, node_capacity: int = 256,
-                 pool_capacity: int = 256) -> None:
+                 pool_capacity: int = 256, stamped: bool = True) -> None:
         self.max_depth = max_depth
         self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
-        self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
+        # stamps are read only to re-pick a best child after a count decreased
+        # (remove_stream); a trie that never removes a stream keeps none (empty)
+        self.stamps = np.zeros(self.nodes.shape[0] if stamped else 0, dtype=np.int64)
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.hkeys = np.full(hash_size, _EMPTY, dtype=np.int64)
         self.hvals = np.zeros(hash_size, dtype=np.int32)
@@ -577,7 +580,7 @@ class SuffixTrie:
             size = max(2 * len(self.nodes), need)
             nodes = np.zeros((size, NUM_FIELDS), dtype=np.int32)
             nodes[:len(self.nodes)] = self.nodes
-            stamps = np.zeros(size, dtype=np.int64)
+            stamps = np.zeros(size if len(self.stamps) else 0, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.hkeys):
@@ -616,7 +619,7 @@ class RequestArena(SuffixTrie):
     """
 
     def __init__(self, max_depth: int) -> None:
-        super().__init__(max_depth, num_streams=32)
+        super().__init__(max_depth, num_streams=32, stamped=False)  # requests are never removed: no stamps
         self.seqs = np.zeros((32, 4), dtype=np.int64)
         self.hdr[:] = (0, -1, 0, 0, 0)  # no root: every request allocates its own
         self.roots = np.full(16, -1, dtype=np.int64)  # by slot
@@ -637,7 +640,7 @@ class RequestArena(SuffixTrie):
         self._place(2 * slot + REFERENCE_STREAM, reference, 0, len(reference))
         self._place(2 * slot + CONTEXT_STREAM, context, len(reference), max(64, 2 * len(context)))
         self.grow()
-        self.roots[slot] = new_root(self.nodes, self.stamps, self.hdr)
+        self.roots[slot] = new_root(self.nodes, self.hdr)
         for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
             self.n_active[slot] = 0
             while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool, self.seqs,
