@@ -14,7 +14,7 @@ at time b + i).
 
 Layout. No Python object per node: row ``c`` of the int32 array ``nodes``
 holds node c's fields (columns below), ``stamps[c]`` its stamp; children are
-found through an open-addressing hash table keyed by (parent, token) and
+found through an open-addressing hash ``table`` keyed by (parent, token) and
 chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
 ``seqs`` gives stream s's start in the pool, the number of its tokens
@@ -84,60 +84,62 @@ def _home(key, mask):
     return np.int64(((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & np.uint64(mask))
 
 
+# The table is int64 [size, 2]: row i holds a key (_EMPTY: free) and its
+# value, so that a probe reads one cache line.
 @njit(cache=True)
-def _child(hkeys, hvals, parent, tok):
+def _child(table, parent, tok):
     """The child of ``parent`` reached by ``tok``, or -1."""
     key = _key(parent, tok)
-    mask = hkeys.shape[0] - 1
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != _EMPTY:
-        if hkeys[i] == key:
-            return hvals[i]
+    while table[i, 0] != _EMPTY:
+        if table[i, 0] == key:
+            return table[i, 1]
         i = (i + 1) & mask
     return -1
 
 
 @njit(cache=True)
-def _hash_put(hkeys, hvals, key, val):
-    mask = hkeys.shape[0] - 1
+def _hash_put(table, key, val):
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != _EMPTY:
+    while table[i, 0] != _EMPTY:
         i = (i + 1) & mask
-    hkeys[i] = key
-    hvals[i] = val
+    table[i, 0] = key
+    table[i, 1] = val
 
 
 @njit(cache=True)
-def _hash_del(hkeys, hvals, key):
+def _hash_del(table, key):
     """Linear-probing delete with backward shift (no tombstones)."""
-    mask = hkeys.shape[0] - 1
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != key:
+    while table[i, 0] != key:
         i = (i + 1) & mask
-    hkeys[i] = _EMPTY
+    table[i, 0] = _EMPTY
     j = i
     while True:
         j = (j + 1) & mask
-        if hkeys[j] == _EMPTY:
+        if table[j, 0] == _EMPTY:
             return
         # the entry at j may fill the hole at i if i lies on its probe path
-        if ((j - _home(hkeys[j], mask)) & mask) >= ((j - i) & mask):
-            hkeys[i], hvals[i] = hkeys[j], hvals[j]
-            hkeys[j] = _EMPTY
+        if ((j - _home(table[j, 0], mask)) & mask) >= ((j - i) & mask):
+            table[i, 0], table[i, 1] = table[j, 0], table[j, 1]
+            table[j, 0] = _EMPTY
             i = j
 
 
 @njit(cache=True)
-def rehash(old_keys, old_vals, new_keys, new_vals):
+def rehash(old, new):
     """Moves every entry into a (larger, empty) table."""
-    for i in range(old_keys.shape[0]):
-        if old_keys[i] != _EMPTY:
-            _hash_put(new_keys, new_vals, old_keys[i], old_vals[i])
+    for i in range(old.shape[0]):
+        if old[i, 0] != _EMPTY:
+            _hash_put(new, old[i, 0], old[i, 1])
 
 
 # ----------------------------------------------------------------- node rows
 @njit(cache=True)
-def _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, lseq, lpos, stamp):
+def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
     """Allocates a count-1 child (a leaf when lseq >= 0) and links it."""
     c = hdr[H_FREE]
     if c >= 0:
@@ -157,13 +159,13 @@ def _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, lseq, lpos, stamp)
     if first >= 0:
         nodes[first, PREV] = c
     nodes[parent, FIRST] = c
-    _hash_put(hkeys, hvals, _key(parent, tok), c)
+    _hash_put(table, _key(parent, tok), c)
     hdr[H_KEYS] += 1
     return c
 
 
 @njit(cache=True)
-def _free_child(nodes, hkeys, hvals, hdr, c):
+def _free_child(nodes, table, hdr, c):
     """Unlinks node c from its parent and puts its row on the free list."""
     parent, nxt, prev = nodes[c, PARENT], nodes[c, NEXT], nodes[c, PREV]
     if prev >= 0:
@@ -172,7 +174,7 @@ def _free_child(nodes, hkeys, hvals, hdr, c):
         nodes[parent, FIRST] = nxt
     if nxt >= 0:
         nodes[nxt, PREV] = prev
-    _hash_del(hkeys, hvals, _key(parent, nodes[c, TOK]))
+    _hash_del(table, _key(parent, nodes[c, TOK]))
     hdr[H_KEYS] -= 1
     hdr[H_LIVE] -= 1
     nodes[c, NEXT] = hdr[H_FREE]
@@ -201,16 +203,16 @@ def _repick_best(nodes, stamps, parent):
 
 # ------------------------------------------------------------------ updates
 @njit(cache=True)
-def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, now, max_depth):
+def _step(nodes, stamps, table, hdr, pool, seqs, parent, tok, seq, pos, now, max_depth):
     """Counts one more occurrence of parent's string + tok, ending at (seq, pos).
 
     Returns the explicit node now matching it, or -1 if it lies in a leaf.
     """
     c = nodes[parent, BEST]  # usually the continuation: skips the hash probe
     if c < 0 or nodes[c, TOK] != tok:
-        c = _child(hkeys, hvals, parent, tok)
+        c = _child(table, parent, tok)
     if c < 0:
-        c = _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, seq, pos, now)
+        c = _new_child(nodes, stamps, table, hdr, parent, tok, seq, pos, now)
         _child_incremented(nodes, parent, c)
         return -1
     if nodes[c, LSEQ] >= 0:  # materialise the leaf: its chain continues below
@@ -218,7 +220,7 @@ def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, n
         nodes[c, LSEQ], nodes[c, LPOS] = -1, -1
         if nodes[c, DEPTH] < max_depth and old_pos + 1 < seqs[old_seq, S_LEN]:
             nxt = pool[seqs[old_seq, S_START] + old_pos + 1]
-            g = _new_child(nodes, stamps, hkeys, hvals, hdr, c, nxt, old_seq, old_pos + 1,
+            g = _new_child(nodes, stamps, table, hdr, c, nxt, old_seq, old_pos + 1,
                            seqs[old_seq, S_TIME] + old_pos + 1)
             nodes[c, BEST] = g
     nodes[c, COUNT] += 1
@@ -229,7 +231,7 @@ def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, n
 
 
 @njit(cache=True)
-def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, root, end, active, n_active,
+def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active, n_active,
                   max_depth):
     """Inserts stream ``seq``'s tokens from position seqs[seq, S_LEN] up to
     ``end`` (already written in the pool) into the tree under ``root``,
@@ -244,18 +246,18 @@ def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, root, end, 
     pos = seqs[seq, S_LEN]
     while pos < end:
         if (hdr[H_USED] + max_depth + 2 > nodes.shape[0]
-                or 2 * (hdr[H_KEYS] + max_depth + 2) > hkeys.shape[0]):
+                or 2 * (hdr[H_KEYS] + max_depth + 2) > table.shape[0]):
             break
         tok = pool[start + pos]
         seqs[seq, S_LEN] = pos + 1
         num = 0
-        c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, root, tok, seq, pos, base + pos,
+        c = _step(nodes, stamps, table, hdr, pool, seqs, root, tok, seq, pos, base + pos,
                   max_depth)
         if c >= 0 and nodes[c, DEPTH] < max_depth:
             scratch[num] = c
             num += 1
         for i in range(n_active[0]):
-            c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, active[i], tok, seq, pos,
+            c = _step(nodes, stamps, table, hdr, pool, seqs, active[i], tok, seq, pos,
                       base + pos, max_depth)
             if c >= 0 and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
@@ -267,7 +269,7 @@ def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, root, end, 
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
+def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
     the nodes left with count 0. Stamps stay valid as long as the removed
     stream is the oldest one (FIFO eviction): the latest occurrence of any
@@ -277,9 +279,9 @@ def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
     for j in range(n):
         node = ROOT
         for i in range(j, min(j + max_depth, n)):
-            c = _child(hkeys, hvals, node, pool[start + i])
+            c = _child(table, node, pool[start + i])
             if nodes[c, LSEQ] >= 0:  # a leaf: this very occurrence
-                _free_child(nodes, hkeys, hvals, hdr, c)
+                _free_child(nodes, table, hdr, c)
                 if nodes[node, BEST] == c:
                     _repick_best(nodes, stamps, node)
                 break
@@ -287,7 +289,7 @@ def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
             # a node reaching 0 keeps only the child on this walk (the others
             # reached 0 on earlier walks); its row is reused only by inserts
             if nodes[c, COUNT] == 0:
-                _free_child(nodes, hkeys, hvals, hdr, c)
+                _free_child(nodes, table, hdr, c)
             if nodes[node, BEST] == c:
                 _repick_best(nodes, stamps, node)
             node = c
@@ -330,7 +332,7 @@ def _max_draft_len(match_len, k, max_spec_factor):
 
 
 @njit(cache=True)
-def _walk(nodes, hkeys, hvals, pool, seqs, tokens, max_depth):
+def _walk(nodes, table, pool, seqs, tokens, max_depth):
     """Locates ``tokens`` in the tree: (node, tokens past it in its leaf
     chain), or (-1, 0) when absent."""
     node, off = ROOT, 0
@@ -343,7 +345,7 @@ def _walk(nodes, hkeys, hvals, pool, seqs, tokens, max_depth):
                 return -1, 0
             off += 1
         else:
-            node = _child(hkeys, hvals, node, tokens[i])
+            node = _child(table, node, tokens[i])
             if node < 0:
                 return -1, 0
     return node, off
@@ -361,7 +363,7 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
 
 
 @njit(cache=True)
-def speculate_walk(nodes, hkeys, hvals, pool, seqs, max_depth, context, max_match, k,
+def speculate_walk(nodes, table, pool, seqs, max_depth, context, max_match, k,
                    max_spec_factor, min_token_prob, out, best):
     """Best draft over the suffixes of ``context`` (int32 [c]) of length
     <= max_match found by walking from the root; writes out (int32 [>= k]) and
@@ -370,7 +372,7 @@ def speculate_walk(nodes, hkeys, hvals, pool, seqs, max_depth, context, max_matc
     best[:] = 0.0
     c = context.shape[0]
     for m in range(1, min(max_match, c) + 1):
-        node, off = _walk(nodes, hkeys, hvals, pool, seqs, context[c - m:], max_depth)
+        node, off = _walk(nodes, table, pool, seqs, context[c - m:], max_depth)
         if node < 0:
             break
         num, score = _draft_from(nodes, pool, seqs, node, off, max_depth,
@@ -418,7 +420,7 @@ def new_root(nodes, hdr):
 
 
 @njit(cache=True)
-def free_tree(nodes, hkeys, hvals, hdr, root):
+def free_tree(nodes, table, hdr, root):
     """Frees the tree under ``root`` (root included): its rows go to the free
     list and its hash keys are deleted."""
     stack = [root]
@@ -429,7 +431,7 @@ def free_tree(nodes, hkeys, hvals, hdr, root):
             stack.append(child)
             child = nodes[child, NEXT]
         if c != root:
-            _hash_del(hkeys, hvals, _key(nodes[c, PARENT], nodes[c, TOK]))
+            _hash_del(table, _key(nodes[c, PARENT], nodes[c, TOK]))
             hdr[H_KEYS] -= 1
         hdr[H_LIVE] -= 1
         nodes[c, NEXT] = hdr[H_FREE]
@@ -437,8 +439,8 @@ def free_tree(nodes, hkeys, hvals, hdr, root):
 
 
 @njit(cache=True)
-def arena_round(nodes, stamps, hkeys, hvals, hdr, pool, seqs, roots, depths, factors, min_probs, active, n_active,
-                slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth,
+def arena_round(nodes, stamps, table, hdr, pool, seqs, roots, depths, factors, min_probs, active, n_active,
+                slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs, g_depth,
                 use_global, in_sync, out, offsets, scores, first):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
@@ -471,7 +473,7 @@ def arena_round(nodes, stamps, hkeys, hvals, hdr, pool, seqs, roots, depths, fac
             at = seqs[ctx, S_START] + length
             pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
             ends[i] = length + num
-        if append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, ctx, roots[s], ends[i], active[s],
+        if append_tokens(nodes, stamps, table, hdr, pool, seqs, ctx, roots[s], ends[i], active[s],
                          n_active[s:s + 1], depths[s]) < ends[i]:
             return i
         num = offsets[i]
@@ -485,7 +487,7 @@ def arena_round(nodes, stamps, hkeys, hvals, hdr, pool, seqs, roots, depths, fac
             if use_global:
                 depth, start = depths[s], seqs[ctx, S_START]
                 g_out = np.empty(k, dtype=np.int32)
-                speculate_walk(g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth,
+                speculate_walk(g_nodes, g_table, g_pool, g_seqs, g_depth,
                                pool[start + max(0, length - depth):start + length], depth, k, factors[s],
                                min_probs[s], g_out, g_best)
                 if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
@@ -513,8 +515,7 @@ class SuffixTrie:
         # (remove_stream); a trie that never removes a stream keeps none (empty)
         self.stamps = np.zeros(self.nodes.shape[0] if stamped else 0, dtype=np.int64)
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
-        self.hkeys = np.full(hash_size, _EMPTY, dtype=np.int64)
-        self.hvals = np.zeros(hash_size, dtype=np.int32)
+        self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
         self.nodes[ROOT] = -1
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
@@ -545,12 +546,12 @@ class SuffixTrie:
         self.pool[self.pool_end:self.pool_end + len(tokens)] = tokens
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
-        while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
+        while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                             self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
 
     def remove(self, seq: int) -> None:
-        remove_stream(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
+        remove_stream(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                       self.seqs, seq, self.max_depth)
 
     def tokens(self, seq: int) -> np.ndarray:
@@ -584,17 +585,16 @@ class SuffixTrie:
             stamps = np.zeros(size if len(self.stamps) else 0, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
-        if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.hkeys):
-            keys = np.full(2 * len(self.hkeys), _EMPTY, dtype=np.int64)
-            vals = np.zeros(2 * len(self.hkeys), dtype=np.int32)
-            rehash(self.hkeys, self.hvals, keys, vals)
-            self.hkeys, self.hvals = keys, vals
+        if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
+            table = np.full((2 * len(self.table), 2), _EMPTY, dtype=np.int64)
+            rehash(self.table, table)
+            self.table = table
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.stamps, self.hkeys, self.hvals,
+        return sum(a.nbytes for a in (self.nodes, self.stamps, self.table,
                                       self.pool, self.seqs, self.hdr))
 
 
@@ -644,7 +644,7 @@ class RequestArena(SuffixTrie):
         self.roots[slot] = new_root(self.nodes, self.hdr)
         for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
             self.n_active[slot] = 0
-            while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool, self.seqs,
+            while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool, self.seqs,
                                 row, self.roots[slot], end, self.active[slot], self.n_active[slot:slot + 1],
                                 depth) < end:
                 self.grow()
@@ -652,7 +652,7 @@ class RequestArena(SuffixTrie):
 
     def close(self, slot: int) -> None:
         """Frees the slot's trie and streams."""
-        free_tree(self.nodes, self.hkeys, self.hvals, self.hdr, self.roots[slot])
+        free_tree(self.nodes, self.table, self.hdr, self.roots[slot])
         self.roots[slot] = -1
         self.seqs[2 * slot:2 * slot + 2] = 0
         self._free.append(slot)
@@ -674,9 +674,9 @@ class RequestArena(SuffixTrie):
         out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
         g = glob if glob is not None else _NO_TRIE
         i = 0
-        while (i := arena_round(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool, self.seqs,
+        while (i := arena_round(self.nodes, self.stamps, self.table, self.hdr, self.pool, self.seqs,
                                 self.roots, self.depths, self.factors, self.min_probs, self.active, self.n_active,
-                                slots, tokens, bounds, ends, context_lens, ks, g.nodes, g.hkeys, g.hvals, g.pool,
+                                slots, tokens, bounds, ends, context_lens, ks, g.nodes, g.table, g.pool,
                                 g.seqs, g.max_depth, glob is not None, in_sync, out, offsets, scores, i)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM

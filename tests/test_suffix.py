@@ -249,7 +249,7 @@ def test_matches_reference_with_real_overlap_lengths():
 
 # --------------------------------------------------------- trie structure
 def _count_in_trie(trie: SuffixTrie, tokens: list[int]) -> int:
-    node, off = suffix._walk(trie.nodes, trie.hkeys, trie.hvals, trie.pool, trie.seqs,
+    node, off = suffix._walk(trie.nodes, trie.table, trie.pool, trie.seqs,
                              _arr(tokens), trie.max_depth)
     if node < 0:
         return 0
@@ -272,7 +272,7 @@ def _check_trie(trie: SuffixTrie, streams: list[list[int]]):
             stack.append((path, child))
     live = trie.live_nodes()
     assert int(trie.hdr[suffix.H_KEYS]) == live - 1  # every node but the root is keyed
-    assert int((trie.hkeys != -1).sum()) == live - 1
+    assert int((trie.table[:, 0] != -1).sum()) == live - 1
     # with FIFO eviction some count-1 nodes may stay explicit, never more nodes
     # than substrings; without eviction exactly explicit + leaves
     return explicit, live
