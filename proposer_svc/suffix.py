@@ -81,7 +81,11 @@ def _key(parent, tok):
 
 @njit(cache=True, inline="always")
 def _home(key, mask):
-    return np.int64(((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & np.uint64(mask))
+    """Home slot in a table of mask + 1 (a power of 2) rows: the hash's top
+    32 bits scaled to the size, so homes keep their order when the size
+    doubles (home h becomes 2h or 2h + 1) and ``rehash`` writes the new table
+    almost sequentially."""
+    return np.int64((((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(mask + 1)) >> np.uint64(32))
 
 
 # The table is int64 [size, 2]: row i holds a key (_EMPTY: free) and its
