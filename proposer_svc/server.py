@@ -182,7 +182,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         seq_ids = [u.seq_id for u in updates]
         add = response.drafts.add
         msgs = [add(seq_id=s) for s in seq_ids]
-        odd = range(len(seq_ids))
+        odd = list(range(len(seq_ids)))
         if len(set(seq_ids)) == len(seq_ids):  # sequences are independent: the plain ones may go first
             rounds, odd = self._plain_rounds(updates, seq_ids, msgs)
             for method, batch in rounds.items():

@@ -842,11 +842,9 @@ class SuffixProposer(Proposer):
             raise UnknownSequence(seq_id) from None
 
     def stats(self):
-        tries: list[SuffixTrie] = [self._arena]
-        cached = 0
-        if self._global is not None:
-            tries.append(self._global.trie)
-            cached = len(self._global.fifo)
+        glob = self._global
+        tries = [self._arena] if glob is None else [self._arena, glob.trie]
+        cached = 0 if glob is None else len(glob.fifo)
         return {"live_sequences": float(len(self._slot)),
                 "cached_requests": float(cached),
                 "tree_nodes": float(sum(t.live_nodes() for t in tries)),
