@@ -13,7 +13,8 @@ latest occurrence was completed (token i of a stream with time base b is seen
 at time b + i).
 
 Layout. No Python object per node: row ``c`` of the int32 array ``nodes``
-holds node c's fields (columns below), ``stamps[c]`` its stamp; children are
+holds node c's fields (columns below), ``stamps[c]`` its stamp (kept only by
+a trie that removes streams, see ``SuffixTrie``); children are
 found through an open-addressing hash ``table`` keyed by (parent, token) and
 chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
@@ -31,7 +32,8 @@ and its old continuation becomes a new leaf one level down. So typical text
 costs about one node per token plus one per repeated substring.
 
 Invariants:
-- node 0 is the root (depth 0); depth(c) = depth(parent(c)) + 1 <= D;
+- a root has depth 0 (node 0 of a SuffixTrie, one per request in a
+  RequestArena); depth(c) = depth(parent(c)) + 1 <= D;
 - a leaf has count 1, no stored children, and
   pool[start(LSEQ) + LPOS] == TOK; its implicit chain continues with the
   stream's next tokens while depth <= D and the stream has them;
