@@ -622,7 +622,9 @@ class RequestArena(SuffixTrie):
     reference's length), each in its own pool region of S_CAP tokens;
     regions of free slots and moved streams are garbage, reclaimed when the
     pool is compacted; active[s, :n_active[s]] are the context's active
-    nodes. Freed node rows are reused by later inserts.
+    nodes. A closed request's node rows are reused by later inserts: like an
+    allocator's heap, the arrays keep their largest size (``nbytes``), while
+    ``live_nodes`` counts what live requests hold.
     """
 
     def __init__(self, max_depth: int) -> None:
@@ -832,8 +834,6 @@ class SuffixProposer(Proposer):
         prompt_len = self._prompt_len.pop(seq_id)
         output = self._arena.context(slot)[prompt_len:].copy()
         self._arena.close(slot)
-        if not self._slot:  # nothing live: give the arena's memory back
-            self._arena = RequestArena(self.config.max_tree_depth)
         if completed and self._global is not None and len(output):
             self._global.add(output)
 

