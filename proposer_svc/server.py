@@ -174,7 +174,10 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         """Applies releases, then the updates in order: opens at once, the
         others gathered into one ``advance`` per method (their new tokens and
         drafts together). A sequence named again in the message first runs
-        what is gathered, so updates apply as if sent one by one."""
+        what is gathered, so updates apply as if sent one by one. In a
+        message that names each sequence once, the plain updates (the usual
+        round, see ``_plain_rounds``) are gathered and run first: sequences
+        are independent, so that changes no result."""
         for release in request.releases:
             self._stop(release.seq_id, release.completed)
         response = pb.ProposeResponse(batch_id=request.batch_id)
@@ -182,12 +185,12 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         seq_ids = [u.seq_id for u in updates]
         add = response.drafts.add
         msgs = [add(seq_id=s) for s in seq_ids]
-        odd = list(range(len(seq_ids)))
-        if len(set(seq_ids)) == len(seq_ids):  # sequences are independent: the plain ones may go first
-            rounds, odd = self._plain_rounds(updates, seq_ids, msgs)
+        one_by_one = list(range(len(seq_ids)))
+        if len(set(seq_ids)) == len(seq_ids):
+            rounds, one_by_one = self._plain_rounds(updates, seq_ids, msgs)
             for method, batch in rounds.items():
                 self._advance(method, *batch)
-        self._handle_in_order([updates[j] for j in odd], [msgs[j] for j in odd], owner)
+        self._handle_in_order([updates[j] for j in one_by_one], [msgs[j] for j in one_by_one], owner)
         LIVE_SEQUENCES.set(len(self._method_of))
         return response
 
@@ -201,8 +204,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         fields = [(u.open or u.HasField("features"), u.token_ids, u.num_speculative_tokens, u.context_len)
                   for u in updates]
         method_of, featured = self._method_of, self._featured
-        methods = [None if f[0] else method_of.get(s) for s, f in zip(seq_ids, fields)]
-        odd = np.array([m is None or m in featured for m in methods], dtype=bool)
+        methods = ["" if f[0] else method_of.get(s, "") for s, f in zip(seq_ids, fields)]  # "": not plain
+        odd = np.array([not m or m in featured for m in methods], dtype=bool)
         counts = np.fromiter([len(f[1]) for f in fields], dtype=np.int64, count=n)
         tokens = np.fromiter(itertools.chain.from_iterable([f[1] for f in fields]), dtype=np.int32,
                              count=int(counts.sum()))
@@ -213,12 +216,12 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             odd[np.repeat(np.arange(n), counts)[tokens < 0]] = True
         rounds: dict[str, _Batch] = {}
         if not odd.any() and len(set(methods)) == 1:  # one method, all plain
-            rounds[methods[0]] = _Batch(msgs, seq_ids, tokens, bounds_of(counts), context_lens, ks)  # type: ignore[index]
+            rounds[methods[0]] = _Batch(msgs, seq_ids, tokens, bounds_of(counts), context_lens, ks)
         else:
             plain = np.flatnonzero(~odd)
             by_method: dict[str, list[int]] = {}
             for j in plain.tolist():
-                by_method.setdefault(methods[j], []).append(j)  # type: ignore[arg-type]
+                by_method.setdefault(methods[j], []).append(j)
             token_row = np.repeat(np.arange(n), counts)
             for method, rows in by_method.items():
                 take = np.array(rows, dtype=np.int64)
