@@ -40,6 +40,9 @@ Invariants:
 - count(explicit c) = number of occurrences of its string; explicit nodes of
   count 1 exist only after an eviction;
 - BEST(c) is the child with the largest (count, stamp), or -1;
+- FIRST/NEXT chain each node's children; PREV links them back only in a
+  trie with stamps (the two serve ``remove_stream``, which an unstamped
+  trie never runs);
 - an *active* node list holds, by increasing depth, the explicit nodes of
   depth < D matching the suffixes of a growing stream;
 - the hash table is at most half full; free node rows are chained via NEXT.
@@ -158,12 +161,12 @@ def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
     nodes[c, DEPTH] = nodes[parent, DEPTH] + 1
     nodes[c, BEST], nodes[c, FIRST] = -1, -1
     nodes[c, LSEQ], nodes[c, LPOS] = lseq, lpos
-    if stamps.shape[0]:  # an unstamped trie (RequestArena) has none
-        stamps[c] = stamp
     first = nodes[parent, FIRST]
     nodes[c, NEXT], nodes[c, PREV] = first, -1
-    if first >= 0:
-        nodes[first, PREV] = c
+    if stamps.shape[0]:  # stamps and PREV links serve stream removal only (an unstamped trie has none)
+        stamps[c] = stamp
+        if first >= 0:
+            nodes[first, PREV] = c
     nodes[parent, FIRST] = c
     _hash_put(table, _key(parent, tok), c)
     hdr[H_KEYS] += 1
@@ -518,7 +521,8 @@ class SuffixTrie:
         self.max_depth = max_depth
         self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
         # stamps are read only to re-pick a best child after a count decreased
-        # (remove_stream); a trie that never removes a stream keeps none (empty)
+        # (remove_stream); a trie that never removes a stream keeps none
+        # (empty), nor PREV links
         self.stamps = np.zeros(self.nodes.shape[0] if stamped else 0, dtype=np.int64)
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
