@@ -20,8 +20,8 @@ chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
 ``seqs`` gives stream s's start in the pool, the number of its tokens
 inserted so far and its time base. The per-request tries of all live
-requests share one such set of arrays, each with its own root
-(``RequestArena``), so a round of many requests is one kernel call.
+requests are regions of one such set of arrays (``RequestArena``), so a
+round of many requests is one kernel call.
 
 Leaf compression. A node seen once (count 1) implies a chain of count-1
 descendants that simply follows its single occurrence; such a node is stored
@@ -32,8 +32,8 @@ and its old continuation becomes a new leaf one level down. So typical text
 costs about one node per token plus one per repeated substring.
 
 Invariants:
-- a root has depth 0 (node 0 of a SuffixTrie, one per request in a
-  RequestArena); depth(c) = depth(parent(c)) + 1 <= D;
+- node 0 (of a trie's rows) is the root, depth 0; depth(c) =
+  depth(parent(c)) + 1 <= D;
 - a leaf has count 1, no stored children, and
   pool[start(LSEQ) + LPOS] == TOK; its implicit chain continues with the
   stream's next tokens while depth <= D and the stream has them;
@@ -41,8 +41,8 @@ Invariants:
   count 1 exist only after an eviction;
 - BEST(c) is the child with the largest (count, stamp), or -1;
 - FIRST/NEXT chain each node's children; PREV links them back only in a
-  trie with stamps (the two serve ``remove_stream``, which an unstamped
-  trie never runs);
+  trie with stamps (the two serve ``remove_stream``; the per-request tries
+  never remove a stream and keep neither);
 - an *active* node list holds, by increasing depth, the explicit nodes of
   depth < D matching the suffixes of a growing stream;
 - the hash table is at most half full; free node rows are chained via NEXT.
@@ -163,7 +163,7 @@ def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
     nodes[c, LSEQ], nodes[c, LPOS] = lseq, lpos
     first = nodes[parent, FIRST]
     nodes[c, NEXT], nodes[c, PREV] = first, -1
-    if stamps.shape[0]:  # stamps and PREV links serve stream removal only (an unstamped trie has none)
+    if stamps.shape[0]:  # stamps and PREV links serve stream removal only (no stamps: neither kept)
         stamps[c] = stamp
         if first >= 0:
             nodes[first, PREV] = c
@@ -406,51 +406,19 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 
 
 # ------------------------------------------------------ rounds of requests
-# The per-request tries of all live sequences share one set of flat arrays
-# (an *arena*, see RequestArena): every request has its own root node and two
-# streams (rows 2 * slot + REFERENCE_STREAM / CONTEXT_STREAM of ``seqs``), and
-# since hash keys are (parent, token) with parents of one request only, one
-# hash table serves them all. So a round of many sequences (insert the new
-# tokens, then draft) is one kernel call over plain arrays, and arrays grow
-# once for all (doubling), not once per request.
+# The per-request tries of all live sequences live in one set of shared
+# arrays (see RequestArena): request s owns a region of node rows
+# (nodes[nbase[s]:nbase[s] + ncap[s]], its root at local row 0) and a region
+# of the hash table (table[tbase[s]:tbase[s] + tcap[s]]), both power-of-2
+# sized, node ids local to the region; its two streams are rows
+# 2 * s + REFERENCE_STREAM / CONTEXT_STREAM of a shared ``seqs`` over a shared
+# pool. So each trie is a plain SuffixTrie view for the kernels above, a round
+# of many requests is one kernel call over plain arrays, and opening or
+# closing a request only hands regions out or back.
 @njit(cache=True)
-def new_root(nodes, hdr):
-    """Allocates a root (depth 0, no children) and returns its row."""
-    c = hdr[H_FREE]
-    if c >= 0:
-        hdr[H_FREE] = nodes[c, NEXT]
-    else:
-        c = hdr[H_USED]
-        hdr[H_USED] += 1
-    hdr[H_LIVE] += 1
-    nodes[c, :] = -1
-    nodes[c, COUNT] = nodes[c, DEPTH] = 0
-    return c
-
-
-@njit(cache=True)
-def free_tree(nodes, table, hdr, root):
-    """Frees the tree under ``root`` (root included): its rows go to the free
-    list and its hash keys are deleted."""
-    stack = [root]
-    while len(stack):
-        c = stack.pop()
-        child = nodes[c, FIRST]
-        while child >= 0:  # siblings are read before any of them is freed
-            stack.append(child)
-            child = nodes[child, NEXT]
-        if c != root:
-            _hash_del(table, _key(nodes[c, PARENT], nodes[c, TOK]))
-            hdr[H_KEYS] -= 1
-        hdr[H_LIVE] -= 1
-        nodes[c, NEXT] = hdr[H_FREE]
-        hdr[H_FREE] = c
-
-
-@njit(cache=True)
-def arena_round(nodes, stamps, table, hdr, pool, seqs, roots, depths, factors, min_probs, active, n_active,
-                slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs, g_depth,
-                use_global, in_sync, out, offsets, scores, first):
+def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
+                active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
+                g_depth, use_global, in_sync, out, offsets, scores, first):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
     SuffixTrie.append), then, when its context length equals context_lens[i]
@@ -461,36 +429,39 @@ def arena_round(nodes, stamps, table, hdr, pool, seqs, roots, depths, factors, m
     (float64 [n]) to scores. Inserting and drafting one request after the
     other keeps its rows in cache between the two.
 
-    ends: int64 [n], the context length once i's tokens are in the pool (-1:
-    not yet; in/out). Returns the first i that needs room, for the caller to
-    grow the pool (ends[i] < 0) or the node and hash arrays, and to call again
-    from i; n when all are done.
+    hdrs: int64 [slots, 5], each request's trie header; pool_hdr: int64 [5],
+    H_POOL_END the end of the pool's used part. ends: int64 [n], the context
+    length once i's tokens are in the pool (-1: not yet; in/out). Returns the
+    first i that needs room, for the caller to grow the pool (ends[i] < 0) or
+    the request's regions, and to call again from i; n when all are done.
     """
     local_best, g_best = np.zeros(3), np.zeros(3)
+    no_stamps = np.zeros(0, dtype=np.int64)
     for i in range(first, slots.shape[0]):
         s, k = slots[i], ks[i]
         ctx = 2 * s + CONTEXT_STREAM
         if ends[i] < 0:
             length, num = seqs[ctx, S_LEN], bounds[i + 1] - bounds[i]
             if length + num > seqs[ctx, S_CAP]:  # move the stream to a larger region at the pool's end
-                cap, at, old = 2 * (length + num), hdr[H_POOL_END], seqs[ctx, S_START]
+                cap, at, old = 2 * (length + num), pool_hdr[H_POOL_END], seqs[ctx, S_START]
                 if at + cap > pool.shape[0]:
                     return i
                 pool[at:at + length] = pool[old:old + length]
                 seqs[ctx, S_START], seqs[ctx, S_CAP] = at, cap
-                hdr[H_POOL_END] = at + cap
+                pool_hdr[H_POOL_END] = at + cap
             at = seqs[ctx, S_START] + length
             pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
             ends[i] = length + num
-        if append_tokens(nodes, stamps, table, hdr, pool, seqs, ctx, roots[s], ends[i], active[s],
-                         n_active[s:s + 1], depths[s]) < ends[i]:
+        trie = nodes[nbase[s]:nbase[s] + ncap[s]]
+        if append_tokens(trie, no_stamps, table[tbase[s]:tbase[s] + tcap[s]], hdrs[s], pool, seqs, ctx, ROOT,
+                         ends[i], active[s], n_active[s:s + 1], depths[s]) < ends[i]:
             return i
         num = offsets[i]
         length = seqs[ctx, S_LEN]
         in_sync[i] = context_lens[i] == 0 or length == context_lens[i]
         scores[i] = 0.0
         if in_sync[i] and k > 0:
-            speculate_active(nodes, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
+            speculate_active(trie, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
                              out[num:num + k], local_best)
             drafted, score = int(local_best[1]), local_best[0]
             if use_global:
@@ -517,13 +488,10 @@ class SuffixTrie:
     """
 
     def __init__(self, max_depth: int, num_streams: int, node_capacity: int = 256,
-                 pool_capacity: int = 256, stamped: bool = True) -> None:
+                 pool_capacity: int = 256) -> None:
         self.max_depth = max_depth
         self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
-        # stamps are read only to re-pick a best child after a count decreased
-        # (remove_stream); a trie that never removes a stream keeps none
-        # (empty), nor PREV links
-        self.stamps = np.zeros(self.nodes.shape[0] if stamped else 0, dtype=np.int64)
+        self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
@@ -592,7 +560,7 @@ class SuffixTrie:
             size = max(2 * len(self.nodes), need)
             nodes = np.zeros((size, NUM_FIELDS), dtype=np.int32)
             nodes[:len(self.nodes)] = self.nodes
-            stamps = np.zeros(size if len(self.stamps) else 0, dtype=np.int64)
+            stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
@@ -617,25 +585,60 @@ class SuffixConfig:
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
 
 
-class RequestArena(SuffixTrie):
-    """The per-request tries of all live requests in one SuffixTrie's arrays
-    (see arena_round), plus per-slot settings and active nodes.
+class _Regions:
+    """Power-of-2 sized regions of rows of a growable array, handed out and
+    back by size: freed regions are reused by the next region of their size,
+    new ones are cut at the end (the array doubles when it is full). A
+    region keeps its offset when the array grows."""
 
-    Invariants: a live slot s has its root at roots[s] (-1: free slot) and
-    streams 2s (reference, time base 0) and 2s + 1 (context, time base the
-    reference's length), each in its own pool region of S_CAP tokens;
-    regions of free slots and moved streams are garbage, reclaimed when the
-    pool is compacted; active[s, :n_active[s]] are the context's active
-    nodes. A closed request's node rows are reused by later inserts: like an
-    allocator's heap, the arrays keep their largest size (``nbytes``), while
-    ``live_nodes`` counts what live requests hold.
+    def __init__(self, array: np.ndarray, fill: int) -> None:
+        self.array = array
+        self.fill = fill  # what a fresh (or freed) region holds
+        self.end = 0  # rows cut so far
+        self._free: dict[int, list[int]] = {}  # size -> offsets of free regions
+
+    def take(self, size: int) -> int:
+        """A region of ``size`` rows holding ``fill``; returns its offset."""
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        if self.end + size > len(self.array):
+            grown = np.full((max(2 * len(self.array), self.end + size), *self.array.shape[1:]), self.fill,
+                            dtype=self.array.dtype)
+            grown[:self.end] = self.array[:self.end]
+            self.array = grown
+        self.end += size
+        return self.end - size
+
+    def give_back(self, offset: int, size: int) -> None:
+        self.array[offset:offset + size] = self.fill
+        self._free.setdefault(size, []).append(offset)
+
+
+class RequestArena:
+    """The per-request tries of all live requests in shared arrays (see
+    arena_round): node and hash-table regions by slot, the streams' tokens
+    in one pool, plus per-slot settings and active nodes.
+
+    Invariants: a live slot s has a node region of ncap[s] rows at nbase[s]
+    (its root at local row 0, header hdrs[s]) and a hash region of tcap[s]
+    rows at tbase[s], at most half full; streams 2s (reference, time base 0)
+    and 2s + 1 (context, time base the reference's length), each in its own
+    pool region of S_CAP tokens (regions of closed slots and moved streams
+    are garbage, reclaimed when the pool is compacted);
+    active[s, :n_active[s]] are the context's active nodes. Per-request
+    tries never lose an occurrence, so they keep no stamps (nor PREV links).
     """
 
     def __init__(self, max_depth: int) -> None:
-        super().__init__(max_depth, num_streams=32, stamped=False)  # requests are never removed: no stamps
-        self.seqs = np.zeros((32, 4), dtype=np.int64)
-        self.hdr[:] = (0, -1, 0, 0, 0)  # no root: every request allocates its own
-        self.roots = np.full(16, -1, dtype=np.int64)  # by slot
+        self.max_depth = max_depth
+        self._nodes = _Regions(np.zeros((1024, NUM_FIELDS), dtype=np.int32), 0)
+        self._table = _Regions(np.full((2048, 2), _EMPTY, dtype=np.int64), _EMPTY)
+        self.pool = np.zeros(1024, dtype=np.int32)
+        self.pool_hdr = np.zeros(5, dtype=np.int64)  # H_POOL_END: end of the pool's used part
+        self.seqs = np.zeros((32, 4), dtype=np.int64)  # by stream: 2 * slot + REFERENCE/CONTEXT_STREAM
+        self.hdrs = np.zeros((16, 5), dtype=np.int64)  # by slot, as SuffixTrie.hdr
+        self.nbase, self.ncap, self.tbase, self.tcap = (np.zeros(16, dtype=np.int64) for _ in range(4))
         self.depths = np.zeros(16, dtype=np.int64)
         self.factors = np.zeros(16)
         self.min_probs = np.zeros(16)
@@ -652,30 +655,44 @@ class RequestArena(SuffixTrie):
         reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
         self._place(2 * slot + REFERENCE_STREAM, reference, 0, len(reference))
         self._place(2 * slot + CONTEXT_STREAM, context, len(reference), max(64, 2 * len(context)))
-        self.grow()
-        self.roots[slot] = new_root(self.nodes, self.hdr)
+        size = len(reference) + len(context)
+        ncap = 1 << max(8, (2 * size + 2 * depth + 4).bit_length())
+        self.nbase[slot], self.ncap[slot] = self._nodes.take(ncap), ncap
+        self.tbase[slot], self.tcap[slot] = self._table.take(2 * ncap), 2 * ncap
+        self.hdrs[slot] = (1, -1, 1, 0, 0)  # the root allocated
+        root = self._nodes.array[self.nbase[slot]]
+        root[:] = -1
+        root[COUNT] = root[DEPTH] = 0
         for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
             self.n_active[slot] = 0
-            while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool, self.seqs,
-                                row, self.roots[slot], end, self.active[slot], self.n_active[slot:slot + 1],
+            while append_tokens(self._trie(slot), _NO_STAMPS, self._hash(slot), self.hdrs[slot], self.pool,
+                                self.seqs, row, ROOT, end, self.active[slot], self.n_active[slot:slot + 1],
                                 depth) < end:
-                self.grow()
+                self._grow(slot)
         return slot
 
     def close(self, slot: int) -> None:
-        """Frees the slot's trie and streams."""
-        free_tree(self.nodes, self.table, self.hdr, self.roots[slot])
-        self.roots[slot] = -1
+        """Gives the slot's regions back."""
+        self._nodes.give_back(int(self.nbase[slot]), int(self.ncap[slot]))
+        self._table.give_back(int(self.tbase[slot]), int(self.tcap[slot]))
+        self.ncap[slot] = self.tcap[slot] = 0
+        self.hdrs[slot] = 0
         self.seqs[2 * slot:2 * slot + 2] = 0
         self._free.append(slot)
 
-    def nbytes(self) -> int:
-        return super().nbytes() + sum(a.nbytes for a in (self.roots, self.depths, self.factors, self.min_probs,
-                                                          self.active, self.n_active))
-
     def context(self, slot: int) -> np.ndarray:
         """The slot's context (a view, int32 [n]; valid until the next round)."""
-        return self.tokens(2 * slot + CONTEXT_STREAM)
+        row = 2 * slot + CONTEXT_STREAM
+        start, n = int(self.seqs[row, S_START]), int(self.seqs[row, S_LEN])
+        return self.pool[start:start + n]
+
+    def live_nodes(self) -> int:
+        return int(self.hdrs[:, H_LIVE].sum())
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self._nodes.array, self._table.array, self.pool, self.pool_hdr, self.seqs,
+                                      self.hdrs, self.nbase, self.ncap, self.tbase, self.tcap, self.depths,
+                                      self.factors, self.min_probs, self.active, self.n_active))
 
     def round(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
               ks: np.ndarray, glob: SuffixTrie | None) -> tuple[DraftBatch, np.ndarray]:
@@ -686,36 +703,62 @@ class RequestArena(SuffixTrie):
         out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
         g = glob if glob is not None else _NO_TRIE
         i = 0
-        while (i := arena_round(self.nodes, self.stamps, self.table, self.hdr, self.pool, self.seqs,
-                                self.roots, self.depths, self.factors, self.min_probs, self.active, self.n_active,
-                                slots, tokens, bounds, ends, context_lens, ks, g.nodes, g.table, g.pool,
-                                g.seqs, g.max_depth, glob is not None, in_sync, out, offsets, scores, i)) < n:
+        while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
+                                self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
+                                self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
+                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, glob is not None,
+                                in_sync, out, offsets, scores, i)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM
                 self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
             else:
-                self.grow()
+                self._grow(int(slots[i]))
         return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
+
+    def _trie(self, slot: int) -> np.ndarray:
+        return self._nodes.array[self.nbase[slot]:self.nbase[slot] + self.ncap[slot]]
+
+    def _hash(self, slot: int) -> np.ndarray:
+        return self._table.array[self.tbase[slot]:self.tbase[slot] + self.tcap[slot]]
+
+    def _grow(self, slot: int) -> None:
+        """Moves the slot's trie to regions with room for depth + 2 more nodes
+        (and their hash keys), as SuffixTrie.grow."""
+        hdr, room = self.hdrs[slot], int(self.depths[slot]) + 2
+        if hdr[H_USED] + room > self.ncap[slot]:
+            used, old, size = int(hdr[H_USED]), int(self.nbase[slot]), int(self.ncap[slot])
+            base = self._nodes.take(2 * size)
+            nodes = self._nodes.array
+            nodes[base:base + used] = nodes[old:old + used]
+            self._nodes.give_back(old, size)
+            self.nbase[slot], self.ncap[slot] = base, 2 * size
+        if 2 * (hdr[H_KEYS] + room) > self.tcap[slot]:
+            old, size = int(self.tbase[slot]), int(self.tcap[slot])
+            base = self._table.take(2 * size)
+            table = self._table.array
+            rehash(table[old:old + size], table[base:base + 2 * size])
+            self._table.give_back(old, size)
+            self.tbase[slot], self.tcap[slot] = base, 2 * size
 
     def _new_slot(self) -> int:
         slot = self._num_slots
         self._num_slots += 1
-        if slot == len(self.roots):
-            self.roots = np.concatenate([self.roots, np.full_like(self.roots, -1)])
-            self.depths, self.factors, self.min_probs, self.n_active, self.active, self.seqs = (
-                np.concatenate([a, np.zeros_like(a)])
-                for a in (self.depths, self.factors, self.min_probs, self.n_active, self.active, self.seqs))
+        if slot == len(self.depths):
+            for name in ("hdrs", "nbase", "ncap", "tbase", "tcap", "depths", "factors", "min_probs", "active",
+                         "n_active", "seqs"):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
         return slot
 
     def _place(self, row: int, tokens: np.ndarray, time_base: int, cap: int) -> None:
         """Gives stream ``row`` a region of cap tokens at the pool's end and
         writes ``tokens`` there (not yet inserted)."""
-        if self.pool_end + cap > len(self.pool):
+        if self.pool_hdr[H_POOL_END] + cap > len(self.pool):
             self._compact(cap)
-        at = self.pool_end
+        at = int(self.pool_hdr[H_POOL_END])
         self.pool[at:at + len(tokens)] = tokens
         self.seqs[row] = (at, 0, time_base, cap)
-        self.pool_end = at + cap
+        self.pool_hdr[H_POOL_END] = at + cap
 
     def _compact(self, extra: int) -> None:
         """Packs the live streams' regions at the start of a pool with room
@@ -729,7 +772,7 @@ class RequestArena(SuffixTrie):
             pool[at:at + cap] = self.pool[start:start + cap]
             self.seqs[r, S_START] = at
             at += cap
-        self.pool, self.pool_end = pool, at
+        self.pool, self.pool_hdr[H_POOL_END] = pool, at
 
 
 class _GlobalCache:
@@ -876,3 +919,5 @@ def _warm_up() -> None:
 
 #: stands in for the global trie of a proposer without one (never searched)
 _NO_TRIE = SuffixTrie(1, 1)
+#: the stamps of a trie that keeps none (RequestArena's)
+_NO_STAMPS = np.zeros(0, dtype=np.int64)
