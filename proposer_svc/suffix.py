@@ -415,10 +415,32 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 # pool. So each trie is a plain SuffixTrie view for the kernels above, a round
 # of many requests is one kernel call over plain arrays, and opening or
 # closing a request only hands regions out or back.
+#: arena_round reads ahead the first rows the request this many places later will need
+TOUCH_AHEAD = 4
+
+
+@njit(cache=True)
+def _touch(nodes, table, active, n_active, tok):
+    """Reads what inserting tok into a trie reads first: for its root and
+    active nodes, the row, the best child's row and the hash slot of (node,
+    tok) with the child it holds. The reads of one level do not depend on
+    each other, so their cache misses overlap (numba has no prefetch)."""
+    mask = table.shape[0] - 1
+    acc = 0
+    for j in range(-1, n_active):
+        a = ROOT if j < 0 else active[j]
+        key = _key(a, tok)
+        home = _home(key, mask)
+        b = nodes[a, BEST]
+        c = table[home, 1] if table[home, 0] == key else b
+        acc += (nodes[c, COUNT] if c >= 0 else 0) + (nodes[b, TOK] if b >= 0 else 0)
+    return acc
+
+
 @njit(cache=True)
 def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
                 active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
-                g_depth, use_global, in_sync, out, offsets, scores, first):
+                g_depth, use_global, in_sync, out, offsets, scores, first, sink):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
     SuffixTrie.append), then, when its context length equals context_lens[i]
@@ -434,12 +456,20 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
     length once i's tokens are in the pool (-1: not yet; in/out). Returns the
     first i that needs room, for the caller to grow the pool (ends[i] < 0) or
     the request's regions, and to call again from i; n when all are done.
+    Before request i, the first rows request i + TOUCH_AHEAD needs are read
+    (``_touch``; sink: int64 [1], written so that the reads are kept).
     """
     local_best, g_best = np.zeros(3), np.zeros(3)
     no_stamps = np.zeros(0, dtype=np.int64)
+    touched = 0
     for i in range(first, slots.shape[0]):
         s, k = slots[i], ks[i]
         ctx = 2 * s + CONTEXT_STREAM
+        ahead = i + TOUCH_AHEAD
+        if ahead < slots.shape[0] and bounds[ahead + 1] > bounds[ahead]:
+            t = slots[ahead]
+            touched += _touch(nodes[nbase[t]:nbase[t] + ncap[t]], table[tbase[t]:tbase[t] + tcap[t]], active[t],
+                              n_active[t], tokens[bounds[ahead]])
         if ends[i] < 0:
             length, num = seqs[ctx, S_LEN], bounds[i + 1] - bounds[i]
             if length + num > seqs[ctx, S_CAP]:  # move the stream to a larger region at the pool's end
@@ -476,6 +506,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             num += drafted
             scores[i] = score
         offsets[i + 1] = num
+    sink[0] = touched
     return slots.shape[0]
 
 
@@ -646,6 +677,7 @@ class RequestArena:
         self.n_active = np.zeros(16, dtype=np.int64)
         self._free: list[int] = []  # slots to reuse
         self._num_slots = 0  # slots ever handed out
+        self._sink = np.zeros(1, dtype=np.int64)  # see arena_round
 
     def open(self, context: np.ndarray, depth: int, options: SeqOptions) -> int:
         """A slot with a new request's trie over its reference and context."""
@@ -707,7 +739,7 @@ class RequestArena:
                                 self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
                                 context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, glob is not None,
-                                in_sync, out, offsets, scores, i)) < n:
+                                in_sync, out, offsets, scores, i, self._sink)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM
                 self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
