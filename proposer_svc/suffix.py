@@ -415,6 +415,7 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 # pool. So each trie is a plain SuffixTrie view for the kernels above, a round
 # of many requests is one kernel call over plain arrays, and opening or
 # closing a request only hands regions out or back.
+
 #: arena_round reads ahead the first rows the request this many places later will need
 TOUCH_AHEAD = 4
 
