@@ -3,9 +3,10 @@ calls on the proposer algorithms (which never see protobuf messages)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -82,6 +83,17 @@ class _Round:
         self.features.append(features)
 
 
+class _Batch(NamedTuple):
+    """One method's plain updates of a message, as ``Proposer.advance`` takes them."""
+
+    msgs: list[pb.Draft]  # each sequence's message in the response
+    seq_ids: list[str]
+    tokens: np.ndarray  # int32 [total]: the new tokens of all, concatenated
+    bounds: np.ndarray  # int64 [n + 1]: sequence i's are tokens[bounds[i]:bounds[i + 1]]
+    context_lens: np.ndarray  # int64 [n]
+    ks: np.ndarray  # int64 [n]
+
+
 def _options(msg: pb.ProposerOptions, methods: dict[str, Proposer]) -> SeqOptions:
     """Zero means "default" (specdec.limits) for the knobs that cannot be
     zero; min_token_prob is taken as sent (the gateway always fills it)."""
@@ -135,6 +147,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         self.added_latency_s = added_latency_s  # benchmarks: a remote or model-based proposer's delay
         self._method_of: dict[str, str] = {}  # seq_id -> method name
         self._owner: dict[str, object] = {}  # seq_id -> the stream that opened it
+        self._featured = {m for m, p in proposers.items() if p.feature_layers}  # methods that take features
         self._state_at = float("-inf")  # when the proposer gauges were last refreshed
 
     async def Propose(self, request_iterator, context):
@@ -161,17 +174,71 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         """Applies releases, then the updates in order: opens at once, the
         others gathered into one ``advance`` per method (their new tokens and
         drafts together). A sequence named again in the message first runs
-        what is gathered, so updates apply as if sent one by one."""
+        what is gathered, so updates apply as if sent one by one. In a
+        message that names each sequence once, the plain updates (the usual
+        round, see ``_plain_rounds``) are gathered and run first: sequences
+        are independent, so that changes no result."""
         for release in request.releases:
             self._stop(release.seq_id, release.completed)
         response = pb.ProposeResponse(batch_id=request.batch_id)
-        drafts = response.drafts
+        updates = request.sequences
+        seq_ids = [u.seq_id for u in updates]
+        add = response.drafts.add
+        msgs = [add(seq_id=s) for s in seq_ids]
+        one_by_one = list(range(len(seq_ids)))
+        if len(set(seq_ids)) == len(seq_ids):
+            rounds, one_by_one = self._plain_rounds(updates, seq_ids, msgs)
+            for method, batch in rounds.items():
+                self._advance(method, *batch)
+        self._handle_in_order([updates[j] for j in one_by_one], [msgs[j] for j in one_by_one], owner)
+        LIVE_SEQUENCES.set(len(self._method_of))
+        return response
+
+    def _plain_rounds(self, updates, seq_ids: list[str], msgs: list[pb.Draft]) -> tuple[dict[str, _Batch], list[int]]:
+        """Gathers by method the *plain* updates of a message: no open, no
+        features, a known sequence of a method without feature_layers, valid k
+        and tokens (the usual round). Found with a few vectorised passes: a
+        per-update Python step is a round's main cost. Returns them and the
+        indices of the others, for ``_handle_in_order``."""
+        n = len(seq_ids)
+        fields = [(u.open or u.HasField("features"), u.token_ids, u.num_speculative_tokens, u.context_len)
+                  for u in updates]
+        method_of, featured = self._method_of, self._featured
+        methods = ["" if f[0] else method_of.get(s, "") for s, f in zip(seq_ids, fields)]  # "": not plain
+        odd = np.array([not m or m in featured for m in methods], dtype=bool)
+        counts = np.fromiter([len(f[1]) for f in fields], dtype=np.int64, count=n)
+        tokens = np.fromiter(itertools.chain.from_iterable([f[1] for f in fields]), dtype=np.int32,
+                             count=int(counts.sum()))
+        ks = np.fromiter([f[2] for f in fields], dtype=np.int64, count=n)
+        context_lens = np.fromiter([f[3] for f in fields], dtype=np.int64, count=n)
+        odd |= (ks < 0) | (ks > MAX_SPECULATIVE_TOKENS)
+        if len(tokens) and tokens.min() < 0:
+            odd[np.repeat(np.arange(n), counts)[tokens < 0]] = True
+        rounds: dict[str, _Batch] = {}
+        if not odd.any() and len(set(methods)) == 1:  # one method, all plain
+            rounds[methods[0]] = _Batch(msgs, seq_ids, tokens, bounds_of(counts), context_lens, ks)
+        else:
+            plain = np.flatnonzero(~odd)
+            by_method: dict[str, list[int]] = {}
+            for j in plain.tolist():
+                by_method.setdefault(methods[j], []).append(j)
+            token_row = np.repeat(np.arange(n), counts)
+            for method, rows in by_method.items():
+                take = np.array(rows, dtype=np.int64)
+                rounds[method] = _Batch([msgs[j] for j in rows], [seq_ids[j] for j in rows],
+                                        tokens[np.isin(token_row, take)], bounds_of(counts[take]),
+                                        context_lens[take], ks[take])
+        return rounds, np.flatnonzero(odd).tolist()
+
+    def _handle_in_order(self, updates, msgs: list[pb.Draft], owner: object) -> None:
+        """Updates one by one (opens, features, bad or repeated sequences):
+        opens at once, the others gathered into one ``advance`` per method; a
+        sequence named again first runs what is gathered."""
         rounds: dict[str, _Round] = {}
         gathered: set[str] = set()
         method_of = self._method_of
-        for update in request.sequences:
+        for update, msg in zip(updates, msgs):
             seq_id = update.seq_id
-            msg = drafts.add(seq_id=seq_id)
             if seq_id in gathered:
                 self._advance_all(rounds)
                 rounds, gathered = {}, set()
@@ -196,36 +263,34 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             rounds[method].add(msg, seq_id, tokens, update.context_len, k, features)
             gathered.add(seq_id)
         self._advance_all(rounds)
-        LIVE_SEQUENCES.set(len(method_of))
-        return response
 
     def _advance_all(self, rounds: dict[str, _Round]) -> None:
         for method, batch in rounds.items():
-            self._advance(method, batch)
+            if self.proposers[method].feature_layers:
+                self._advance_with_features(method, batch)
+            else:
+                self._advance(method, batch.drafts, batch.seq_ids, np.array(batch.tokens, dtype=np.int32),
+                              bounds_of(np.array(batch.counts, dtype=np.int64)),
+                              np.array(batch.context_lens, dtype=np.int64), np.array(batch.ks, dtype=np.int64))
 
-    def _advance(self, method: str, batch: _Round) -> None:
-        """Runs one method's round and writes its drafts into their messages."""
-        if self.proposers[method].feature_layers:
-            self._advance_with_features(method, batch)
-            return
-        result = self.proposers[method].advance(
-            batch.seq_ids, np.array(batch.tokens, dtype=np.int32), bounds_of(np.array(batch.counts)),
-            np.array(batch.context_lens, dtype=np.int64), np.array(batch.ks, dtype=np.int64))
-        in_sync = result.in_sync.tolist()
+    def _advance(self, method: str, msgs: list[pb.Draft], seq_ids: list[str], tokens: np.ndarray,
+                 bounds: np.ndarray, context_lens: np.ndarray, ks: np.ndarray) -> None:
+        """Runs one method's round (arrays as ``Proposer.advance``) and writes
+        its drafts into their messages."""
+        result = self.proposers[method].advance(seq_ids, tokens, bounds, context_lens, ks)
         for j in np.flatnonzero(~result.in_sync).tolist():
-            self._stop(batch.seq_ids[j], completed=False)
-            msg = batch.drafts[j]
+            self._stop(seq_ids[j], completed=False)
+            msg = msgs[j]
             msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
         if result.drafts is not None:
-            for msg, ok, draft in zip(batch.drafts, in_sync, result.drafts):
+            for msg, ok, draft in zip(msgs, result.in_sync.tolist(), result.drafts):
                 if ok:
                     _fill_draft(msg, draft)
             DRAFT_TOKENS.labels(method).inc(sum(len(d.token_ids) for d in result.drafts))
             return
         flat, offsets = result.token_ids.tolist(), result.offsets.tolist()
-        for j, msg in enumerate(batch.drafts):
-            if offsets[j + 1] > offsets[j]:
-                msg.token_ids.extend(flat[offsets[j]:offsets[j + 1]])
+        for j in np.flatnonzero(np.diff(result.offsets)).tolist():
+            msgs[j].token_ids.extend(flat[offsets[j]:offsets[j + 1]])
         DRAFT_TOKENS.labels(method).inc(len(flat))
 
     def _advance_with_features(self, method: str, batch: _Round) -> None:

@@ -13,12 +13,15 @@ latest occurrence was completed (token i of a stream with time base b is seen
 at time b + i).
 
 Layout. No Python object per node: row ``c`` of the int32 array ``nodes``
-holds node c's fields (columns below), ``stamps[c]`` its stamp; children are
-found through an open-addressing hash table keyed by (parent, token) and
+holds node c's fields (columns below), ``stamps[c]`` its stamp (kept only by
+a trie that removes streams, see ``SuffixTrie``); children are
+found through an open-addressing hash ``table`` keyed by (parent, token) and
 chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
 ``seqs`` gives stream s's start in the pool, the number of its tokens
-inserted so far and its time base.
+inserted so far and its time base. The per-request tries of all live
+requests are regions of one such set of arrays (``RequestArena``), so a
+round of many requests is one kernel call.
 
 Leaf compression. A node seen once (count 1) implies a chain of count-1
 descendants that simply follows its single occurrence; such a node is stored
@@ -29,13 +32,17 @@ and its old continuation becomes a new leaf one level down. So typical text
 costs about one node per token plus one per repeated substring.
 
 Invariants:
-- node 0 is the root (depth 0); depth(c) = depth(parent(c)) + 1 <= D;
+- node 0 (of a trie's rows) is the root, depth 0; depth(c) =
+  depth(parent(c)) + 1 <= D;
 - a leaf has count 1, no stored children, and
   pool[start(LSEQ) + LPOS] == TOK; its implicit chain continues with the
   stream's next tokens while depth <= D and the stream has them;
 - count(explicit c) = number of occurrences of its string; explicit nodes of
   count 1 exist only after an eviction;
 - BEST(c) is the child with the largest (count, stamp), or -1;
+- FIRST/NEXT chain each node's children; PREV links them back only in a
+  trie with stamps (the two serve ``remove_stream``; the per-request tries
+  never remove a stream and keep neither);
 - an *active* node list holds, by increasing depth, the explicit nodes of
   depth < D matching the suffixes of a growing stream;
 - the hash table is at most half full; free node rows are chained via NEXT.
@@ -45,22 +52,21 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
 
 import numpy as np
-from numba import njit, types
-from numba.typed import List
+from numba import njit
 
 from specdec.drafts import Draft
 from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence
 
-# columns of `nodes`
-TOK, PARENT, COUNT, DEPTH, BEST, FIRST, NEXT, PREV, LSEQ, LPOS = range(10)
+# columns of `nodes`: first the fields an insert or a draft reads at every
+# step, so that they usually share a cache line
+TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV = range(10)
 NUM_FIELDS = 10
 # entries of `hdr` (int64 [5]); H_POOL_END: end of the used part of the pool
 H_USED, H_FREE, H_LIVE, H_KEYS, H_POOL_END = range(5)
-# columns of `seqs` (int64 [S, 3])
-S_START, S_LEN, S_TIME = range(3)
+# columns of `seqs` (int64 [S, 3]; a RequestArena's has S_CAP too: [S, 4])
+S_START, S_LEN, S_TIME, S_CAP = range(4)
 
 # the streams of a per-request trie
 REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
@@ -80,63 +86,69 @@ def _key(parent, tok):
 
 @njit(cache=True, inline="always")
 def _home(key, mask):
-    return np.int64(((np.uint64(key) * _GOLDEN) >> np.uint64(32)) & np.uint64(mask))
+    """Home slot in a table of mask + 1 (a power of 2) rows: the hash's top
+    32 bits scaled to the size, so homes keep their order when the size
+    doubles (home h becomes 2h or 2h + 1) and ``rehash`` writes the new table
+    almost sequentially."""
+    return np.int64((((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(mask + 1)) >> np.uint64(32))
 
 
+# The table is int64 [size, 2]: row i holds a key (_EMPTY: free) and its
+# value, so that a probe reads one cache line.
 @njit(cache=True)
-def _child(hkeys, hvals, parent, tok):
+def _child(table, parent, tok):
     """The child of ``parent`` reached by ``tok``, or -1."""
     key = _key(parent, tok)
-    mask = hkeys.shape[0] - 1
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != _EMPTY:
-        if hkeys[i] == key:
-            return hvals[i]
+    while table[i, 0] != _EMPTY:
+        if table[i, 0] == key:
+            return table[i, 1]
         i = (i + 1) & mask
     return -1
 
 
 @njit(cache=True)
-def _hash_put(hkeys, hvals, key, val):
-    mask = hkeys.shape[0] - 1
+def _hash_put(table, key, val):
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != _EMPTY:
+    while table[i, 0] != _EMPTY:
         i = (i + 1) & mask
-    hkeys[i] = key
-    hvals[i] = val
+    table[i, 0] = key
+    table[i, 1] = val
 
 
 @njit(cache=True)
-def _hash_del(hkeys, hvals, key):
+def _hash_del(table, key):
     """Linear-probing delete with backward shift (no tombstones)."""
-    mask = hkeys.shape[0] - 1
+    mask = table.shape[0] - 1
     i = _home(key, mask)
-    while hkeys[i] != key:
+    while table[i, 0] != key:
         i = (i + 1) & mask
-    hkeys[i] = _EMPTY
+    table[i, 0] = _EMPTY
     j = i
     while True:
         j = (j + 1) & mask
-        if hkeys[j] == _EMPTY:
+        if table[j, 0] == _EMPTY:
             return
         # the entry at j may fill the hole at i if i lies on its probe path
-        if ((j - _home(hkeys[j], mask)) & mask) >= ((j - i) & mask):
-            hkeys[i], hvals[i] = hkeys[j], hvals[j]
-            hkeys[j] = _EMPTY
+        if ((j - _home(table[j, 0], mask)) & mask) >= ((j - i) & mask):
+            table[i, 0], table[i, 1] = table[j, 0], table[j, 1]
+            table[j, 0] = _EMPTY
             i = j
 
 
 @njit(cache=True)
-def rehash(old_keys, old_vals, new_keys, new_vals):
+def rehash(old, new):
     """Moves every entry into a (larger, empty) table."""
-    for i in range(old_keys.shape[0]):
-        if old_keys[i] != _EMPTY:
-            _hash_put(new_keys, new_vals, old_keys[i], old_vals[i])
+    for i in range(old.shape[0]):
+        if old[i, 0] != _EMPTY:
+            _hash_put(new, old[i, 0], old[i, 1])
 
 
 # ----------------------------------------------------------------- node rows
 @njit(cache=True)
-def _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, lseq, lpos, stamp):
+def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
     """Allocates a count-1 child (a leaf when lseq >= 0) and links it."""
     c = hdr[H_FREE]
     if c >= 0:
@@ -149,19 +161,20 @@ def _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, lseq, lpos, stamp)
     nodes[c, DEPTH] = nodes[parent, DEPTH] + 1
     nodes[c, BEST], nodes[c, FIRST] = -1, -1
     nodes[c, LSEQ], nodes[c, LPOS] = lseq, lpos
-    stamps[c] = stamp
     first = nodes[parent, FIRST]
     nodes[c, NEXT], nodes[c, PREV] = first, -1
-    if first >= 0:
-        nodes[first, PREV] = c
+    if stamps.shape[0]:  # stamps and PREV links serve stream removal only (no stamps: neither kept)
+        stamps[c] = stamp
+        if first >= 0:
+            nodes[first, PREV] = c
     nodes[parent, FIRST] = c
-    _hash_put(hkeys, hvals, _key(parent, tok), c)
+    _hash_put(table, _key(parent, tok), c)
     hdr[H_KEYS] += 1
     return c
 
 
 @njit(cache=True)
-def _free_child(nodes, hkeys, hvals, hdr, c):
+def _free_child(nodes, table, hdr, c):
     """Unlinks node c from its parent and puts its row on the free list."""
     parent, nxt, prev = nodes[c, PARENT], nodes[c, NEXT], nodes[c, PREV]
     if prev >= 0:
@@ -170,7 +183,7 @@ def _free_child(nodes, hkeys, hvals, hdr, c):
         nodes[parent, FIRST] = nxt
     if nxt >= 0:
         nodes[nxt, PREV] = prev
-    _hash_del(hkeys, hvals, _key(parent, nodes[c, TOK]))
+    _hash_del(table, _key(parent, nodes[c, TOK]))
     hdr[H_KEYS] -= 1
     hdr[H_LIVE] -= 1
     nodes[c, NEXT] = hdr[H_FREE]
@@ -199,16 +212,16 @@ def _repick_best(nodes, stamps, parent):
 
 # ------------------------------------------------------------------ updates
 @njit(cache=True)
-def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, now, max_depth):
+def _step(nodes, stamps, table, hdr, pool, seqs, parent, tok, seq, pos, now, max_depth):
     """Counts one more occurrence of parent's string + tok, ending at (seq, pos).
 
     Returns the explicit node now matching it, or -1 if it lies in a leaf.
     """
     c = nodes[parent, BEST]  # usually the continuation: skips the hash probe
     if c < 0 or nodes[c, TOK] != tok:
-        c = _child(hkeys, hvals, parent, tok)
+        c = _child(table, parent, tok)
     if c < 0:
-        c = _new_child(nodes, stamps, hkeys, hvals, hdr, parent, tok, seq, pos, now)
+        c = _new_child(nodes, stamps, table, hdr, parent, tok, seq, pos, now)
         _child_incremented(nodes, parent, c)
         return -1
     if nodes[c, LSEQ] >= 0:  # materialise the leaf: its chain continues below
@@ -216,21 +229,23 @@ def _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, parent, tok, seq, pos, n
         nodes[c, LSEQ], nodes[c, LPOS] = -1, -1
         if nodes[c, DEPTH] < max_depth and old_pos + 1 < seqs[old_seq, S_LEN]:
             nxt = pool[seqs[old_seq, S_START] + old_pos + 1]
-            g = _new_child(nodes, stamps, hkeys, hvals, hdr, c, nxt, old_seq, old_pos + 1,
+            g = _new_child(nodes, stamps, table, hdr, c, nxt, old_seq, old_pos + 1,
                            seqs[old_seq, S_TIME] + old_pos + 1)
             nodes[c, BEST] = g
     nodes[c, COUNT] += 1
-    stamps[c] = now
+    if stamps.shape[0]:
+        stamps[c] = now
     _child_incremented(nodes, parent, c)
     return c
 
 
 @njit(cache=True)
-def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, end, active, n_active,
+def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active, n_active,
                   max_depth):
     """Inserts stream ``seq``'s tokens from position seqs[seq, S_LEN] up to
-    ``end`` (already written in the pool), stopping early when the node or
-    hash arrays might overflow; returns the new seqs[seq, S_LEN].
+    ``end`` (already written in the pool) into the tree under ``root``,
+    stopping early when the node or hash arrays might overflow; returns the
+    new seqs[seq, S_LEN].
 
     active: int32 [max_depth + 1], its first n_active[0] entries the stream's
     active nodes (updated in place).
@@ -240,18 +255,18 @@ def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, end, active
     pos = seqs[seq, S_LEN]
     while pos < end:
         if (hdr[H_USED] + max_depth + 2 > nodes.shape[0]
-                or 2 * (hdr[H_KEYS] + max_depth + 2) > hkeys.shape[0]):
+                or 2 * (hdr[H_KEYS] + max_depth + 2) > table.shape[0]):
             break
         tok = pool[start + pos]
         seqs[seq, S_LEN] = pos + 1
         num = 0
-        c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, ROOT, tok, seq, pos, base + pos,
+        c = _step(nodes, stamps, table, hdr, pool, seqs, root, tok, seq, pos, base + pos,
                   max_depth)
         if c >= 0 and nodes[c, DEPTH] < max_depth:
             scratch[num] = c
             num += 1
         for i in range(n_active[0]):
-            c = _step(nodes, stamps, hkeys, hvals, hdr, pool, seqs, active[i], tok, seq, pos,
+            c = _step(nodes, stamps, table, hdr, pool, seqs, active[i], tok, seq, pos,
                       base + pos, max_depth)
             if c >= 0 and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
@@ -263,7 +278,7 @@ def append_tokens(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, end, active
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
+def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
     the nodes left with count 0. Stamps stay valid as long as the removed
     stream is the oldest one (FIFO eviction): the latest occurrence of any
@@ -273,9 +288,9 @@ def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
     for j in range(n):
         node = ROOT
         for i in range(j, min(j + max_depth, n)):
-            c = _child(hkeys, hvals, node, pool[start + i])
+            c = _child(table, node, pool[start + i])
             if nodes[c, LSEQ] >= 0:  # a leaf: this very occurrence
-                _free_child(nodes, hkeys, hvals, hdr, c)
+                _free_child(nodes, table, hdr, c)
                 if nodes[node, BEST] == c:
                     _repick_best(nodes, stamps, node)
                 break
@@ -283,7 +298,7 @@ def remove_stream(nodes, stamps, hkeys, hvals, hdr, pool, seqs, seq, max_depth):
             # a node reaching 0 keeps only the child on this walk (the others
             # reached 0 on earlier walks); its row is reused only by inserts
             if nodes[c, COUNT] == 0:
-                _free_child(nodes, hkeys, hvals, hdr, c)
+                _free_child(nodes, table, hdr, c)
             if nodes[node, BEST] == c:
                 _repick_best(nodes, stamps, node)
             node = c
@@ -326,7 +341,7 @@ def _max_draft_len(match_len, k, max_spec_factor):
 
 
 @njit(cache=True)
-def _walk(nodes, hkeys, hvals, pool, seqs, tokens, max_depth):
+def _walk(nodes, table, pool, seqs, tokens, max_depth):
     """Locates ``tokens`` in the tree: (node, tokens past it in its leaf
     chain), or (-1, 0) when absent."""
     node, off = ROOT, 0
@@ -339,7 +354,7 @@ def _walk(nodes, hkeys, hvals, pool, seqs, tokens, max_depth):
                 return -1, 0
             off += 1
         else:
-            node = _child(hkeys, hvals, node, tokens[i])
+            node = _child(table, node, tokens[i])
             if node < 0:
                 return -1, 0
     return node, off
@@ -357,7 +372,7 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
 
 
 @njit(cache=True)
-def speculate_walk(nodes, hkeys, hvals, pool, seqs, max_depth, context, max_match, k,
+def speculate_walk(nodes, table, pool, seqs, max_depth, context, max_match, k,
                    max_spec_factor, min_token_prob, out, best):
     """Best draft over the suffixes of ``context`` (int32 [c]) of length
     <= max_match found by walking from the root; writes out (int32 [>= k]) and
@@ -366,7 +381,7 @@ def speculate_walk(nodes, hkeys, hvals, pool, seqs, max_depth, context, max_matc
     best[:] = 0.0
     c = context.shape[0]
     for m in range(1, min(max_match, c) + 1):
-        node, off = _walk(nodes, hkeys, hvals, pool, seqs, context[c - m:], max_depth)
+        node, off = _walk(nodes, table, pool, seqs, context[c - m:], max_depth)
         if node < 0:
             break
         num, score = _draft_from(nodes, pool, seqs, node, off, max_depth,
@@ -391,108 +406,109 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 
 
 # ------------------------------------------------------ rounds of requests
-# The per-request tries of many sequences, reached through numba typed lists
-# indexed by slot (nodes_l ... n_active_l, see _TrieTable): one call per round
-# instead of one per sequence. Built and updated by cached kernels too, so a
-# process compiles nothing for them. (Passed one by one: the dispatcher types
-# a tuple of lists slowly, ~0.4 ms a call.)
-@njit(cache=True)
-def new_trie_lists():
-    """Empty lists of (nodes, stamps, hkeys, hvals, hdr, pool, seqs, active, n_active) by slot."""
-    return (List.empty_list(types.int32[:, ::1]), List.empty_list(types.int64[::1]),
-            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[:, ::1]), List.empty_list(types.int32[::1]),
-            List.empty_list(types.int64[::1]))
+# The per-request tries of all live sequences live in one set of shared
+# arrays (see RequestArena): request s owns a region of node rows
+# (nodes[nbase[s]:nbase[s] + ncap[s]], its root at local row 0) and a region
+# of the hash table (table[tbase[s]:tbase[s] + tcap[s]]), both power-of-2
+# sized, node ids local to the region; its two streams are rows
+# 2 * s + REFERENCE_STREAM / CONTEXT_STREAM of a shared ``seqs`` over a shared
+# pool. So each trie is a plain SuffixTrie view for the kernels above, a round
+# of many requests is one kernel call over plain arrays, and opening or
+# closing a request only hands regions out or back.
+
+#: arena_round reads ahead the first rows the request this many places later will need
+TOUCH_AHEAD = 4
 
 
 @njit(cache=True)
-def put_trie(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, slot, nodes, stamps,
-             hkeys, hvals, hdr, pool, seqs, active, n_active):
-    """Stores one trie's arrays (and its active nodes) in slot (== length: appended)."""
-    if slot == len(nodes_l):
-        nodes_l.append(nodes)
-        stamps_l.append(stamps)
-        hkeys_l.append(hkeys)
-        hvals_l.append(hvals)
-        hdr_l.append(hdr)
-        pool_l.append(pool)
-        seqs_l.append(seqs)
-        active_l.append(active)
-        n_active_l.append(n_active)
-    else:
-        nodes_l[slot] = nodes
-        stamps_l[slot] = stamps
-        hkeys_l[slot] = hkeys
-        hvals_l[slot] = hvals
-        hdr_l[slot] = hdr
-        pool_l[slot] = pool
-        seqs_l[slot] = seqs
-        active_l[slot] = active
-        n_active_l[slot] = n_active
+def _touch(nodes, table, active, n_active, tok):
+    """Reads what inserting tok into a trie reads first: for its root and
+    active nodes, the row, the best child's row and the hash slot of (node,
+    tok) with the child it holds. The reads of one level do not depend on
+    each other, so their cache misses overlap (numba has no prefetch)."""
+    mask = table.shape[0] - 1
+    acc = 0
+    for j in range(-1, n_active):
+        a = ROOT if j < 0 else active[j]
+        key = _key(a, tok)
+        home = _home(key, mask)
+        b = nodes[a, BEST]
+        c = table[home, 1] if table[home, 0] == key else b
+        acc += (nodes[c, COUNT] if c >= 0 else 0) + (nodes[b, TOK] if b >= 0 else 0)
+    return acc
 
 
 @njit(cache=True)
-def append_batch(nodes_l, stamps_l, hkeys_l, hvals_l, hdr_l, pool_l, seqs_l, active_l, n_active_l, depths, slots,
-                 tokens, bounds, written, first):
-    """Appends tokens[bounds[i]:bounds[i + 1]] to the context stream of the
-    trie in slot slots[i], for i = first.. in order (as SuffixTrie.append).
-    written: bool [n], the tokens already copied to the pool (in/out).
-    Returns the first i whose pool (not written[i]) or node/hash arrays
-    (written[i]) are full, for the caller to grow them and call again; n
-    when all are inserted."""
-    for i in range(first, slots.shape[0]):
-        s = slots[i]
-        pool, hdr, seqs = pool_l[s], hdr_l[s], seqs_l[s]
-        if not written[i]:
-            at, num = hdr[H_POOL_END], bounds[i + 1] - bounds[i]
-            if at + num > pool.shape[0]:
-                return i
-            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
-            hdr[H_POOL_END] = at + num
-            written[i] = True
-        end = hdr[H_POOL_END] - seqs[CONTEXT_STREAM, S_START]
-        if append_tokens(nodes_l[s], stamps_l[s], hkeys_l[s], hvals_l[s], hdr, pool, seqs, CONTEXT_STREAM, end,
-                         active_l[s], n_active_l[s], depths[s]) < end:
-            return i
-    return slots.shape[0]
+def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
+                active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
+                g_depth, use_global, in_sync, out, offsets, scores, first, sink):
+    """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
+    the context stream of the request in slot slots[i] and inserts them (as
+    SuffixTrie.append), then, when its context length equals context_lens[i]
+    (0: not checked; in_sync[i] says) and ks[i] > 0, drafts: the per-request
+    trie's best draft, or the global trie's (g_*, searched when use_global)
+    when it scores higher (ties: the longer). Drafts go to out (int32 [>= sum
+    of ks]) at offsets (int64 [n + 1], offsets[first] set), their scores
+    (float64 [n]) to scores. Inserting and drafting one request after the
+    other keeps its rows in cache between the two.
 
-
-@njit(cache=True)
-def speculate_batch(nodes_l, pool_l, seqs_l, active_l, n_active_l, depths, factors, min_probs, slots, context_lens,
-                    ks, g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, use_global, in_sync, out, offsets,
-                    scores):
-    """SuffixProposer._propose_one for the requests in slots (int64 [n]):
-    the per-request trie's draft, or the global trie's (g_*, searched when
-    use_global) when it scores higher (ties: the longer). Writes in_sync
-    (bool [n]: context length == context_lens[i], or that is 0), the drafts
-    into out (int32 [>= sum of ks]) at offsets (int64 [n + 1]) and their
-    scores (float64 [n]); out-of-sync requests get no draft."""
-    num = 0
+    hdrs: int64 [slots, 5], each request's trie header; pool_hdr: int64 [5],
+    H_POOL_END the end of the pool's used part. ends: int64 [n], the context
+    length once i's tokens are in the pool (-1: not yet; in/out). Returns the
+    first i that needs room, for the caller to grow the pool (ends[i] < 0) or
+    the request's regions, and to call again from i; n when all are done.
+    Before request i, the first rows request i + TOUCH_AHEAD needs are read
+    (``_touch``; sink: int64 [1], written so that the reads are kept).
+    """
     local_best, g_best = np.zeros(3), np.zeros(3)
-    for i in range(slots.shape[0]):
+    no_stamps = np.zeros(0, dtype=np.int64)
+    touched = 0
+    for i in range(first, slots.shape[0]):
         s, k = slots[i], ks[i]
-        seqs = seqs_l[s]
-        length = seqs[CONTEXT_STREAM, S_LEN]
-        offsets[i], scores[i] = num, 0.0
+        ctx = 2 * s + CONTEXT_STREAM
+        ahead = i + TOUCH_AHEAD
+        if ahead < slots.shape[0] and bounds[ahead + 1] > bounds[ahead]:
+            t = slots[ahead]
+            touched += _touch(nodes[nbase[t]:nbase[t] + ncap[t]], table[tbase[t]:tbase[t] + tcap[t]], active[t],
+                              n_active[t], tokens[bounds[ahead]])
+        if ends[i] < 0:
+            length, num = seqs[ctx, S_LEN], bounds[i + 1] - bounds[i]
+            if length + num > seqs[ctx, S_CAP]:  # move the stream to a larger region at the pool's end
+                cap, at, old = 2 * (length + num), pool_hdr[H_POOL_END], seqs[ctx, S_START]
+                if at + cap > pool.shape[0]:
+                    return i
+                pool[at:at + length] = pool[old:old + length]
+                seqs[ctx, S_START], seqs[ctx, S_CAP] = at, cap
+                pool_hdr[H_POOL_END] = at + cap
+            at = seqs[ctx, S_START] + length
+            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
+            ends[i] = length + num
+        trie = nodes[nbase[s]:nbase[s] + ncap[s]]
+        if append_tokens(trie, no_stamps, table[tbase[s]:tbase[s] + tcap[s]], hdrs[s], pool, seqs, ctx, ROOT,
+                         ends[i], active[s], n_active[s:s + 1], depths[s]) < ends[i]:
+            return i
+        num = offsets[i]
+        length = seqs[ctx, S_LEN]
         in_sync[i] = context_lens[i] == 0 or length == context_lens[i]
-        if not in_sync[i] or k <= 0:
-            continue
-        speculate_active(nodes_l[s], pool_l[s], seqs, depths[s], active_l[s], n_active_l[s][0], k, factors[s],
-                         min_probs[s], out[num:num + k], local_best)
-        drafted, score = int(local_best[1]), local_best[0]
-        if use_global:
-            depth, start = depths[s], seqs[CONTEXT_STREAM, S_START]
-            context = pool_l[s][start + max(0, length - depth):start + length]
-            g_out = np.empty(k, dtype=np.int32)
-            speculate_walk(g_nodes, g_hkeys, g_hvals, g_pool, g_seqs, g_depth, context, depth, k, factors[s],
-                           min_probs[s], g_out, g_best)
-            if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
-                drafted, score = int(g_best[1]), g_best[0]
-                out[num:num + drafted] = g_out[:drafted]
-        num += drafted
-        scores[i] = score
-    offsets[slots.shape[0]] = num
+        scores[i] = 0.0
+        if in_sync[i] and k > 0:
+            speculate_active(trie, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
+                             out[num:num + k], local_best)
+            drafted, score = int(local_best[1]), local_best[0]
+            if use_global:
+                depth, start = depths[s], seqs[ctx, S_START]
+                g_out = np.empty(k, dtype=np.int32)
+                speculate_walk(g_nodes, g_table, g_pool, g_seqs, g_depth,
+                               pool[start + max(0, length - depth):start + length], depth, k, factors[s],
+                               min_probs[s], g_out, g_best)
+                if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
+                    drafted, score = int(g_best[1]), g_best[0]
+                    out[num:num + drafted] = g_out[:drafted]
+            num += drafted
+            scores[i] = score
+        offsets[i + 1] = num
+    sink[0] = touched
+    return slots.shape[0]
 
 
 # ----------------------------------------------------------- Python handle
@@ -509,14 +525,12 @@ class SuffixTrie:
         self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
         self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
-        self.hkeys = np.full(hash_size, _EMPTY, dtype=np.int64)
-        self.hvals = np.zeros(hash_size, dtype=np.int32)
+        self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
         self.nodes[ROOT] = -1
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
         self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
-        self.version = 0  # counts reallocations of the arrays
 
     @property
     def pool_end(self) -> int:
@@ -542,12 +556,12 @@ class SuffixTrie:
         self.pool[self.pool_end:self.pool_end + len(tokens)] = tokens
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
-        while append_tokens(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
-                            self.seqs, seq, end, active, n_active, self.max_depth) < end:
+        while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool,
+                            self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
 
     def remove(self, seq: int) -> None:
-        remove_stream(self.nodes, self.stamps, self.hkeys, self.hvals, self.hdr, self.pool,
+        remove_stream(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                       self.seqs, seq, self.max_depth)
 
     def tokens(self, seq: int) -> np.ndarray:
@@ -560,7 +574,6 @@ class SuffixTrie:
             grown = np.zeros(max(2 * len(self.pool), self.pool_end + extra), dtype=np.int32)
             grown[:self.pool_end] = self.pool[:self.pool_end]
             self.pool = grown
-            self.version += 1
 
     def compact_pool(self, live: list[int]) -> None:
         """Packs the streams in ``live`` (in this order) at the pool start."""
@@ -582,31 +595,17 @@ class SuffixTrie:
             stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
             self.nodes, self.stamps = nodes, stamps
-            self.version += 1
-        if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.hkeys):
-            keys = np.full(2 * len(self.hkeys), _EMPTY, dtype=np.int64)
-            vals = np.zeros(2 * len(self.hkeys), dtype=np.int32)
-            rehash(self.hkeys, self.hvals, keys, vals)
-            self.hkeys, self.hvals = keys, vals
-            self.version += 1
+        if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
+            table = np.full((2 * len(self.table), 2), _EMPTY, dtype=np.int64)
+            rehash(self.table, table)
+            self.table = table
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.stamps, self.hkeys, self.hvals,
+        return sum(a.nbytes for a in (self.nodes, self.stamps, self.table,
                                       self.pool, self.seqs, self.hdr))
-
-    # -- drafts
-    def speculate_walk(self, context: np.ndarray, max_match: int, k: int, max_spec_factor: float,
-                       min_token_prob: float, out: np.ndarray, best: np.ndarray) -> None:
-        speculate_walk(self.nodes, self.hkeys, self.hvals, self.pool, self.seqs, self.max_depth,
-                       context, max_match, k, max_spec_factor, min_token_prob, out, best)
-
-    def speculate_active(self, active: np.ndarray, n_active: int, k: int, max_spec_factor: float,
-                         min_token_prob: float, out: np.ndarray, best: np.ndarray) -> None:
-        speculate_active(self.nodes, self.pool, self.seqs, self.max_depth, active, n_active, k,
-                         max_spec_factor, min_token_prob, out, best)
 
 
 # ------------------------------------------------------------------ proposer
@@ -618,113 +617,195 @@ class SuffixConfig:
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
 
 
-class _Request:
-    """Per-request trie: stream 0 the reference tokens, stream 1 the context
-    (prompt + accepted output, growing at the end of the pool)."""
+class _Regions:
+    """Power-of-2 sized regions of rows of a growable array, handed out and
+    back by size: freed regions are reused by the next region of their size,
+    new ones are cut at the end (the array doubles when it is full). A
+    region keeps its offset when the array grows."""
 
-    def __init__(self, context: np.ndarray, options: SeqOptions, config_depth: int) -> None:
-        self.depth = min(options.max_tree_depth, config_depth)
-        if self.depth < 1:
-            raise ValueError(f"max_tree_depth must be >= 1, got {options.max_tree_depth}")
-        self.max_spec_factor = options.max_spec_factor
-        self.min_token_prob = options.min_token_prob
-        self.prompt_len = len(context)
-        reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
-        size = len(reference) + len(context)
-        self.trie = SuffixTrie(self.depth, 2, node_capacity=2 * size + 64,
-                               pool_capacity=size + 64)
-        self.active = np.zeros(self.depth + 1, dtype=np.int32)
-        self.n_active = np.zeros(1, dtype=np.int64)
-        self.trie.open_stream(REFERENCE_STREAM, 0, len(reference))
-        self.trie.append(REFERENCE_STREAM, reference, self.active, self.n_active)
-        self.n_active[0] = 0
-        self.trie.open_stream(CONTEXT_STREAM, len(reference), len(context))
-        self.extend(context)
+    def __init__(self, array: np.ndarray, fill: int) -> None:
+        self.array = array
+        self.fill = fill  # what a fresh (or freed) region holds
+        self.end = 0  # rows cut so far
+        self._free: dict[int, list[int]] = {}  # size -> offsets of free regions
 
-    def extend(self, tokens: np.ndarray) -> None:
-        self.trie.append(CONTEXT_STREAM, tokens, self.active, self.n_active)
+    def take(self, size: int) -> int:
+        """A region of ``size`` rows holding ``fill``; returns its offset."""
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        if self.end + size > len(self.array):
+            grown = np.full((max(2 * len(self.array), self.end + size), *self.array.shape[1:]), self.fill,
+                            dtype=self.array.dtype)
+            grown[:self.end] = self.array[:self.end]
+            self.array = grown
+        self.end += size
+        return self.end - size
 
-    def context(self) -> np.ndarray:
-        return self.trie.tokens(CONTEXT_STREAM)
-
-
-class _TrieLists(NamedTuple):
-    """numba typed lists of the per-request tries' arrays, by slot."""
-
-    nodes: Any
-    stamps: Any
-    hkeys: Any
-    hvals: Any
-    hdr: Any
-    pool: Any
-    seqs: Any
-    active: Any
-    n_active: Any
+    def give_back(self, offset: int, size: int) -> None:
+        self.array[offset:offset + size] = self.fill
+        self._free.setdefault(size, []).append(offset)
 
 
-class _TrieTable:
-    """The per-request tries' arrays by slot, for the batch kernels.
+class RequestArena:
+    """The per-request tries of all live requests in shared arrays (see
+    arena_round): node and hash-table regions by slot, the streams' tokens
+    in one pool, plus per-slot settings and active nodes.
 
-    Invariant: the slot of every live request holds its trie's current arrays
-    (``put`` stores them again after the trie reallocated them, as its
-    ``version`` tells)."""
+    Invariants: a live slot s has a node region of ncap[s] rows at nbase[s]
+    (its root at local row 0, header hdrs[s]) and a hash region of tcap[s]
+    rows at tbase[s], at most half full; streams 2s (reference, time base 0)
+    and 2s + 1 (context, time base the reference's length), each in its own
+    pool region of S_CAP tokens (regions of closed slots and moved streams
+    are garbage, reclaimed when the pool is compacted);
+    active[s, :n_active[s]] are the context's active nodes. Per-request
+    tries never lose an occurrence, so they keep no stamps (nor PREV links).
+    """
 
-    def __init__(self) -> None:
-        self.lists = _TrieLists(*new_trie_lists())
-        self._versions: list[int] = []  # by slot: the trie version stored (-1: free)
-        self.depths = np.zeros(16, dtype=np.int64)  # by slot
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self._nodes = _Regions(np.zeros((1024, NUM_FIELDS), dtype=np.int32), 0)
+        self._table = _Regions(np.full((2048, 2), _EMPTY, dtype=np.int64), _EMPTY)
+        self.pool = np.zeros(1024, dtype=np.int32)
+        self.pool_hdr = np.zeros(5, dtype=np.int64)  # H_POOL_END: end of the pool's used part
+        self.seqs = np.zeros((32, 4), dtype=np.int64)  # by stream: 2 * slot + REFERENCE/CONTEXT_STREAM
+        self.hdrs = np.zeros((16, 5), dtype=np.int64)  # by slot, as SuffixTrie.hdr
+        self.nbase, self.ncap, self.tbase, self.tcap = (np.zeros(16, dtype=np.int64) for _ in range(4))
+        self.depths = np.zeros(16, dtype=np.int64)
         self.factors = np.zeros(16)
         self.min_probs = np.zeros(16)
-        self._free: list[int] = []
+        self.active = np.zeros((16, max_depth + 1), dtype=np.int32)
+        self.n_active = np.zeros(16, dtype=np.int64)
+        self._free: list[int] = []  # slots to reuse
+        self._num_slots = 0  # slots ever handed out
+        self._sink = np.zeros(1, dtype=np.int64)  # see arena_round
 
-    def add(self, req: _Request) -> int:
-        """Gives a request a slot and puts its arrays there."""
-        if self._free:
-            slot = self._free.pop()
-        else:
-            slot = len(self._versions)
-            self._versions.append(-1)
-            if slot == len(self.depths):
-                self.depths, self.factors, self.min_probs = (np.concatenate([a, np.zeros_like(a)])
-                                                             for a in (self.depths, self.factors, self.min_probs))
-        self.depths[slot], self.factors[slot], self.min_probs[slot] = req.depth, req.max_spec_factor, req.min_token_prob
-        self.put(slot, req)
+    def open(self, context: np.ndarray, depth: int, options: SeqOptions) -> int:
+        """A slot with a new request's trie over its reference and context."""
+        slot = self._free.pop() if self._free else self._new_slot()
+        self.depths[slot], self.factors[slot] = depth, options.max_spec_factor
+        self.min_probs[slot] = options.min_token_prob
+        reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
+        self._place(2 * slot + REFERENCE_STREAM, reference, 0, len(reference))
+        self._place(2 * slot + CONTEXT_STREAM, context, len(reference), max(64, 2 * len(context)))
+        size = len(reference) + len(context)
+        ncap = 1 << max(8, (2 * size + 2 * depth + 4).bit_length())
+        self.nbase[slot], self.ncap[slot] = self._nodes.take(ncap), ncap
+        self.tbase[slot], self.tcap[slot] = self._table.take(2 * ncap), 2 * ncap
+        self.hdrs[slot] = (1, -1, 1, 0, 0)  # the root allocated
+        root = self._nodes.array[self.nbase[slot]]
+        root[:] = -1
+        root[COUNT] = root[DEPTH] = 0
+        for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
+            self.n_active[slot] = 0
+            while append_tokens(self._trie(slot), _NO_STAMPS, self._hash(slot), self.hdrs[slot], self.pool,
+                                self.seqs, row, ROOT, end, self.active[slot], self.n_active[slot:slot + 1],
+                                depth) < end:
+                self._grow(slot)
         return slot
 
-    def put(self, slot: int, req: _Request) -> None:
-        """Stores the request's arrays unless the slot holds them already."""
-        t = req.trie
-        if self._versions[slot] != t.version:
-            self._put(slot, t, req.active, req.n_active)
-            self._versions[slot] = t.version
-
-    def append(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, written: np.ndarray,
-               first: int) -> int:
-        """append_batch over these tries."""
-        t = self.lists
-        return append_batch(t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs, t.active, t.n_active,
-                            self.depths, slots, tokens, bounds, written, first)
-
-    def speculate(self, slots: np.ndarray, context_lens: np.ndarray, ks: np.ndarray, glob: SuffixTrie,
-                  use_global: bool, in_sync: np.ndarray, out: np.ndarray, offsets: np.ndarray,
-                  scores: np.ndarray) -> None:
-        """speculate_batch over these tries and the global trie glob."""
-        t = self.lists
-        speculate_batch(t.nodes, t.pool, t.seqs, t.active, t.n_active, self.depths, self.factors, self.min_probs,
-                        slots, context_lens, ks, glob.nodes, glob.hkeys, glob.hvals, glob.pool, glob.seqs,
-                        glob.max_depth, use_global, in_sync, out, offsets, scores)
-
-    def remove(self, slot: int) -> None:
-        """Frees the slot (its arrays are dropped)."""
-        self._put(slot, _NO_TRIE, _NO_ACTIVE, _NO_ACTIVE_COUNT)
-        self._versions[slot] = -1
+    def close(self, slot: int) -> None:
+        """Gives the slot's regions back."""
+        self._nodes.give_back(int(self.nbase[slot]), int(self.ncap[slot]))
+        self._table.give_back(int(self.tbase[slot]), int(self.tcap[slot]))
+        self.ncap[slot] = self.tcap[slot] = 0
+        self.hdrs[slot] = 0
+        self.seqs[2 * slot:2 * slot + 2] = 0
         self._free.append(slot)
 
-    def _put(self, slot: int, t: SuffixTrie, active: np.ndarray, n_active: np.ndarray) -> None:
-        lists = self.lists
-        put_trie(lists.nodes, lists.stamps, lists.hkeys, lists.hvals, lists.hdr, lists.pool, lists.seqs,
-                 lists.active, lists.n_active, slot, t.nodes, t.stamps, t.hkeys, t.hvals, t.hdr, t.pool, t.seqs,
-                 active, n_active)
+    def context(self, slot: int) -> np.ndarray:
+        """The slot's context (a view, int32 [n]; valid until the next round)."""
+        row = 2 * slot + CONTEXT_STREAM
+        start, n = int(self.seqs[row, S_START]), int(self.seqs[row, S_LEN])
+        return self.pool[start:start + n]
+
+    def live_nodes(self) -> int:
+        return int(self.hdrs[:, H_LIVE].sum())
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self._nodes.array, self._table.array, self.pool, self.pool_hdr, self.seqs,
+                                      self.hdrs, self.nbase, self.ncap, self.tbase, self.tcap, self.depths,
+                                      self.factors, self.min_probs, self.active, self.n_active))
+
+    def round(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+              ks: np.ndarray, glob: SuffixTrie | None) -> tuple[DraftBatch, np.ndarray]:
+        """arena_round over all of slots (int64 [n]), growing arrays between
+        calls; the drafts and their scores (float64 [n])."""
+        n = len(slots)
+        ends, in_sync, scores = np.full(n, -1, dtype=np.int64), np.empty(n, dtype=np.bool_), np.empty(n)
+        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
+        g = glob if glob is not None else _NO_TRIE
+        i = 0
+        while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
+                                self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
+                                self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
+                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, glob is not None,
+                                in_sync, out, offsets, scores, i, self._sink)) < n:
+            if ends[i] < 0:
+                row = 2 * int(slots[i]) + CONTEXT_STREAM
+                self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
+            else:
+                self._grow(int(slots[i]))
+        return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
+
+    def _trie(self, slot: int) -> np.ndarray:
+        return self._nodes.array[self.nbase[slot]:self.nbase[slot] + self.ncap[slot]]
+
+    def _hash(self, slot: int) -> np.ndarray:
+        return self._table.array[self.tbase[slot]:self.tbase[slot] + self.tcap[slot]]
+
+    def _grow(self, slot: int) -> None:
+        """Moves the slot's trie to regions with room for depth + 2 more nodes
+        (and their hash keys), as SuffixTrie.grow."""
+        hdr, room = self.hdrs[slot], int(self.depths[slot]) + 2
+        if hdr[H_USED] + room > self.ncap[slot]:
+            used, old, size = int(hdr[H_USED]), int(self.nbase[slot]), int(self.ncap[slot])
+            base = self._nodes.take(2 * size)
+            nodes = self._nodes.array
+            nodes[base:base + used] = nodes[old:old + used]
+            self._nodes.give_back(old, size)
+            self.nbase[slot], self.ncap[slot] = base, 2 * size
+        if 2 * (hdr[H_KEYS] + room) > self.tcap[slot]:
+            old, size = int(self.tbase[slot]), int(self.tcap[slot])
+            base = self._table.take(2 * size)
+            table = self._table.array
+            rehash(table[old:old + size], table[base:base + 2 * size])
+            self._table.give_back(old, size)
+            self.tbase[slot], self.tcap[slot] = base, 2 * size
+
+    def _new_slot(self) -> int:
+        slot = self._num_slots
+        self._num_slots += 1
+        if slot == len(self.depths):
+            for name in ("hdrs", "nbase", "ncap", "tbase", "tcap", "depths", "factors", "min_probs", "active",
+                         "n_active", "seqs"):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+        return slot
+
+    def _place(self, row: int, tokens: np.ndarray, time_base: int, cap: int) -> None:
+        """Gives stream ``row`` a region of cap tokens at the pool's end and
+        writes ``tokens`` there (not yet inserted)."""
+        if self.pool_hdr[H_POOL_END] + cap > len(self.pool):
+            self._compact(cap)
+        at = int(self.pool_hdr[H_POOL_END])
+        self.pool[at:at + len(tokens)] = tokens
+        self.seqs[row] = (at, 0, time_base, cap)
+        self.pool_hdr[H_POOL_END] = at + cap
+
+    def _compact(self, extra: int) -> None:
+        """Packs the live streams' regions at the start of a pool with room
+        for ``extra`` more tokens."""
+        rows = [r for r in range(len(self.seqs)) if self.seqs[r, S_CAP] > 0]
+        used = int(sum(self.seqs[r, S_CAP] for r in rows))
+        pool = np.zeros(max(len(self.pool), 2 * (used + extra)), dtype=np.int32)
+        at = 0
+        for r in rows:
+            start, cap = int(self.seqs[r, S_START]), int(self.seqs[r, S_CAP])
+            pool[at:at + cap] = self.pool[start:start + cap]
+            self.seqs[r, S_START] = at
+            at += cap
+        self.pool, self.pool_hdr[H_POOL_END] = pool, at
 
 
 class _GlobalCache:
@@ -765,30 +846,34 @@ class SuffixProposer(Proposer):
     count(parent) along the path; a draft's score is the sum over its
     tokens. Best draft: highest score, then longer, then from the per-request
     trie, then the longer match. ``suffix_reference.ReferenceSuffixProposer``
-    is the executable definition.
+    is the executable definition. Every call, one sequence or a round of
+    many, runs the same arena kernels.
     """
 
     name = "suffix"
 
     def __init__(self, config: SuffixConfig = SuffixConfig()) -> None:
         self.config = config
-        self._requests: dict[str, _Request] = {}
-        self._table = _TrieTable()
-        self._slot: dict[str, int] = {}
+        self._arena = RequestArena(config.max_tree_depth)
+        self._slot: dict[str, int] = {}  # seq_id -> its arena slot
+        self._prompt_len: dict[str, int] = {}
         self._global = (_GlobalCache(config.max_cached_requests, config.max_tree_depth)
                         if config.max_cached_requests > 0 else None)
         _warm_up()
 
     def start(self, seq_id, context, options):
-        req = _Request(np.ascontiguousarray(context, dtype=np.int32), options, self.config.max_tree_depth)
+        depth = min(options.max_tree_depth, self.config.max_tree_depth)
+        if depth < 1:
+            raise ValueError(f"max_tree_depth must be >= 1, got {options.max_tree_depth}")
         self.stop(seq_id, completed=False)
-        self._requests[seq_id] = req
-        self._slot[seq_id] = self._table.add(req)
+        context = np.ascontiguousarray(context, dtype=np.int32)
+        self._slot[seq_id] = self._arena.open(context, depth, options)
+        self._prompt_len[seq_id] = len(context)
 
     def extend(self, seq_id, token_ids):
-        req = self._request(seq_id)
-        req.extend(np.ascontiguousarray(token_ids, dtype=np.int32))
-        self._table.put(self._slot[seq_id], req)
+        tokens = np.ascontiguousarray(token_ids, dtype=np.int32)
+        zero = np.zeros(1, dtype=np.int64)
+        self._round([seq_id], tokens, np.array([0, len(tokens)], dtype=np.int64), zero, zero)
 
     def advance(self, seq_ids, tokens, bounds, context_lens, ks):
         batch, _ = self.advance_scored(seq_ids, tokens, bounds, context_lens, ks)
@@ -797,30 +882,7 @@ class SuffixProposer(Proposer):
     def advance_scored(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                        ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
         """``advance`` with the drafts' scores (float64 [n], as propose_scored)."""
-        try:
-            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
-        except KeyError as e:
-            raise UnknownSequence(e.args[0]) from None
-        self._append_batch(seq_ids, slots, tokens, bounds)
-        n, table, glob = len(seq_ids), self._table, self._global
-        in_sync, scores = np.empty(n, dtype=np.bool_), np.empty(n)
-        out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.empty(n + 1, dtype=np.int64)
-        table.speculate(slots, context_lens, ks, glob.trie if glob is not None else _NO_TRIE,
-                        glob is not None and bool(glob.fifo), in_sync, out, offsets, scores)
-        return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
-
-    def _append_batch(self, seq_ids: list[str], slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray) -> None:
-        """Appends each request's tokens, growing its arrays where needed."""
-        table = self._table
-        written = np.zeros(len(seq_ids), dtype=np.bool_)
-        i = 0
-        while (i := table.append(slots, tokens, bounds, written, i)) < len(seq_ids):
-            req = self._requests[seq_ids[i]]
-            if written[i]:
-                req.trie.grow()
-            else:
-                req.trie.reserve_pool(int(bounds[i + 1] - bounds[i]))
-            table.put(int(slots[i]), req)
+        return self._round(seq_ids, tokens, bounds, context_lens, ks)
 
     def propose(self, requests):
         return [draft for draft, _ in self.propose_scored(requests)]
@@ -828,54 +890,47 @@ class SuffixProposer(Proposer):
     def propose_scored(self, requests: list[tuple[str, int]]) -> list[tuple[Draft, float]]:
         """Drafts with their scores (the sum of the draft tokens'
         probabilities, an estimate of the number accepted)."""
-        return [self._propose_one(self._request(seq_id), k) for seq_id, k in requests]
+        n = len(requests)
+        ks = np.array([max(k, 0) for _, k in requests], dtype=np.int64)
+        batch, scores = self._round([s for s, _ in requests], np.zeros(0, dtype=np.int32),
+                                    np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), ks)
+        off = batch.offsets.tolist()
+        return [(Draft(batch.token_ids[off[i]:off[i + 1]].copy()), float(scores[i])) for i in range(n)]
 
-    def _propose_one(self, req: _Request, k: int) -> tuple[Draft, float]:
-        if k <= 0:
-            return Draft(np.zeros(0, dtype=np.int32)), 0.0
-        local_out, local_best = np.empty(k, dtype=np.int32), np.zeros(3)
-        req.trie.speculate_active(req.active, int(req.n_active[0]), k, req.max_spec_factor,
-                                  req.min_token_prob, local_out, local_best)
+    def _round(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+               ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+        try:
+            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
+        except KeyError as e:
+            raise UnknownSequence(e.args[0]) from None
         glob = self._global
-        if glob is not None and glob.fifo:
-            context = req.context()
-            out, best = np.empty(k, dtype=np.int32), np.zeros(3)
-            glob.trie.speculate_walk(context[max(0, len(context) - req.depth):], req.depth, k,
-                                     req.max_spec_factor, req.min_token_prob, out, best)
-            if (best[0], best[1]) > (local_best[0], local_best[1]):
-                return Draft(out[:int(best[1])]), float(best[0])
-        return Draft(local_out[:int(local_best[1])]), float(local_best[0])
+        return self._arena.round(slots, tokens, bounds, context_lens, ks,
+                                 glob.trie if glob is not None and glob.fifo else None)
 
     def stop(self, seq_id, completed):
-        req = self._requests.pop(seq_id, None)
-        if req is None:
+        slot = self._slot.pop(seq_id, None)
+        if slot is None:
             return
-        self._table.remove(self._slot.pop(seq_id))
-        if not completed or self._global is None:
-            return
-        output = req.context()[req.prompt_len:]
-        if len(output):
+        prompt_len = self._prompt_len.pop(seq_id)
+        output = self._arena.context(slot)[prompt_len:].copy()
+        self._arena.close(slot)
+        if completed and self._global is not None and len(output):
             self._global.add(output)
 
     def context_len(self, seq_id):
-        return len(self._request(seq_id).context())
+        try:
+            return len(self._arena.context(self._slot[seq_id]))
+        except KeyError:
+            raise UnknownSequence(seq_id) from None
 
     def stats(self):
-        tries = [r.trie for r in self._requests.values()]
-        cached = 0
-        if self._global is not None:
-            tries.append(self._global.trie)
-            cached = len(self._global.fifo)
-        return {"live_sequences": float(len(self._requests)),
+        glob = self._global
+        tries = [self._arena] if glob is None else [self._arena, glob.trie]
+        cached = 0 if glob is None else len(glob.fifo)
+        return {"live_sequences": float(len(self._slot)),
                 "cached_requests": float(cached),
                 "tree_nodes": float(sum(t.live_nodes() for t in tries)),
                 "memory_bytes": float(sum(t.nbytes() for t in tries))}
-
-    def _request(self, seq_id: str) -> _Request:
-        try:
-            return self._requests[seq_id]
-        except KeyError:
-            raise UnknownSequence(seq_id) from None
 
 
 def _warm_up() -> None:
@@ -886,22 +941,16 @@ def _warm_up() -> None:
         trie.open_stream(seq, 0, 6)
         n_active[0] = 0
         trie.append(seq, np.array([1, 2, 1, 2, 3, 1], dtype=np.int32), active, n_active)
-    out, best = np.empty(2, dtype=np.int32), np.zeros(3)
-    trie.speculate_active(active, int(n_active[0]), 2, 1.0, 0.1, out, best)
-    trie.speculate_walk(trie.tokens(1), 4, 2, 1.0, 0.1, out, best)
     trie.remove(0)
     trie.grow()
-    table = _TrieTable()
-    req = _Request(np.array([1, 2, 1, 2, 3], dtype=np.int32), SeqOptions(max_tree_depth=4), 4)
-    slots = np.array([table.add(req)])
-    table.append(slots, np.array([1], dtype=np.int32), np.array([0, 1]), np.zeros(1, dtype=np.bool_), 0)
+    arena = RequestArena(4)
+    slot = arena.open(np.array([1, 2, 1, 2, 3], dtype=np.int32), 4, SeqOptions(max_tree_depth=4))
     one = np.ones(1, dtype=np.int64)
-    table.speculate(slots, one * 6, one * 2, trie, True, np.empty(1, dtype=np.bool_), np.empty(2, dtype=np.int32),
-                    np.empty(2, dtype=np.int64), np.empty(1))
-    table.remove(int(slots[0]))
+    arena.round(np.array([slot]), np.array([1], dtype=np.int32), np.array([0, 1]), one * 6, one * 2, trie)
+    arena.close(slot)
 
 
-#: stand in for the global trie of a proposer without one (never searched)
-#: and for the arrays of a free slot
+#: stands in for the global trie of a proposer without one (never searched)
 _NO_TRIE = SuffixTrie(1, 1)
-_NO_ACTIVE, _NO_ACTIVE_COUNT = np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64)
+#: the stamps of a trie that keeps none (RequestArena's)
+_NO_STAMPS = np.zeros(0, dtype=np.int64)

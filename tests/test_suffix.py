@@ -249,7 +249,7 @@ def test_matches_reference_with_real_overlap_lengths():
 
 # --------------------------------------------------------- trie structure
 def _count_in_trie(trie: SuffixTrie, tokens: list[int]) -> int:
-    node, off = suffix._walk(trie.nodes, trie.hkeys, trie.hvals, trie.pool, trie.seqs,
+    node, off = suffix._walk(trie.nodes, trie.table, trie.pool, trie.seqs,
                              _arr(tokens), trie.max_depth)
     if node < 0:
         return 0
@@ -272,7 +272,7 @@ def _check_trie(trie: SuffixTrie, streams: list[list[int]]):
             stack.append((path, child))
     live = trie.live_nodes()
     assert int(trie.hdr[suffix.H_KEYS]) == live - 1  # every node but the root is keyed
-    assert int((trie.hkeys != -1).sum()) == live - 1
+    assert int((trie.table[:, 0] != -1).sum()) == live - 1
     # with FIFO eviction some count-1 nodes may stay explicit, never more nodes
     # than substrings; without eviction exactly explicit + leaves
     return explicit, live
@@ -308,3 +308,69 @@ def test_trie_growth_keeps_counts():
     assert len(trie.nodes) > 8 and trie.tokens(0).tolist() == stream
     explicit, live = _check_trie(trie, [stream])
     assert live <= 1 + explicit + len(stream)  # root + repeated substrings + leaves
+
+
+# ------------------------------------------------------ rounds of many requests
+@pytest.mark.parametrize("seed", range(4))
+def test_rounds_draft_as_one_sequence_at_a_time(seed):
+    """advance_scored over many live requests at once (one arena, one kernel
+    call a round, arrays growing and the pool compacting mid-round) drafts
+    what the reference does driven one call at a time, with the scores
+    propose_scored gives for each request on its own."""
+    rng = np.random.default_rng(seed)
+    vocab, depth = int(rng.integers(3, 12)), int(rng.choice([4, 64]))
+    batched = SuffixProposer(SuffixConfig(max_cached_requests=3, max_tree_depth=depth))
+    single = SuffixProposer(SuffixConfig(max_cached_requests=3, max_tree_depth=depth))
+    reference = ReferenceSuffixProposer(3, depth)
+    live: list[str] = []
+    for step in range(25):
+        if step == 0 or rng.random() < 0.3:
+            for j in range(int(rng.integers(1, 8))):
+                seq_id = f"r{step}-{j}"
+                opts = SeqOptions(max_spec_factor=float(rng.choice([0.5, 1.0, 2.0])), min_token_prob=0.1,
+                                  reference_token_ids=_arr(rng.integers(0, vocab, int(rng.integers(0, 30)))))
+                _both((batched, single, reference), "start", seq_id,
+                      _arr(rng.integers(0, vocab, int(rng.integers(1, 60)))), opts)
+                live.append(seq_id)
+        if rng.random() < 0.2:
+            seq_id = live.pop(int(rng.integers(len(live))))
+            _both((batched, single, reference), "stop", seq_id, bool(rng.random() < 0.8))
+        chunks = [_arr(rng.integers(0, vocab, int(rng.integers(0, 9)))) for _ in live]
+        ks = np.array(rng.integers(0, 9, len(live)), dtype=np.int64)
+        bounds = np.cumsum([0] + [len(c) for c in chunks]).astype(np.int64)
+        lens = np.array([single.context_len(s) + len(c) for s, c in zip(live, chunks)], dtype=np.int64)
+        batch, scores = batched.advance_scored(live, np.concatenate([_arr([]), *chunks]), bounds, lens, ks)
+        assert batch.in_sync.all()
+        for i, (seq_id, chunk) in enumerate(zip(live, chunks)):
+            _both((single, reference), "extend", seq_id, chunk)
+            k = int(ks[i])
+            got = batch.token_ids[batch.offsets[i]:batch.offsets[i + 1]].tolist()
+            if k:
+                assert got == _draft(reference, seq_id, k), (seed, step, seq_id)
+                draft, score = single.propose_scored([(seq_id, k)])[0]
+                assert got == draft.token_ids.tolist() and scores[i] == score
+            else:
+                assert got == []
+    gauges = ("live_sequences", "cached_requests", "tree_nodes")
+    assert [batched.stats()[g] for g in gauges] == [single.stats()[g] for g in gauges]
+    for seq_id in live:
+        _both((batched, single), "stop", seq_id, False)
+    assert batched.stats()["live_sequences"] == 0 and batched.stats()["tree_nodes"] == single.stats()["tree_nodes"]
+
+
+def test_released_trees_are_freed():
+    """Stopping a request frees its nodes: the live count drops and later
+    requests reuse the rows instead of growing the arrays."""
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=0))
+    rng = np.random.default_rng(8)
+    prop.start("a", _arr(rng.integers(0, 50, 3000)), SeqOptions())
+    prop.start("b", _arr(rng.integers(0, 50, 10)), SeqOptions())
+    grown = prop.stats()
+    assert grown["tree_nodes"] > 3000
+    prop.stop("a", completed=False)
+    assert prop.stats()["tree_nodes"] < 60
+    prop.start("c", _arr(rng.integers(0, 50, 3000)), SeqOptions())
+    assert prop.stats()["memory_bytes"] < 1.1 * grown["memory_bytes"]  # a's node rows reused
+    prop.stop("b", completed=False)
+    prop.stop("c", completed=True)
+    assert prop.stats()["tree_nodes"] == 0 and prop.stats()["live_sequences"] == 0
