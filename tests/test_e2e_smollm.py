@@ -7,6 +7,7 @@ import pytest
 from conftest import assert_same_as_greedy, hf_greedy, start_stack
 
 from specdec.client import make_request, stream
+from specdec.engine.gemm_select import native_bf16
 
 pytestmark = pytest.mark.smollm
 
@@ -80,11 +81,12 @@ def test_ignore_eos_keeps_generating_past_eos(smollm_stack, smollm_path):
     assert past.token_ids[:len(ended.token_ids)] == ended.token_ids
 
 
+# where bfloat16 is emulated (no native bf16: an AVX2-only CPU) this is minutes of start-up and decoding: the
+# slow suite there; the engine's bfloat16 row-invariance tests stay in every CPU's default run
+@(pytest.mark.slow if not native_bf16() else lambda f: f)
 def test_bfloat16_speculation_equals_bfloat16_plain_decoding(smollm_path, tmp_path_factory, expected):
     """The serving default for speed is bfloat16 (oneDNN): there the target is the
     bfloat16 model, and speculative output must equal its own plain decoding."""
-    from specdec.engine.gemm_select import native_bf16
-
     stack = start_stack(smollm_path, tmp_path_factory, "smollm-bf16", dtype="bfloat16",
                         methods="ngram,suffix")
     # without native bfloat16 (an AVX2-only CPU) every bfloat16 GEMM is emulated, several times slower:
