@@ -9,11 +9,15 @@ draft-model speculation with the same draft, in the same run. Every
 speculative output is checked token for token against plain decoding.
 Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
-    flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR \\
+    flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR [--eagle3 HEAD] \\
         [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--vllm-python PY] \\
         [--out bench_results/draft.json]
 
 The draft must share the target's tokenizer (e.g. made by `specdec distill`).
+With --eagle3 (an EAGLE-3 head for the target, e.g. `specdec distill --kind
+eagle3`) the eagle3 method runs too, and its rows give the target features
+relayed per round and per prompt token. Either of --draft and --eagle3 may
+be left out.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from bench_e2e import chat_ids, run_concurrent, run_single
 
 from specdec.launcher import Stack
 from specdec.models import default_model, load_tokenizer, resolve_model
+from specdec.proposer_svc.registry import MODEL_METHODS
 
 CHAT_PROMPTS = {
     "story": "Write a short story about a fox who learns to share.",
@@ -44,6 +49,8 @@ CHAT_PROMPTS = {
 SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("suffix", "fixed"), ("draft", "fixed"), ("draft", "adaptive"),
           ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
 CONCURRENT = ["none", "ngram", "draft", "draft_hybrid"]
+#: with --eagle3
+EAGLE3_SINGLE = [("eagle3", "fixed"), ("eagle3", "adaptive")]
 VLLM_RUNNER = Path(__file__).with_name("vllm_draft.py")
 
 
@@ -91,10 +98,12 @@ def run_vllm(python: str, target: str, draft: str, prompts: dict[str, list[int]]
 
 
 def timings(r: dict) -> dict:
-    """ms per draft step (one draft token), per propose call and per verify."""
+    """ms per draft step (one draft token), per propose call and per verify;
+    target features relayed per round."""
     rounds = max(r["rounds"], 1)
     return {"ms_per_draft_step": 1000 * r["propose_s"] / r["draft_tokens"] if r["draft_tokens"] else None,
-            "ms_per_propose": 1000 * r["propose_s"] / rounds, "ms_per_verify": 1000 * r["verify_s"] / rounds}
+            "ms_per_propose": 1000 * r["propose_s"] / rounds, "ms_per_verify": 1000 * r["verify_s"] / rounds,
+            "feature_bytes_per_round": r.get("feature_bytes", 0) / rounds}
 
 
 def mixed(results: dict) -> dict:
@@ -135,7 +144,8 @@ def chart(results: dict, path: Path) -> None:
         ax.set_xticks(range(len(bars)), list(bars), rotation=60, ha="right", fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel("tokens/s")
-    fig.suptitle(f"{Path(results['model']).name} + draft {Path(results['draft']).name}, k={results['k']}, "
+    drafts = " + ".join(f"{name} {Path(results[name]).name}" for name in ("draft", "eagle3") if results.get(name))
+    fig.suptitle(f"{Path(results['model']).name} + {drafts}, k={results['k']}, "
                  f"{results['cpu']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -144,7 +154,8 @@ def chart(results: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=default_model())
-    ap.add_argument("--draft", required=True, help="draft model directory (shares the target's tokenizer)")
+    ap.add_argument("--draft", default=None, help="draft model directory (shares the target's tokenizer)")
+    ap.add_argument("--eagle3", default=None, help="an EAGLE-3 head directory for the target: adds eagle3 rows")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--streams", type=int, default=8)
@@ -154,37 +165,43 @@ def main() -> None:
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
     ap.add_argument("--out", default="bench_results/draft.json")
     args = ap.parse_args()
+    if not args.draft and not args.eagle3:
+        ap.error("give --draft DIR, --eagle3 HEAD or both")
+    single = [(m, length) for m, length in SINGLE if args.draft or m not in MODEL_METHODS]
+    single += EAGLE3_SINGLE if args.eagle3 else []
+    concurrent = [m for m in CONCURRENT if args.draft or m not in MODEL_METHODS] + (["eagle3"] if args.eagle3 else [])
 
     tok = load_tokenizer(resolve_model(args.model))
     encode = (lambda t: chat_ids(tok, t)) if getattr(tok, "chat_template", None) else \
         (lambda t: list(tok(t)["input_ids"]))
     workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
-    results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "k": args.k,
+    results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
-    print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, k={args.k}, {args.max_tokens} tokens",
-          flush=True)
-    methods = ",".join(dict.fromkeys(m for m, _ in SINGLE if m != "none"))
-    with Stack(model=args.model, methods=methods, draft_model=args.draft,
+    print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
+          f"{args.max_tokens} tokens", flush=True)
+    methods = ",".join(dict.fromkeys(m for m, _ in single if m != "none"))
+    with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         for wl, prompts in workloads.items():
             plain = None
-            for method, length in SINGLE:
+            for method, length in single:
                 r = run_single(stack.gateway_addr, prompts, method, args.k, args.max_tokens, length)
                 ids = {n: p["token_ids"] for n, p in r["per_prompt"].items()}
                 plain = plain or ids
                 r["identical_to_plain"] = ids == plain
                 r.update(timings(r))
+                r["prompt_tokens"] = sum(map(len, prompts.values()))
                 results["single"][f"{wl}/{r['method']}"] = r
                 print(f"  {wl}/{r['method']}: {r['tok_s']:.1f} tok/s", flush=True)
-            for method in CONCURRENT:
+            for method in concurrent:
                 r = run_concurrent(stack.gateway_addr, list(prompts.values()), args.streams, method, args.k,
                                    args.max_tokens)
                 results["concurrent"][f"{wl}/{method}"] = {k: v for k, v in r.items() if k != "token_ids"}
     results["mixed"] = mixed(results)
-    if not args.skip_hf:
+    if args.draft and not args.skip_hf:
         results["hf"] = run_hf_assisted(args.model, args.draft, workloads["chat"], args.k, args.max_tokens)
-    if args.vllm_python:
+    if args.draft and args.vllm_python:
         results["vllm"] = run_vllm(args.vllm_python, args.vllm_target or args.model, args.draft,
                                    workloads["chat"], args.k, args.max_tokens)
     report(results)
@@ -203,12 +220,15 @@ def main() -> None:
 
 def report(results: dict) -> None:
     print(f"\n{'workload/method':26} {'tok/s':>7} {'x plain':>7} {'acc len':>7} {'ms/draft':>8} {'ms/prop':>7} "
-          f"{'ms/verify':>9} same")
+          f"{'ms/verify':>9} {'feat B/round':>12} {'feat B/prompt tok':>17} same")
     for key, r in results["single"].items():
         base = results["single"][key.split("/")[0] + "/none"]["tok_s"]
         step = f"{r['ms_per_draft_step']:8.1f}" if r["ms_per_draft_step"] is not None else f"{'-':>8}"
+        # feature bytes: the prompt's rows on the first touch, then each round's output rows
+        per_prompt_tok = r.get("feature_bytes", 0) / max(r["prompt_tokens"] + r["tokens"], 1)
         print(f"{key:26} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['mean_accepted_length']:7.2f} {step} "
-              f"{r['ms_per_propose']:7.1f} {r['ms_per_verify']:9.1f} {r['identical_to_plain']}")
+              f"{r['ms_per_propose']:7.1f} {r['ms_per_verify']:9.1f} {r['feature_bytes_per_round']:12,.0f} "
+              f"{per_prompt_tok:17,.0f} {r['identical_to_plain']}")
     print("\nboth workloads together (mixed set):")
     for method, r in results["mixed"].items():
         print(f"  {method:24} {r['tok_s']:7.1f} tok/s")

@@ -122,7 +122,7 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
                       "mean_accepted_length": s.mean_accepted_length,
                       "acceptance_by_position": list(s.acceptance_by_position),
                       "propose_s": s.propose_s, "verify_s": s.verify_s, "network_s": s.network_s,
-                      "token_ids": gen.token_ids}
+                      "feature_bytes": s.feature_bytes, "token_ids": gen.token_ids}
     tokens = sum(r["tokens"] for r in rows.values())
     wall = sum(r["wall_s"] for r in rows.values())
     rounds = sum(r["rounds"] for r in rows.values())
@@ -131,6 +131,7 @@ def run_single(addr: str, prompts: dict[str, list[int]], method: str, k: int, ma
             "propose_s": sum(r["propose_s"] for r in rows.values()),
             "verify_s": sum(r["verify_s"] for r in rows.values()),
             "network_s": sum(r["network_s"] for r in rows.values()), "rounds": rounds,
+            "feature_bytes": sum(r["feature_bytes"] for r in rows.values()),
             "draft_tokens": sum(r["draft_tokens"] for r in rows.values())}
 
 
