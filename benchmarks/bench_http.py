@@ -5,6 +5,12 @@ times in alternation and the best kept. The HTTP client reads the
 server-sent events with httpx (as light as the gRPC Python client); every
 HTTP text is checked against the gRPC text of the same request.
 
+Each run also records the CPU seconds spent per output token by the
+benchmark's own client process and by each service process (gateway,
+scorer, proposer; read from /proc through psutil before and after the run),
+so a gap between the two APIs can be placed: in the gateway's HTTP layer or
+in the client, which shares this machine's cores with the stack.
+
 Prints the CPU model and a table, writes JSON (--out).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_http.py [--model M] [--max-tokens 96]
@@ -20,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 
 from specdec.client import make_request, stream
 from specdec.launcher import Stack, free_port
@@ -62,14 +69,29 @@ def http_text(http: httpx.Client, url: str, model: str, prompt: str, max_tokens:
     return "".join(text), tokens
 
 
-def run(call, streams: int) -> dict:
+def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
+    """User + system CPU seconds so far of each process (threads included)."""
+    out = {}
+    for name, proc in procs.items():
+        t = proc.cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+def run(call, streams: int, procs: dict[str, psutil.Process] | None = None) -> dict:
+    """streams concurrent calls; with procs, the CPU µs per output token each
+    of them spent during the run."""
     jobs = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
+    procs = procs or {}
+    before = cpu_seconds(procs)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         results = list(pool.map(call, jobs))
     wall = time.perf_counter() - start
+    after = cpu_seconds(procs)
     tokens = sum(n for _, n in results)
     return {"streams": streams, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "cpu_us_per_token": {n: 1e6 * (after[n] - before[n]) / max(tokens, 1) for n in procs},
             "texts": [t for t, _ in results]}
 
 
@@ -90,22 +112,30 @@ def main() -> None:
             "grpc": lambda p: grpc_text(stack.gateway_addr, p, args.max_tokens),
             "http": lambda p: http_text(http, stack.http_url, args.model, p, args.max_tokens),
         }
+        procs = {"client": psutil.Process(), **{s.name: psutil.Process(s.proc.pid) for s in stack.services}}
         for call in apis.values():  # warm-up: compile, connect, fill caches
             run(call, 4)
         for streams in (int(s) for s in args.streams.split(",")):
             best: dict[str, dict] = {}
             for _ in range(args.repeats):
                 for api, call in apis.items():
-                    result = run(call, streams)
+                    result = run(call, streams, procs)
                     if api not in best or result["tok_s"] > best[api]["tok_s"]:
                         best[api] = result
             assert best["http"]["texts"] == best["grpc"]["texts"], "HTTP text differs from gRPC text"
             ratio = best["http"]["tok_s"] / best["grpc"]["tok_s"]
             rows.append({"streams": streams, "grpc_tok_s": best["grpc"]["tok_s"], "http_tok_s": best["http"]["tok_s"],
-                         "http_vs_grpc": ratio, "tokens": best["grpc"]["tokens"]})
+                         "http_vs_grpc": ratio, "tokens": best["grpc"]["tokens"],
+                         "cpu_us_per_token": {api: best[api]["cpu_us_per_token"] for api in apis}})
     print(f"\n{'streams':>7} {'gRPC tok/s':>11} {'HTTP tok/s':>11} {'HTTP/gRPC':>10}")
     for r in rows:
         print(f"{r['streams']:>7} {r['grpc_tok_s']:>11.1f} {r['http_tok_s']:>11.1f} {r['http_vs_grpc']:>10.3f}")
+    print("\nCPU µs per output token (the fastest run of each API):")
+    names = list(rows[0]["cpu_us_per_token"]["grpc"]) if rows else []
+    print(f"{'streams':>7} {'API':>5} " + " ".join(f"{n:>12}" for n in names))
+    for r in rows:
+        for api, cpu_us in r["cpu_us_per_token"].items():
+            print(f"{r['streams']:>7} {api:>5} " + " ".join(f"{cpu_us[n]:>12.0f}" for n in names))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cpu": cpu, "model": args.model, "max_tokens": args.max_tokens,
                                           "repeats": args.repeats, "rows": rows}, indent=1))

@@ -54,6 +54,8 @@ class EngineConfig:
         if self.head_token_ids is not None and (not self.head_token_ids or min(self.head_token_ids) < 0
                                                 or len(set(self.head_token_ids)) != len(self.head_token_ids)):
             raise ValueError("head_token_ids must be distinct token ids >= 0, at least one")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU GEMM path: auto = the fastest path that keeps rows bitwise independent of "
                         "the row count on this CPU (checked and timed at start, cached); a path name "
                         "forces it, or refuses to start if it breaks that invariance here")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads of the engine's GEMMs and attention (default: the cores this process may "
+                        "run on; 1 for a model too small to gain from more)")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences per forward pass")
     p.add_argument("--max-tokens-per-forward", type=int, default=512, help="token budget per forward")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,

@@ -384,10 +384,27 @@ def test_build_engine_falls_back_for_other_architectures(tmp_path, caplog):
 @pytest.mark.parametrize("bad,field", [(dict(dtype="float16"), "dtype"), (dict(engine="vllm"), "engine"),
                                        (dict(kv_capacity_tokens=64, kv_memory_fraction=0.1), "kv_capacity_tokens"),
                                        (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
-                                       (dict(device="tpu"), "device"), (dict(gemm="mkl"), "gemm")])
+                                       (dict(device="tpu"), "device"), (dict(gemm="mkl"), "gemm"),
+                                       (dict(num_threads=0), "num_threads")])
 def test_engine_config_names_the_bad_option(bad, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig("any-model", **bad).check()
+
+
+def test_scorer_threads_flag_reaches_the_engine(stories_path):
+    from specdec.cli import build_parser
+    from specdec.scorer_svc.server import engine_config
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["scorer", "--model", stories_path, "--threads", "1"])).num_threads == 1
+    assert engine_config(parse(["scorer", "--model", stories_path])).num_threads is None  # the cores it may use
+    threads = torch.get_num_threads()
+    try:
+        engine = build_engine(engine_config(parse(["scorer", "--model", stories_path, "--threads", "1",
+                                                   "--kv-tokens", "64"])))
+        assert isinstance(engine, LlamaEngine) and engine.num_threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- SmolLM2-135M (real, GGUF) ---------------------------------------------------------
