@@ -181,7 +181,10 @@ def main() -> None:
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
           f"{args.max_tokens} tokens", flush=True)
     methods = ",".join(dict.fromkeys(m for m, _ in single if m != "none"))
+    # no global cache of finished outputs: every variant runs the same prompts, and the suffix-family ones after
+    # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
+               extra_proposer_args=["--max-cached-requests", "0"],
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         for wl, prompts in workloads.items():
             plain = None

@@ -104,6 +104,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 DRAFT_LENGTH = {"fixed": pb.DRAFT_LENGTH_FIXED, "adaptive": pb.DRAFT_LENGTH_ADAPTIVE}
+#: methods whose proposers keep finished outputs across requests (--max-cached-requests)
+SUFFIX_FAMILY = ("suffix", "hybrid", "draft_hybrid")
 
 
 def label(method: str, draft_length: str) -> str:
@@ -193,6 +195,11 @@ def main() -> None:
                          "dominates)")
     ap.add_argument("--draft-lengths", default="fixed,adaptive",
                     help="draft-length policies to run for the speculative methods")
+    ap.add_argument("--max-cached-requests", type=int, default=None,
+                    help="the proposers' global cache of finished outputs (suffix, hybrid). Default 0 for the "
+                         "overlap workload: every variant runs the same prompts, and with a cache the variants "
+                         "after the first suffix-family one would copy its identical outputs; 1000 for the "
+                         "repeated workload, whose point is that cache (then name one suffix-family variant)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
@@ -203,12 +210,23 @@ def main() -> None:
     policies = [p for p in args.draft_lengths.split(",") if p]
     if not policies or set(policies) - set(DRAFT_LENGTH):
         raise SystemExit(f"--draft-lengths: choose from {sorted(DRAFT_LENGTH)}")
+    cached = args.max_cached_requests
+    if cached is None:
+        cached = 1000 if args.workload == "repeated" else 0
+    suffix_family = [v for v in variants(methods, policies) if v[0] in SUFFIX_FAMILY]
+    if cached > 0 and len(suffix_family) > 1:
+        raise SystemExit(f"--max-cached-requests {cached}: with a global cache only one suffix-family variant may "
+                         f"run (it would copy the identical outputs of the others); got "
+                         f"{', '.join(label(*v) for v in suffix_family)} (choose one with --methods and "
+                         f"--draft-lengths, or --max-cached-requests 0)")
     result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens,
-              "k": args.k, "machine": platform.processor() or platform.machine(), "single": [], "concurrent": []}
+              "k": args.k, "machine": platform.processor() or platform.machine(), "max_cached_requests": cached,
+              "single": [], "concurrent": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
     print(f"starting the stack on {args.model} ({args.dtype}); logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, dtype=args.dtype, engine=args.engine, log_dir=log_dir,
-               methods="naive,ngram,suffix,hybrid") as stack:
+               methods="naive,ngram,suffix,hybrid",
+               extra_proposer_args=["--max-cached-requests", str(cached)]) as stack:
         addr = stack.gateway_addr
         stream(addr, make_request(next(iter(prompts.values())), max_tokens=8, method="none"))  # warm up
         for method, policy in variants(methods, policies):

@@ -143,20 +143,31 @@ def best_rate(fn, reps: int) -> tuple[float, list[int]]:
     return max(len(tokens) / timed(fn)[0] for _ in range(reps)), tokens
 
 
-def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict) -> dict:
+def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
+              threads: int) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
-    "none", EOS ignored) beside the engine alone (engine_row)."""
-    with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp()) as stack:
+    "none", EOS ignored, the scorer on ``threads`` threads like the engine
+    alone) beside the engine alone (engine_row); with the gateway's per-round
+    split of the fastest run: scorer compute, and the rest of the round."""
+    stats = []
+    with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
+               extra_scorer_args=["--threads", str(threads)]) as stack:
         def once() -> list[int]:
             request = make_request(prompt, max_tokens=n, method="none")
             request.ignore_eos = True
-            return list(stream(stack.gateway_addr, request).token_ids)
+            gen = stream(stack.gateway_addr, request)
+            stats.append(gen.stats)
+            return list(gen.token_ids)
 
         rate, tokens = best_rate(once, reps)
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
+    best = min(stats[1:] or stats, key=lambda s: s.wall_s)
+    rounds = max(best.rounds, 1)
     return {"engine": "whole local stack", "dtype": dtype, "gemm": engine_row["gemm"], "tokens": len(tokens),
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
-            "agree_with_engine": agree}
+            "agree_with_engine": agree, "threads": threads,
+            "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
+            "network_ms_per_round": 1000 * best.network_s / rounds}
 
 
 def print_forward(label: str, rows: list[dict]) -> None:
@@ -207,7 +218,8 @@ def print_decode(rows: list[dict], n: int, reps: int) -> None:
         if "vs_engine_alone" in r:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f}   "
                   f"{r['vs_engine_alone']:.3f} x the engine alone (goal >= 0.95); tokens equal to the engine's: "
-                  f"{r['agree_with_engine']}/{r['tokens']}")
+                  f"{r['agree_with_engine']}/{r['tokens']}; per round {r['ms_per_round']:.1f} ms, of which "
+                  f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}")
             continue
         if "refused" in r:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} refused: {r['refused']}")
@@ -253,7 +265,6 @@ def main() -> None:
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, native bfloat16: {native_bf16()}); "
           f"copy bandwidth {bandwidth:.1f} GB/s (read + write); load average {load[0]:.1f}")
 
-    scorer_threads = default_num_threads()  # what a scorer of this model runs on (LlamaEngine's default)
     results = {"model": args.model, "threads": args.threads, "cpu": cpu_model(), "machine": platform.machine(),
                "cpu_count": os.cpu_count(), "torch": torch.__version__, "bandwidth_gbs": bandwidth,
                "load_average_start": load, "forward": [], "decode": []}
@@ -270,9 +281,9 @@ def main() -> None:
                 hf_row.setdefault("pct_of_bandwidth_limit", 100 * hf_rate / decode["bandwidth_limit_tok_s"])
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
-            if gemm == "auto" and "tokens_per_s" in decode and args.stack and args.threads == scorer_threads:
+            if gemm == "auto" and "tokens_per_s" in decode and args.stack:
                 results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens, args.decode_reps,
-                                                   decode))
+                                                   decode, args.threads))
     results["load_average_end"] = os.getloadavg()
     print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
           f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
