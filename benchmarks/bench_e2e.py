@@ -29,6 +29,7 @@ from pathlib import Path
 from specdec.client import make_request, stream
 from specdec.launcher import Stack
 from specdec.models import default_model, load_tokenizer, resolve_model
+from specdec.proposer_svc.registry import SUFFIX_METHODS
 from specdec.protos.v1 import specdec_pb2 as pb
 
 DOC = ("The Riverside Community Garden opened in April 2019 on a former parking lot owned by the city. "
@@ -104,8 +105,6 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 DRAFT_LENGTH = {"fixed": pb.DRAFT_LENGTH_FIXED, "adaptive": pb.DRAFT_LENGTH_ADAPTIVE}
-#: methods whose proposers keep finished outputs across requests (--max-cached-requests)
-SUFFIX_FAMILY = ("suffix", "hybrid", "draft_hybrid")
 
 
 def label(method: str, draft_length: str) -> str:
@@ -213,7 +212,7 @@ def main() -> None:
     cached = args.max_cached_requests
     if cached is None:
         cached = 1000 if args.workload == "repeated" else 0
-    suffix_family = [v for v in variants(methods, policies) if v[0] in SUFFIX_FAMILY]
+    suffix_family = [v for v in variants(methods, policies) if v[0] in SUFFIX_METHODS]
     if cached > 0 and len(suffix_family) > 1:
         raise SystemExit(f"--max-cached-requests {cached}: with a global cache only one suffix-family variant may "
                          f"run (it would copy the identical outputs of the others); got "

@@ -21,6 +21,9 @@ SUPPORTED_METHODS = ("naive", "ngram", "suffix", "hybrid", "draft", "draft_hybri
 MODEL_METHODS = ("draft", "draft_hybrid")
 #: methods that draft from the target's hidden states (need ReplicaSettings.heads)
 FEATURE_METHODS = ("eagle3", "mtp")
+#: methods drafting from suffix trees, whose global tree keeps finished outputs across requests
+#: (SuffixConfig.max_cached_requests, `specdec proposer --max-cached-requests`)
+SUFFIX_METHODS = ("suffix", "hybrid", "draft_hybrid")
 #: methods that copy from the context (no model, no settings required)
 COPY_METHODS = tuple(m for m in SUPPORTED_METHODS if m not in MODEL_METHODS + FEATURE_METHODS)
 

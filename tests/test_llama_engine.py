@@ -398,6 +398,8 @@ def test_scorer_threads_flag_reaches_the_engine(stories_path):
     parse = build_parser().parse_args
     assert engine_config(parse(["scorer", "--model", stories_path, "--threads", "1"])).num_threads == 1
     assert engine_config(parse(["scorer", "--model", stories_path])).num_threads is None  # the cores it may use
+    with pytest.raises(ValueError, match="--threads"):
+        engine_config(parse(["scorer", "--model", stories_path, "--threads", "0"])).check()
     threads = torch.get_num_threads()
     try:
         engine = build_engine(engine_config(parse(["scorer", "--model", stories_path, "--threads", "1",
