@@ -179,9 +179,12 @@ def print_forward(label: str, rows: list[dict]) -> None:
 
 
 def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
-                 hf_tokens: list[int], hf_rate: float, bandwidth: float) -> tuple[dict, list[dict]]:
+                 hf_tokens: list[int], hf_rate: float, bandwidth: float,
+                 torch_ops: bool = False) -> tuple[dict, list[dict]]:
     """(the decode row, the forward rows) of one dtype / GEMM path; a path
-    this machine refuses gives a decode row saying so and no forward rows."""
+    this machine refuses gives a decode row saying so and no forward rows.
+    torch_ops: the small steps between GEMMs as torch ops (the engine
+    before engine.cpu_ops), not the float32 CPU kernels."""
     batches = [int(b) for b in args.batches.split(",")]
     queries = sorted({1, 6, *(int(q) for q in args.queries.split(","))})
     capacity = max(batches) * (128 + max(queries)) + 1024
@@ -192,6 +195,8 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     except GemmRefused as e:
         print(f"\n== {dtype} / {gemm}: refused: {e}")
         return {**decode, "refused": str(e)}, []
+    if torch_ops:
+        engine.fused = False
     report = engine.gemm_report or {}
     print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
           f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "
@@ -203,7 +208,8 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     for r in rows:
         r.update(dtype=dtype, gemm=engine.gemm)
     verify6 = next(r["vs_q1"] for r in rows if r["batch"] == 1 and r["q"] == 6) if 1 in batches else None
-    decode.update(gemm=f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm, tokens=len(tokens),
+    label = f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm
+    decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), tokens=len(tokens),
                   tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
                   pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
                   gemm_report=report, engine_tokens=tokens)
@@ -234,7 +240,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--configs", default="float32:auto,bfloat16:auto",
-                    help="dtype:gemm pairs (gemm: auto or a forced path; bfloat16 only where native)")
+                    help="dtype:gemm pairs (gemm: auto or a forced path; bfloat16 only where native), "
+                         "each optionally :torch-ops (the small steps as torch ops, as before engine.cpu_ops), "
+                         "e.g. float32:auto,float32:onednn:torch-ops for the engine before and after its CPU kernels")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--queries", default="1,2,4,6,8,16", help="(1 and 6 always run)")
     ap.add_argument("--reps", type=int, default=3)
@@ -245,7 +253,9 @@ def main() -> None:
                     help="skip plain decoding through the whole local stack")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
-    configs = [tuple(c.split(":")) for c in args.configs.split(",")]
+    configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
+    if any(extra not in ("", "torch-ops") for _, _, extra in configs):
+        ap.error("--configs: each entry is dtype:gemm or dtype:gemm:torch-ops")
     if not native_bf16():
         print("this CPU has no native bfloat16 (avx512_bf16 / amx_bf16): bfloat16 configurations skipped")
         configs = [c for c in configs if c[0] != "bfloat16"]
@@ -268,20 +278,21 @@ def main() -> None:
     results = {"model": args.model, "threads": args.threads, "cpu": cpu_model(), "machine": platform.machine(),
                "cpu_count": os.cpu_count(), "torch": torch.__version__, "bandwidth_gbs": bandwidth,
                "load_average_start": load, "forward": [], "decode": []}
-    for dtype in sorted({d for d, _ in configs}):
+    for dtype in sorted({d for d, _, _ in configs}):
         hf_rate, hf_tokens = best_rate(lambda: hf_greedy(hf[dtype], prompt, args.decode_tokens), args.decode_reps)
         hf_row = {"engine": "transformers generate", "dtype": dtype, "gemm": "-", "tokens": len(hf_tokens),
                   "tokens_per_s": hf_rate, "agree_with_hf": len(hf_tokens)}
         results["decode"].append(hf_row)
-        for gemm in [g for d, g in configs if d == dtype]:
-            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate, bandwidth)
+        for gemm, extra in [(g, e) for d, g, e in configs if d == dtype]:
+            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate, bandwidth,
+                                        torch_ops=extra == "torch-ops")
             results["decode"].append(decode)
             results["forward"] += rows
             if "bandwidth_limit_tok_s" in decode:  # the same weights transformers reads
                 hf_row.setdefault("pct_of_bandwidth_limit", 100 * hf_rate / decode["bandwidth_limit_tok_s"])
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
-            if gemm == "auto" and "tokens_per_s" in decode and args.stack:
+            if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
                 results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens, args.decode_reps,
                                                    decode, args.threads))
     results["load_average_end"] = os.getloadavg()

@@ -49,6 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.engine import gemm_numba
 from specdec.engine.config import GEMM_PATH_NAMES
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
@@ -95,8 +96,11 @@ class GemmPath:
 #: Every path the selector knows, by the name ``gemm`` takes. The unpadded
 #: oneDNN path is the fastest decode step where a lone row sums like the
 #: others; on AMD EPYC it does not (GEMV kernel), and the check rejects it.
+#: "numba" is our own float32 kernel for few rows (engine.gemm_numba),
+#: row-invariant by construction (it pairs an odd row with a zero row
+#: itself; min_rows is unused).
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
-                                   GemmPath("onednn-unpadded", "onednn", 1))}
+                                   GemmPath("onednn-unpadded", "onednn", 1), GemmPath("numba", "numba", 2))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
@@ -117,16 +121,32 @@ class Linear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.onednn = path.kind == "onednn"
-        # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
+        self.numba = path.kind == "numba"
+        if self.numba:
+            if weight.dtype != torch.float32 or weight.device.type != "cpu":
+                raise RuntimeError(f"the numba GEMM computes float32 on CPU only, not {weight.dtype}")
+            self.threads = torch.get_num_threads()  # its output blocks split over as many threads
+            self.weight = weight
+            self._padded = gemm_numba.pad_weight(weight.numpy())
+        else:
+            # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         T = x.shape[0]
+        if self.numba:
+            return self._numba(x)
         if T < self.min_rows:
             # cat + new_zeros: ~15 us a call, F.pad (constant_pad_nd) ~47 us (torch.profiler, batch-1 decode)
             return self._gemm(torch.cat([x, x.new_zeros(self.min_rows - T, x.shape[1])]))[:T]
         return self._gemm(x.contiguous())
+
+    def _numba(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads))
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features]
+        return y if self.bias is None else y + self.bias
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:

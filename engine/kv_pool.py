@@ -88,6 +88,7 @@ class KVPool:
         self._workers = ThreadPoolExecutor(num_threads - 1) if num_threads > 1 else None
         self._num_threads = num_threads
         if self.key_cache.device.type == "cpu":
+            self._layer_arrays = [(self.key_cache[i].numpy(), self.value_cache[i].numpy()) for i in range(num_layers)]
             _warm_up()
 
     # ---- sizing -------------------------------------------------------------
@@ -190,6 +191,11 @@ class KVPool:
         for s, n in zip(seq_ids, num_new):
             self._lengths[s] += n
 
+    def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """One layer's key and value caches as numpy views (CPU only), for
+        kernels that write them (engine.cpu_ops)."""
+        return self._layer_arrays[layer]
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch) -> None:
         """Stores the new rows' keys and values.
 
@@ -289,7 +295,7 @@ def _write_rows(key_cache, value_cache, key, value, slot_block, slot_offset):
 
 
 @numba.njit(fastmath=_FASTMATH, inline="always", cache=True)
-def _exp_nonpositive(x):
+def exp_nonpositive(x):
     x = max(x, np.float32(-87.0))  # e^-87 ~ 1.6e-38: still a normal float32
     k = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - k * _LN2_HI - k * _LN2_LO
@@ -344,7 +350,7 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
                 m = max(m, weights[i])
             total = np.float32(0.0)
             for i in range(n):
-                weights[i] = _exp_nonpositive(weights[i] - m)
+                weights[i] = exp_nonpositive(weights[i] - m)
                 total += weights[i]
             acc[:] = 0.0
             for blk_i in range(first // bs, pos // bs + 1):

@@ -30,15 +30,22 @@ that row alone, bit for bit:
 verifying 6-, 17- or 421-row chunks give bitwise equal logits.
 
 GEMM paths (``gemm``), SmolLM2-135M on 2 cores of AMD EPYC
-(benchmarks/bench_forward.py): "auto" picks oneDNN prepacked for both dtypes
-there. A decode step takes about 28 ms in bfloat16 (4 rows cost the same,
-16 rows 1.5x) and 40-45 ms in float32. MKL float32 (``"aten"``) needs 12 rows
-for invariance, so even a decode step costs 90-100 ms, but it sums like
-transformers (which runs MKL):
-logits within 5e-5 of transformers on SmolLM2, against up to 1.5e-4 for
-oneDNN float32. Both are about 1e-4 from a float64 reference: float32
-rounding over 30 layers (oneDNN's float32 GEMM is ~2.5x less accurate per
-product than MKL's), not an error.
+(benchmarks/bench_forward.py): "auto" picks our own float32 kernel
+(``gemm_numba``: one dot-product loop per output, rows in pairs, outputs
+split over the threads) in float32 and oneDNN prepacked in bfloat16 where
+the CPU computes it natively. A float32 decode step's GEMMs take ~29 ms
+there against ~45-50 ms through oneDNN (a decode step is a matrix-vector
+product, bound by memory bandwidth, for which BLAS libraries are not
+tuned); bfloat16 through oneDNN about 28 ms. MKL float32 (``"aten"``)
+needs 12 rows for invariance, so even a decode step costs 90-100 ms. All
+float32 paths give logits within ~1.5e-4 of transformers on SmolLM2 (which
+runs MKL): float32 rounding over 30 layers, each path summing in its own
+order, not an error.
+
+In float32 on CPU the small steps between the GEMMs (RMSNorm, RoPE with the
+softmax scale and the KV write, SiLU times up) are single numba calls
+(``cpu_ops``), not eight torch ops each: on one row torch spends more on
+dispatch than on arithmetic.
 
 Weights come from ``transformers`` (safetensors, .bin or GGUF, dequantised),
 which also standardises the config; the transformers model is dropped after
@@ -54,6 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.engine import cpu_ops
 from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, check_feature_layers
 from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
@@ -342,6 +350,11 @@ class LlamaEngine(Engine):
         cos, sin = rope_tables(rope_inv_freq(spec.rope, spec.head_dim), self.max_model_len)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.scale = spec.head_dim ** -0.5
+        # float32 on CPU with paged attention: the small steps run as numba calls (cpu_ops)
+        self.fused = on_cpu and self.dtype == torch.float32 and attention == "paged"
+        if self.fused:
+            self._cos_np, self._sin_np = self.cos.numpy(), self.sin.numpy()
+            cpu_ops.warm_up()
 
         if kv_memory_fraction is not None:
             per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
@@ -431,12 +444,13 @@ class LlamaEngine(Engine):
         in their order. The stream is never updated in place, so keeping a
         reference to it is keeping its value."""
         eps = self.spec.rms_norm_eps
+        norm = cpu_ops.rms_norm if self.fused else rms_norm
         h = F.embedding(tokens, self.embed)
         kept = {0: h} if 0 in feature_layers else {}
         cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, batch)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
+            h = h + self._attention(i, layer, norm(h, layer.input_norm, eps), cos, sin, batch)
+            h = h + self._mlp(layer, norm(h, layer.post_norm, eps))
             if i + 1 in feature_layers:
                 kept[i + 1] = h
         return h, [kept[i] for i in feature_layers]
@@ -447,6 +461,11 @@ class LlamaEngine(Engine):
         T = x.shape[0]
         H, Hkv, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         qkv = layer.qkv(x).view(T, H + 2 * Hkv, D)
+        if self.fused and layer.q_norm is None:  # RoPE, scale and the KV write in one call
+            q = cpu_ops.rope_scale_write(qkv, H, Hkv, self._cos_np, self._sin_np, batch.row_pos, layer.rope,
+                                         self.scale, *self.pool.layer_arrays(i), batch.slot_block.numpy(),
+                                         batch.slot_offset.numpy())
+            return layer.o(self.pool.attend(i, q, batch, layer.window).view(T, H * D))
         qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]  # queries and keys rotate together: one RoPE call
         if layer.q_norm is not None and layer.k_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, self.spec.rms_norm_eps),
@@ -460,8 +479,9 @@ class LlamaEngine(Engine):
         out = attend(i, (q * self.scale).contiguous(), batch, layer.window)  # float32 [T, H, D]
         return layer.o(out.view(T, H * D).to(self.dtype))
 
-    @staticmethod
-    def _mlp(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU: down(silu(gate x) * up x); x: [T, hidden] normed."""
+        if self.fused:
+            return layer.down(cpu_ops.silu_mul(layer.gate_up(x)))
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)

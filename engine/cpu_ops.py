@@ -1,0 +1,130 @@
+"""The float32 CPU forward pass's small steps as single numba calls.
+
+A decode step of a small model runs each of these 30-60 times on one row,
+where torch spends more on dispatch than on arithmetic: the RMSNorm of
+``llama.rms_norm`` is eight torch ops (~40 us a call on one row, 2.5 ms per
+SmolLM2 decode step), RoPE, the softmax scale and the KV write about ten.
+Here each is one call of a few microseconds.
+
+Row invariance (llama's module doc): every loop a row's result depends on
+runs over that row alone with a trip count set by the model's widths, so
+the compiled code (vector body and remainder) is the same whatever the row
+count; reassociation only changes the order inside a row's sum, the same
+order for every row.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from specdec.engine.kv_pool import exp_nonpositive
+
+_FASTMATH = {"reassoc", "contract"}
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
+def _rms_norm(x, weight, eps, out):
+    """out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), transformers' order."""
+    n = x.shape[1]
+    for r in range(x.shape[0]):
+        row = x[r]
+        total = np.float32(0.0)
+        for k in range(n):
+            total += row[k] * row[k]
+        inv = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
+        for k in range(n):
+            out[r, k] = weight[k] * (row[k] * inv)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 [T, n] rows (llama.rms_norm in one call)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _rms_norm(x.numpy(), weight.numpy(), np.float32(eps), out.numpy())
+    return out
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
+def _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, scale,
+                      key_cache, value_cache, slot_block, slot_offset, q_out):
+    """qkv [T, heads + 2 kv_heads, D] -> q_out [T, heads, D] rotated and
+    scaled; rotated keys and the values written to the caches
+    [blocks, kv_heads, block_size, D] at each row's slot. cos, sin
+    [max_len, D] as llama.rope_tables gives them."""
+    T = qkv.shape[0]
+    D = qkv.shape[2]
+    half = D // 2
+    for t in range(T):
+        c = cos[row_pos[t]]
+        s = sin[row_pos[t]]
+        blk = slot_block[t]
+        off = slot_offset[t]
+        for h in range(heads + kv_heads):
+            x = qkv[t, h]
+            if h < heads:
+                dst = q_out[t, h]
+                f = scale
+            else:
+                dst = key_cache[blk, h - heads, off]
+                f = np.float32(1.0)
+            if rotate:
+                for d in range(half):
+                    dst[d] = (x[d] * c[d] + x[d + half] * s[d]) * f
+                for d in range(half, D):
+                    dst[d] = (x[d] * c[d] + x[d - half] * s[d]) * f
+            else:
+                for d in range(D):
+                    dst[d] = x[d] * f
+        for h in range(kv_heads):
+            x = qkv[t, heads + kv_heads + h]
+            dst = value_cache[blk, h, off]
+            for d in range(D):
+                dst[d] = x[d]
+
+
+def rope_scale_write(qkv: torch.Tensor, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
+                     row_pos: np.ndarray, rotate: bool, scale: float, key_cache: np.ndarray,
+                     value_cache: np.ndarray, slot_block: np.ndarray, slot_offset: np.ndarray) -> torch.Tensor:
+    """The attention's queries, float32 [T, heads, D], rotated (if rotate)
+    and multiplied by scale; the rows' keys (rotated) and values stored in
+    one layer's caches. qkv: float32 [T, heads + 2 kv_heads, D]."""
+    qkv = qkv.contiguous()
+    q = torch.empty(qkv.shape[0], heads, qkv.shape[2])
+    _rope_scale_write(qkv.numpy(), heads, kv_heads, cos, sin, row_pos, rotate, np.float32(scale),
+                      key_cache, value_cache, slot_block, slot_offset, q.numpy())
+    return q
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
+def _silu_mul(gate_up, out):
+    """out[r] = silu(gate) * up for gate_up[r] = [gate | up]; silu(g) =
+    g / (1 + e^-g), with e^-|g| from the vectorisable exponential."""
+    width = out.shape[1]
+    for r in range(gate_up.shape[0]):
+        row = gate_up[r]
+        for j in range(width):
+            g = row[j]
+            e = exp_nonpositive(-abs(g))  # e^-|g|
+            sig = np.float32(1.0) / (np.float32(1.0) + e) if g >= 0 else e / (np.float32(1.0) + e)
+            out[r, j] = g * sig * row[width + j]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of float32 [T, 2 W] ([gate | up]) -> [T, W]."""
+    gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    _silu_mul(gate_up.numpy(), out.numpy())
+    return out
+
+
+def warm_up() -> None:
+    """Compiles (or loads from numba's cache) the kernels for the argument
+    types the engine passes."""
+    x = torch.zeros(1, 8)
+    rms_norm(x, torch.ones(8), 1e-5)
+    silu_mul(x)
+    table = np.zeros((1, 4), np.float32)
+    cache = np.zeros((1, 1, 1, 4), np.float32)
+    rope_scale_write(torch.zeros(1, 3, 4), 1, 1, table, table, np.zeros(1, np.int32), True, 1.0, cache, cache,
+                     np.zeros(1, np.int64), np.zeros(1, np.int64))

@@ -1,0 +1,108 @@
+"""The float32 CPU kernels of the shared model runtime (engine.gemm_numba,
+engine.cpu_ops): each agrees with the torch formulation it replaces, and a
+row's result is bitwise the same whatever rows share the call (what keeps
+speculation lossless, llama's module doc)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.engine import cpu_ops, gemm_numba
+from specdec.engine.gemm_select import GEMM_PATHS, Linear
+from specdec.engine.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
+
+
+def rows_alone_equal_rows_together(fn, x: torch.Tensor) -> None:
+    """fn applied to all of x equals, bitwise, fn applied to each row alone
+    and to every prefix of x (row counts 1 .. len(x))."""
+    together = fn(x)
+    for r in range(len(x)):
+        assert torch.equal(fn(x[r:r + 1])[0], together[r]), f"row {r} alone"
+    for n in range(1, len(x)):
+        assert torch.equal(fn(x[:n]), together[:n]), f"first {n} rows"
+
+
+@pytest.mark.parametrize("out_features,in_features", [(12, 16), (13, 37), (96, 576), (5, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_numba_gemm_matches_torch_and_keeps_rows_invariant(out_features, in_features, threads):
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(9, in_features, generator=gen)
+    torch.set_num_threads(threads)
+    try:
+        linear = Linear(w, b, GEMM_PATHS["numba"])
+        assert linear.threads == threads
+        y = linear(x)
+        assert y.shape == (9, out_features)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)  # sums of up to 576 products ~1
+        rows_alone_equal_rows_together(linear, x)
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_numba_gemm_splits_outputs_not_dot_products():
+    """The thread count changes which thread computes an output block, never
+    its sum: 1, 2 and 3 chunks give the same bits."""
+    w = gemm_numba.pad_weight(np.random.default_rng(0).standard_normal((50, 300)).astype(np.float32))
+    x = np.random.default_rng(1).standard_normal((5, 300)).astype(np.float32)
+    outs = [gemm_numba.gemm(x, w, chunks) for chunks in (1, 2, 3)]
+    assert w.shape[0] % gemm_numba.OUT_BLOCK == 0 and not w[50:].any()
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+
+
+def test_numba_gemm_refuses_bfloat16_by_saying_so():
+    with pytest.raises(RuntimeError, match="float32 on CPU only"):
+        Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS["numba"])
+
+
+def test_rms_norm_matches_the_torch_formulation():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 576, generator=gen) * 3
+    w = torch.randn(576, generator=gen)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    rows_alone_equal_rows_together(lambda t: cpu_ops.rms_norm(t, w, 1e-5), x)
+
+
+def test_silu_mul_matches_torch_including_large_and_negative_gates():
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(5, 2 * 256, generator=gen) * 6
+    gate_up[0, :4] = torch.tensor([-120.0, -30.0, 0.0, 95.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+    assert torch.isfinite(got).all()
+    rows_alone_equal_rows_together(cpu_ops.silu_mul, gate_up)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
+    heads, kv_heads, dim, blocks, block_size = 6, 2, 16, 4, 8
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, heads + 2 * kv_heads, dim, generator=gen)
+    cos, sin = rope_tables(rope_inv_freq({"rope_type": "default", "rope_theta": 10000.0}, dim), 64)
+    pos = np.array([3, 17, 18, 40, 41], np.int32)
+    slot_block = np.array([0, 2, 2, 3, 1], np.int64)
+    slot_offset = np.array([3, 1, 2, 0, 7], np.int64)
+    key_cache = np.zeros((blocks, kv_heads, block_size, dim), np.float32)
+    value_cache = np.zeros_like(key_cache)
+    scale = dim ** -0.5
+    q = cpu_ops.rope_scale_write(qkv, heads, kv_heads, cos.numpy(), sin.numpy(), pos, rotate, scale,
+                                 key_cache, value_cache, slot_block, slot_offset)
+    qk = qkv[:, :heads + kv_heads]
+    rotated = apply_rope(qk, cos[torch.from_numpy(pos).long()], sin[torch.from_numpy(pos).long()]) if rotate else qk
+    torch.testing.assert_close(q, rotated[:, :heads] * scale, rtol=1e-6, atol=1e-6)
+    for t in range(5):
+        keys = torch.from_numpy(key_cache[slot_block[t], :, slot_offset[t]])
+        torch.testing.assert_close(keys, rotated[t, heads:], rtol=1e-6, atol=1e-6)
+        assert torch.equal(torch.from_numpy(value_cache[slot_block[t], :, slot_offset[t]]), qkv[t, heads + kv_heads:])
+    untouched = np.ones((blocks, block_size), bool)
+    untouched[slot_block, slot_offset] = False
+    assert not key_cache.transpose(0, 2, 1, 3)[untouched].any()
+    for t in range(5):  # one row alone gives the same bits as the batch
+        alone = cpu_ops.rope_scale_write(qkv[t:t + 1], heads, kv_heads, cos.numpy(), sin.numpy(), pos[t:t + 1],
+                                         rotate, scale, np.zeros_like(key_cache), np.zeros_like(value_cache),
+                                         slot_block[t:t + 1], slot_offset[t:t + 1])
+        assert torch.equal(alone[0], q[t])
