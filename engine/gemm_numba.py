@@ -17,8 +17,9 @@ Layout and order of operations: the weight is kept as [out, in] float32,
 out zero-padded to a multiple of ``OUT_BLOCK``. The kernel takes the input
 rows two at a time (an odd last row is paired with a zero row) and the
 outputs ``OUT_BLOCK`` at a time, and computes those 8 dot products in one
-loop over ``in``; with reassociation allowed, LLVM vectorises that loop along ``in`` with one vector accumulator per dot
-product, the same for each of the 8, and every (row pair, output block) runs
+loop over ``in``; with reassociation allowed, LLVM vectorises that loop
+along ``in`` with one vector accumulator per dot product, the same for each
+of the 8, and every (row pair, output block) runs
 the same loop: so each output's summation order is fixed by ``in`` alone.
 Threads (numba ``prange``) split the output blocks, never a dot product.
 
@@ -32,7 +33,7 @@ import threading
 import numba
 import numpy as np
 
-#: Outputs computed together (weight rows streamed side by side).
+#: Outputs computed together (weight rows streamed side by side; ``_block`` is written for 4).
 OUT_BLOCK = 4
 
 _FASTMATH = {"reassoc", "contract"}
@@ -81,7 +82,7 @@ def _gemm(x, w, out, chunks):
     a zero row (in a scratch pair), so it sums exactly like the others."""
     rows = x.shape[0]
     even = rows - rows % 2
-    blocks = w.shape[0] // 4
+    blocks = w.shape[0] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
         pair = np.zeros((2, x.shape[1]), np.float32)
@@ -90,16 +91,19 @@ def _gemm(x, w, out, chunks):
             pair[0] = x[even]
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for r in range(0, even, 2):
-                _block(x, w, out, 4 * blk, r)
+                _block(x, w, out, OUT_BLOCK * blk, r)
             if even < rows:
-                _block(pair, w, pair_out, 4 * blk, 0)
-                for j in range(4 * blk, 4 * blk + 4):
+                _block(pair, w, pair_out, OUT_BLOCK * blk, 0)
+                for j in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
                     out[even, j] = pair_out[0, j]
 
 
 def pad_weight(weight: np.ndarray) -> np.ndarray:
-    """float32 [out, in] -> contiguous [out rounded up to OUT_BLOCK, in], zero rows added."""
+    """float32 [out, in] -> contiguous [out rounded up to OUT_BLOCK, in], zero
+    rows added; the weight itself (no copy) when it already is."""
     out = -(-weight.shape[0] // OUT_BLOCK) * OUT_BLOCK
+    if out == weight.shape[0] and weight.flags.c_contiguous:
+        return weight
     padded = np.zeros((out, weight.shape[1]), np.float32)
     padded[:weight.shape[0]] = weight
     return padded

@@ -126,8 +126,8 @@ class Linear:
             if weight.dtype != torch.float32 or weight.device.type != "cpu":
                 raise RuntimeError(f"the numba GEMM computes float32 on CPU only, not {weight.dtype}")
             self.threads = torch.get_num_threads()  # its output blocks split over as many threads
-            self.weight = weight
-            self._padded = gemm_numba.pad_weight(weight.numpy())
+            self._padded = gemm_numba.pad_weight(weight.numpy())  # the weight itself unless out needs padding
+            self.weight = torch.from_numpy(self._padded)[:self.out_features]
         else:
             # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight

@@ -53,6 +53,14 @@ def test_numba_gemm_splits_outputs_not_dot_products():
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
 
 
+def test_numba_linear_keeps_one_copy_of_a_weight_that_needs_no_padding():
+    w = torch.randn(8, 16)
+    linear = Linear(w, None, GEMM_PATHS["numba"])
+    assert np.shares_memory(linear._padded, w.numpy())  # no second copy of the model's weights
+    padded = Linear(torch.randn(6, 16), None, GEMM_PATHS["numba"])
+    assert padded._padded.shape == (8, 16) and padded.weight.shape == (6, 16)
+
+
 def test_numba_gemm_refuses_bfloat16_by_saying_so():
     with pytest.raises(RuntimeError, match="float32 on CPU only"):
         Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS["numba"])
