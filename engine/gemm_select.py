@@ -84,9 +84,10 @@ class GemmPath:
     """A way to compute x W^T + b on CPU.
 
     kind: "aten" (F.linear: MKL for float32) or "onednn" (weights prepacked
-      in oneDNN's blocked layout); min_rows: inputs with fewer rows are
-      zero-padded to this many (a lone row or a short tail takes kernels that
-      sum in another order on some CPUs)."""
+      in oneDNN's blocked layout) or "numba" (engine.gemm_numba); min_rows:
+      inputs with fewer rows are zero-padded to this many (a lone row or a
+      short tail takes kernels that sum in another order on some CPUs); for
+      "numba", the rows per kernel pass (gemm_numba.GROUP_ROWS)."""
 
     name: str
     kind: str
@@ -96,11 +97,13 @@ class GemmPath:
 #: Every path the selector knows, by the name ``gemm`` takes. The unpadded
 #: oneDNN path is the fastest decode step where a lone row sums like the
 #: others; on AMD EPYC it does not (GEMV kernel), and the check rejects it.
-#: "numba" is our own float32 kernel for few rows (engine.gemm_numba),
-#: row-invariant by construction (it pairs an odd row with a zero row
-#: itself; min_rows is unused).
+#: "numba" and "numba6" are our own float32 kernels for few rows
+#: (engine.gemm_numba), row-invariant by construction: one compiled loop
+#: takes the rows min_rows at a time (2 or 6), the last ones beside zero rows
+#: (it pads them itself).
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
-                                   GemmPath("onednn-unpadded", "onednn", 1), GemmPath("numba", "numba", 2))}
+                                   GemmPath("onednn-unpadded", "onednn", 1), GemmPath("numba", "numba", 2),
+                                   GemmPath("numba6", "numba", 6))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
@@ -143,7 +146,7 @@ class Linear:
         return self._gemm(x.contiguous())
 
     def _numba(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads))
+        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.min_rows))
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias

@@ -24,31 +24,38 @@ def rows_alone_equal_rows_together(fn, x: torch.Tensor) -> None:
         assert torch.equal(fn(x[:n]), together[:n]), f"first {n} rows"
 
 
-@pytest.mark.parametrize("out_features,in_features", [(12, 16), (13, 37), (96, 576), (5, 3)])
+NUMBA_PATHS = list(gemm_numba.GROUP_ROWS)
+
+
+@pytest.mark.parametrize("path", NUMBA_PATHS)
+@pytest.mark.parametrize("out_features,in_features", [(12, 16), (13, 37), (96, 576), (5, 3), (10, 200)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_numba_gemm_matches_torch_and_keeps_rows_invariant(out_features, in_features, threads):
+def test_numba_gemm_matches_torch_and_keeps_rows_invariant(out_features, in_features, threads, path):
+    """13 rows: every remainder of both paths' row groups (2 and 6), and for
+    numba6 in = 200 and 576 meet the chunked loop with and without a tail."""
     gen = torch.Generator().manual_seed(out_features)
     w = torch.randn(out_features, in_features, generator=gen)
     b = torch.randn(out_features, generator=gen)
-    x = torch.randn(9, in_features, generator=gen)
+    x = torch.randn(13, in_features, generator=gen)
     torch.set_num_threads(threads)
     try:
-        linear = Linear(w, b, GEMM_PATHS["numba"])
+        linear = Linear(w, b, GEMM_PATHS[path])
         assert linear.threads == threads
         y = linear(x)
-        assert y.shape == (9, out_features)
+        assert y.shape == (13, out_features)
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)  # sums of up to 576 products ~1
         rows_alone_equal_rows_together(linear, x)
     finally:
         torch.set_num_threads(2)
 
 
-def test_numba_gemm_splits_outputs_not_dot_products():
+@pytest.mark.parametrize("group", list(gemm_numba.GROUP_ROWS.values()))
+def test_numba_gemm_splits_outputs_not_dot_products(group):
     """The thread count changes which thread computes an output block, never
     its sum: 1, 2 and 3 chunks give the same bits."""
     w = gemm_numba.pad_weight(np.random.default_rng(0).standard_normal((50, 300)).astype(np.float32))
-    x = np.random.default_rng(1).standard_normal((5, 300)).astype(np.float32)
-    outs = [gemm_numba.gemm(x, w, chunks) for chunks in (1, 2, 3)]
+    x = np.random.default_rng(1).standard_normal((8, 300)).astype(np.float32)
+    outs = [gemm_numba.gemm(x, w, chunks, group) for chunks in (1, 2, 3)]
     assert w.shape[0] % gemm_numba.OUT_BLOCK == 0 and not w[50:].any()
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
 
@@ -61,9 +68,11 @@ def test_numba_linear_keeps_one_copy_of_a_weight_that_needs_no_padding():
     assert padded._padded.shape == (8, 16) and padded.weight.shape == (6, 16)
 
 
-def test_numba_gemm_refuses_bfloat16_by_saying_so():
+@pytest.mark.parametrize("path", NUMBA_PATHS)
+def test_numba_gemm_refuses_bfloat16_by_saying_so(path):
     with pytest.raises(RuntimeError, match="float32 on CPU only"):
-        Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS["numba"])
+        Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS[path])
+
 
 
 def test_rms_norm_matches_the_torch_formulation():
