@@ -102,8 +102,8 @@ class GemmPath:
 #: takes the rows min_rows at a time (2 or 6), the last ones beside zero rows
 #: (it pads them itself).
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
-                                   GemmPath("onednn-unpadded", "onednn", 1), GemmPath("numba", "numba", 2),
-                                   GemmPath("numba6", "numba", 6))}
+                                   GemmPath("onednn-unpadded", "onednn", 1),
+                                   *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
