@@ -46,7 +46,6 @@ and read in gateway/wire.py.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -119,6 +118,7 @@ class SpecLoop:
         self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -142,10 +142,18 @@ class SpecLoop:
         """Stops the rounds; sequences still live end with UNAVAILABLE and
         their proposer state and KV caches are released before the channels
         close."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        self._stopping = True
+        task = self._task
+        # A single cancel can be lost: on Python 3.11 asyncio.wait_for returns
+        # the result of an inner call that completed in the same step as the
+        # cancellation, and the rounds then waited for work forever (a drained
+        # gateway that never exited). Cancel until the task has ended.
+        while task is not None and not task.done():
+            task.cancel()
+            self._wake.set()
+            await asyncio.wait({task}, timeout=0.5)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            log.error("the gateway loop ended with an error", exc_info=task.exception())
         for seq in self._live:
             if not seq.done:
                 seq.fail(RequestFailed("UNAVAILABLE", "the gateway is shutting down"))
@@ -161,7 +169,7 @@ class SpecLoop:
     # ----------------------------------------------------------- the rounds
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._live:
                 metrics.LIVE.set(0)
                 self.placement.publish([])

@@ -279,3 +279,45 @@ def test_a_verify_aborted_by_a_dropped_channel_is_a_scorer_failure_not_the_loops
     seq = asyncio.run(run())
     assert seq.tokens[len(PROMPT):] == [7, 7, 7] and not seq.done
     assert list(scorer.requests[1].sequences[0].context_token_ids) == PROMPT  # re-prefilled after the failure
+
+
+def test_stop_ends_the_loop_when_a_call_swallows_the_cancellation():
+    """Python 3.11's asyncio.wait_for returns the result of a call that
+    completed in the same step as its cancellation, swallowing it. stop()
+    arriving just as the idle flush's Release returned left the rounds
+    waiting for work forever: a drained gateway that never exited (seen in
+    CI). stop() must end the loop anyway."""
+
+    class _ReleaseAnsweredAsStopped:
+        def __init__(self) -> None:
+            self.started = asyncio.Event()
+            self.reply: asyncio.Future | None = None
+            self.calls = 0
+
+        async def Release(self, request, timeout=None):
+            self.calls += 1
+            if self.calls > 1:  # stop()'s own last flush
+                return pb.ReleaseResponse()
+            self.reply = asyncio.get_running_loop().create_future()
+            self.started.set()
+            return await asyncio.wait_for(self.reply, timeout)
+
+    scorer = _ReleaseAnsweredAsStopped()
+
+    async def run() -> bool:
+        loop = _loop_with(scorer)  # type: ignore[arg-type]
+        seq = Sequence("r", _params(), _Tokenizer(), (2,), 512)
+        seq.scorer_addr = SCORER
+        loop.releases.add(seq)
+        loop.start()  # no live sequence: the loop flushes the release, then idles
+        await asyncio.wait_for(scorer.started.wait(), 10)
+        scorer.reply.set_result(pb.ReleaseResponse())  # the answer and the cancellation in one step
+        stopping = asyncio.create_task(loop.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        if not done:  # the bug: the rounds go on waiting for work; end them to report it
+            loop._task.cancel()
+            await asyncio.wait({stopping}, timeout=10)
+        return bool(done) and loop._task.done()
+
+    assert asyncio.run(run())
+    assert scorer.calls == 1  # the release was answered: nothing left for the last flush
