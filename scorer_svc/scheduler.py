@@ -25,6 +25,25 @@ context_len - 2`` (the pending token and the accepted drafts). The newest
 token (the output's last) has none: it runs next round. So a caller that
 relays every answer holds features for every position but the last.
 
+Decode-ahead (plain decoding pipelined with the gateway's round trip).
+When a Verify call whose every sequence fed no drafts has been answered and
+the worker has nothing else to do, it runs those sequences' next decode
+step at once ("ahead" jobs: feed = [pending], the token drawn exactly as a
+draft-less Verify would draw it, same seed and position). The next Verify
+of such a sequence takes that token (waiting for the step if it is still
+running) instead of starting a forward pass, so the network hop and the
+gateway's work overlap the forward. A Verify with drafts whose acceptance
+test is "equal to the target's token" (greedy, target-match sampling) starts
+from the step: its token decides the first draft (rejected: it is the
+output; accepted: the other drafts are verified from the next position). Any
+other Verify (rejection sampling with drafts, other sampling fields,
+features, another context length) rolls the step back first: the KV cache
+goes back to ``context_len - 1`` tokens and the round runs as without
+decode-ahead. The token is computed by the same rows a Verify would run
+(the engine is row-count invariant), so the output is the same either way.
+`specdec scorer --decode-ahead off` turns it off; the library's default is
+off.
+
 Only the worker touches the engine. The worker is a background thread by
 default; `specdec scorer` runs it on the main thread instead (`run()`),
 because torch's CPU kernels measured ~35 % slower when called from a
@@ -37,14 +56,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from specdec.engine.base import Engine, ForwardItem, PoolExhausted
-from specdec.kernels import SamplingTensors, SparseDraftProbs, verify
+from specdec.kernels import GREEDY, POLICY_NORMAL, TARGET_MATCH, SamplingTensors, SparseDraftProbs, verify
 from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES, MAX_SPECULATIVE_TOKENS
 
 log = logging.getLogger(__name__)
@@ -57,6 +76,9 @@ ACCEPTED_TOKENS = Counter("specdec_scorer_accepted_tokens_total", "Draft tokens 
 DRAFT_TOKENS = Counter("specdec_scorer_draft_tokens_total", "Draft tokens verified")
 LIVE_SEQUENCES = Gauge("specdec_scorer_live_sequences", "Sequences holding KV cache")
 FREE_KV_TOKENS = Gauge("specdec_scorer_free_kv_tokens", "KV tokens still free")
+DECODE_AHEAD = Counter("specdec_scorer_decode_ahead_total",
+                       "Decode steps run ahead of their Verify (plain decoding): used by the next Verify, or "
+                       "discarded (it asked for something else, or the sequence ended)", ["outcome"])
 EXPIRED = Counter("specdec_scorer_expired_sequences_total",
                   "Sequences whose KV cache was freed after idle_timeout_s without a Verify (a gateway "
                   "that died or lost them); a later Verify for one gets UNKNOWN_SEQUENCE and re-prefills")
@@ -64,6 +86,9 @@ EXPIRED = Counter("specdec_scorer_expired_sequences_total",
 # Job outcomes (mirror the proto's SequenceStatus without importing it).
 OK, UNKNOWN_SEQUENCE, RESOURCE_EXHAUSTED, INVALID, BUSY = (
     "ok", "unknown_sequence", "resource_exhausted", "invalid", "busy")
+# _prepare's answers besides a result or a new job: the job joined a running
+# decode-ahead job, or waits for one to end before it can be prepared
+_ATTACHED, _DEFERRED = "attached", "deferred"
 
 
 @dataclass
@@ -109,12 +134,17 @@ class _SeqState:
     context_len: int  # tokens the gateway holds (pending included)
     pending: int  # last context token, not yet in the KV cache
     last_used: float = field(default_factory=time.monotonic)  # for idle expiry
+    # decode-ahead's result, not yet taken: the KV cache then also holds the
+    # pending token (context_len tokens); ahead_spec: the sampling it used
+    ahead: "JobResult | None" = None
+    ahead_spec: "JobSpec | None" = None
+    ahead_s: float = 0.0  # the step's forward time, charged to the call that takes it
 
 
 @dataclass
 class _Job:
     spec: JobSpec
-    call: "_Call"
+    call: "_Call | None"  # None: a decode-ahead job no Verify has asked for yet
     index: int  # position of spec in the call
     feed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 tokens to run
     fed: int = 0  # how many of feed have run
@@ -122,6 +152,8 @@ class _Job:
     feed_start: int = 0  # context position of feed[0]
     feature_start: int = 0  # context position of the first feature row to return
     features: list[torch.Tensor] = field(default_factory=list)  # bfloat16 [rows, dim] chunks from feature_start on
+    ahead: bool = False  # a decode-ahead job
+    prefix: list[int] = field(default_factory=list)  # drafts a decode-ahead step accepted: output's start
 
 
 @dataclass
@@ -148,7 +180,7 @@ class _Call:
 class Scheduler:
     def __init__(self, engine: Engine, max_batch_size: int = 256,
                  max_tokens_per_forward: int = 512, background: bool = True,
-                 idle_timeout_s: float = 600.0) -> None:
+                 idle_timeout_s: float = 600.0, decode_ahead: bool = False) -> None:
         if max_batch_size < 1 or max_tokens_per_forward < MAX_SPECULATIVE_TOKENS + 1:
             # a verification's k + 1 rows always run in one forward pass
             raise ValueError(f"max_batch_size >= 1 and max_tokens_per_forward >= {MAX_SPECULATIVE_TOKENS + 1} "
@@ -170,6 +202,10 @@ class Scheduler:
         self._release_after: set[str] = set()
         self._inbox: queue.Queue = queue.Queue()
         self._active: list[_Job] = []
+        self.decode_ahead = decode_ahead
+        self._ahead_jobs: dict[str, _Job] = {}  # seq_id -> its running decode-ahead job
+        self._ahead_candidates: list[JobSpec] = []  # answered draft-less; may decode ahead when idle
+        self._deferred: dict[str, list[tuple[_Call, int]]] = {}  # waiting for a decode-ahead job to end
         self._stopped = False
         self._thread = None
         if background:
@@ -208,6 +244,9 @@ class Scheduler:
     def run(self) -> None:
         """The worker loop; returns after stop()."""
         while not self._stopped:
+            if not self._active:  # only idle time goes to decoding ahead
+                self._start_ahead()  # before the inbox: a Verify that came meanwhile joins its step
+            self._ahead_candidates.clear()
             self._drain_inbox(block=not self._active)
             self._expire_idle()
             if self._active:
@@ -254,7 +293,9 @@ class Scheduler:
         return self._release(seq_id)
 
     def _release(self, seq_id: str) -> bool:
-        self._seqs.pop(seq_id, None)
+        state = self._seqs.pop(seq_id, None)
+        if state is not None and state.ahead is not None:
+            DECODE_AHEAD.labels("discarded").inc()
         found = self.engine.release(seq_id)
         LIVE_SEQUENCES.set(len(self._seqs))
         return found
@@ -262,23 +303,73 @@ class Scheduler:
     def _admit(self, call: _Call) -> None:
         """Turns a call into jobs: checks sequence state, reserves KV space."""
         call.results = [None] * len(call.specs)
-        for i, spec in enumerate(call.specs):
-            job = _Job(spec, call, i)
-            result = self._prepare(job)
-            if result is not None:
-                call.results[i] = result
-            else:
-                self._busy.add(spec.seq_id)
-                self._active.append(job)
-                call.remaining += 1
+        call.remaining = len(call.specs)  # each result settles one
+        for i in range(len(call.specs)):
+            self._admit_one(call, i)
+
+    def _admit_one(self, call: _Call, index: int) -> None:
+        job = _Job(call.specs[index], call, index)
+        outcome = self._prepare(job)
+        if isinstance(outcome, JobResult):
+            self._settle(call, index, outcome)
+        elif outcome == _DEFERRED:
+            self._deferred.setdefault(job.spec.seq_id, []).append((call, index))
+        elif outcome is None:
+            self._busy.add(job.spec.seq_id)
+            self._active.append(job)
+        # _ATTACHED: the decode-ahead job settles it
+
+    def _settle(self, call: _Call, index: int, result: JobResult) -> None:
+        call.results[index] = result
+        call.remaining -= 1
         if call.remaining == 0:
             self._finish_call(call)
 
-    def _prepare(self, job: _Job) -> JobResult | None:
+    def _prepare(self, job: _Job) -> JobResult | str | None:
+        """None: the job is ready to run; else a result, _ATTACHED or _DEFERRED."""
         spec = job.spec
         if spec.seq_id in self._busy:
-            return JobResult(BUSY, message="a Verify for this sequence is already in flight")
+            ahead = self._ahead_jobs.get(spec.seq_id)
+            if ahead is None or ahead.call is not None:
+                return JobResult(BUSY, message="a Verify for this sequence is already in flight")
+            if _takes_ahead(spec, ahead.spec):
+                assert job.call is not None
+                ahead.call, ahead.index = job.call, job.index
+                ahead.call.first_step = ahead.call.first_step or time.perf_counter()
+                return _ATTACHED
+            return _DEFERRED
         k = len(spec.draft_token_ids)
+        state = self._seqs.get(spec.seq_id)
+        if state is not None and state.ahead is not None and spec.context is None:
+            assert state.ahead_spec is not None and job.call is not None
+            if _takes_ahead(spec, state.ahead_spec):
+                result, state.ahead, state.ahead_spec = state.ahead, None, None
+                state.context_len += 1
+                state.pending = result.output_token_ids[-1]
+                state.last_used = time.monotonic()
+                job.call.compute_s += state.ahead_s  # what the round cost, for the gateway's cost model
+                DECODE_AHEAD.labels("used").inc()
+                return result
+            if _extends_ahead(spec, state.ahead_spec):  # the step decides the first draft
+                token = state.ahead.output_token_ids[-1]
+                state.ahead = state.ahead_spec = None
+                state.context_len += 1
+                state.pending = token
+                job.call.compute_s += state.ahead_s
+                DECODE_AHEAD.labels("used").inc()
+                if int(spec.draft_token_ids[0]) != token:  # rejected: the step's token is the output
+                    state.last_used = time.monotonic()
+                    DRAFT_TOKENS.inc(k)
+                    return JobResult(OK, [token], 0)
+                # accepted: the other drafts are verified from the next position
+                spec = job.spec = replace(spec, context_len=spec.context_len + 1,
+                                          draft_token_ids=spec.draft_token_ids[1:])
+                job.prefix = [token]
+                k -= 1
+            else:
+                self.engine.truncate(spec.seq_id, state.context_len - 1)  # roll the step back
+                state.ahead = state.ahead_spec = None
+                DECODE_AHEAD.labels("discarded").inc()
         if spec.context is not None:  # first touch or re-prefill
             self._release(spec.seq_id)
             job.feed = np.concatenate([spec.context, spec.draft_token_ids]).astype(np.int32)
@@ -286,7 +377,6 @@ class Scheduler:
             rows = spec.max_context_features or len(spec.context)
             job.feature_start = max(0, len(spec.context) - rows)
         else:
-            state = self._seqs.get(spec.seq_id)
             if state is None or state.context_len != spec.context_len:
                 if state is None:
                     detail = "unknown to this scorer"
@@ -333,7 +423,7 @@ class Scheduler:
             jobs.append(job)
             budget -= take
         for job in jobs:
-            if job.call.first_step is None:
+            if job.call is not None and job.call.first_step is None:
                 job.call.first_step = start
         need_hidden = any(j.spec.return_hidden_states for j in jobs)
         layers = tuple(sorted({i for j in jobs for i in j.spec.feature_layers}))
@@ -358,17 +448,25 @@ class Scheduler:
             self._verify(done)
         elapsed = time.perf_counter() - start
         FORWARD_SECONDS.observe(elapsed)
-        for call in {id(j.call): j.call for j in jobs}.values():
+        for call in {id(j.call): j.call for j in jobs if j.call is not None}.values():
             call.compute_s += elapsed
         for job in (f.job for f in done):
+            seq_id = job.spec.seq_id
             self._active.remove(job)
-            self._busy.discard(job.spec.seq_id)
-            if job.spec.seq_id in self._release_after:
-                self._release_after.discard(job.spec.seq_id)
-                self._release(job.spec.seq_id)
-            job.call.remaining -= 1
-            if job.call.remaining == 0:
-                self._finish_call(job.call)
+            self._busy.discard(seq_id)
+            if job.ahead:
+                del self._ahead_jobs[seq_id]
+                if job.call is None:
+                    self._seqs[seq_id].ahead_s = elapsed
+            if seq_id in self._release_after:
+                self._release_after.discard(seq_id)
+                self._release(seq_id)
+            if job.call is not None:
+                result = job.call.results[job.index]
+                assert result is not None  # _verify answered every finished job
+                self._settle(job.call, job.index, result)
+            for call, index in self._deferred.pop(seq_id, []):
+                self._admit_one(call, index)
         FREE_KV_TOKENS.set(self.engine.free_tokens())
 
     def _verify(self, finished: list[_Finished]) -> None:
@@ -399,28 +497,96 @@ class Scheduler:
             new_context_len = job.context_len_before + a + 1
             self.engine.truncate(seq_id, new_context_len - 1)
             output = ids[:a + 1]
-            self._seqs[seq_id] = _SeqState(new_context_len, output[-1])
+            if job.prefix:
+                output, a = job.prefix + output, a + len(job.prefix)
             hidden = None
             if job.spec.return_hidden_states and f.hidden is not None:
                 hidden = f.hidden[:a + 1].float().cpu().numpy()
             features = _feature_rows(job, new_context_len) if job.spec.feature_layers else None
-            job.call.results[job.index] = JobResult(OK, output, a, hidden, features)
-            DRAFT_TOKENS.inc(len(job.spec.draft_token_ids))
+            result = JobResult(OK, output, a, hidden, features)
+            if job.call is None:  # decode-ahead nobody asked for yet: kept for the next Verify
+                state = self._seqs[seq_id]
+                state.ahead, state.ahead_spec = result, job.spec
+                continue
+            if job.ahead:
+                DECODE_AHEAD.labels("used").inc()
+            self._seqs[seq_id] = _SeqState(new_context_len, output[-1])
+            job.call.results[job.index] = result
+            DRAFT_TOKENS.inc(len(job.spec.draft_token_ids) + len(job.prefix))
             ACCEPTED_TOKENS.inc(a)
         LIVE_SEQUENCES.set(len(self._seqs))
 
     def _finish_call(self, call: _Call) -> None:
         queue_s = (call.first_step or time.perf_counter()) - call.arrived
         call.loop.call_soon_threadsafe(_set_result, call.future, (call.results, call.compute_s, queue_s))
+        if self.decode_ahead and all(r is not None and r.status == OK and _plain(s)
+                                     for s, r in zip(call.specs, call.results)):
+            self._ahead_candidates.extend(call.specs)
+
+    def _start_ahead(self) -> None:
+        """Runs the next decode step of the sequences just answered
+        draft-less (the worker is idle): jobs with no call yet."""
+        for spec in self._ahead_candidates:
+            seq_id = spec.seq_id
+            state = self._seqs.get(seq_id)
+            if (state is None or state.ahead is not None or seq_id in self._busy
+                    or state.pending in self.engine.facts.eos_token_ids):
+                continue  # gone, already ahead, asked again, or probably ended
+            try:
+                self.engine.ensure_capacity(seq_id, state.context_len)
+            except (PoolExhausted, ValueError):  # no room, or the context is full
+                continue
+            plain = replace(spec, context=None, context_len=state.context_len)
+            job = _Job(plain, None, 0, feed=np.array([state.pending], np.int32),
+                       context_len_before=state.context_len, feed_start=state.context_len - 1,
+                       feature_start=state.context_len - 1, ahead=True)
+            self._busy.add(seq_id)
+            self._active.append(job)
+            self._ahead_jobs[seq_id] = job
 
     def _fail_active(self, error: Exception) -> None:
+        calls = [job.call for job in self._active if job.call is not None]
+        calls += [call for waiting in self._deferred.values() for call, _ in waiting]
         for job in self._active:
             self._release(job.spec.seq_id)
-            if not job.call.future.done():
-                job.call.loop.call_soon_threadsafe(_set_exception, job.call.future, error)
+        for call in calls:
+            if not call.future.done():
+                call.loop.call_soon_threadsafe(_set_exception, call.future, error)
         self._active.clear()
         self._busy.clear()
         self._release_after.clear()
+        self._ahead_jobs.clear()
+        self._deferred.clear()
+
+
+def _plain(spec: JobSpec) -> bool:
+    """A draft-less job asking for nothing but the next token."""
+    return (not len(spec.draft_token_ids) and not spec.return_hidden_states and not spec.feature_layers
+            and not spec.draft_probs)
+
+
+def _same_draw(spec: JobSpec, ahead: JobSpec) -> bool:
+    """Whether spec's next token is the one the decode-ahead step (run with
+    `ahead`'s sampling at `ahead.context_len`) drew."""
+    return (spec.context is None and spec.context_len == ahead.context_len
+            and (spec.temperature, spec.top_k, spec.top_p, spec.seed, spec.strategy, spec.accept_policy)
+            == (ahead.temperature, ahead.top_k, ahead.top_p, ahead.seed, ahead.strategy, ahead.accept_policy))
+
+
+def _takes_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
+    """Whether a Verify job (spec) is answered by the decode-ahead step."""
+    return _plain(spec) and _same_draw(spec, ahead)
+
+
+def _extends_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
+    """Whether a Verify job with drafts can start from the decode-ahead step:
+    where a draft is accepted exactly when it equals the target's token at its
+    position (greedy, or target-match sampling keyed by seed and position),
+    the step's token decides the first draft, and verifying the rest from the
+    next position gives the same tokens as verifying them all."""
+    return (len(spec.draft_token_ids) > 0 and not spec.return_hidden_states and not spec.feature_layers
+            and not spec.draft_probs and spec.strategy in (GREEDY, TARGET_MATCH)
+            and spec.accept_policy == POLICY_NORMAL and _same_draw(spec, ahead))
 
 
 def cap_context_features(specs: list[JobSpec], hidden_size: int,

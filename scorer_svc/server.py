@@ -178,7 +178,7 @@ def serve(args) -> None:
         raise SystemExit(f"scorer: {e}") from None
     export_gemm_choice(engine)
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
-                          idle_timeout_s=args.idle_timeout_s)
+                          idle_timeout_s=args.idle_timeout_s, decode_ahead=args.decode_ahead == "on")
     started = threading.Event()
     state: dict = {}
 

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "run on; 1 for a model too small to gain from more)")
     p.add_argument("--max-batch-size", type=int, default=256, help="sequences per forward pass")
     p.add_argument("--max-tokens-per-forward", type=int, default=512, help="token budget per forward")
+    p.add_argument("--decode-ahead", choices=["on", "off"], default="on",
+                   help="when idle after answering a Verify with no drafts, run those sequences' next decode "
+                        "step before their next Verify arrives (hides the round trip of plain decoding; the "
+                        "tokens are the same)")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV cache of a sequence not verified for this long (a gateway that "
                         "died); 0: never")

@@ -413,3 +413,138 @@ def test_release_during_a_job_frees_after_the_job(stories_path):
     assert released == 1
     assert result.status == OK and result.output_token_ids == hf_greedy(stories_path, tuple(prompt), 1)
     assert live == 0 and engine.free_tokens() == free_at_start
+
+
+def _ahead_count(outcome: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("specdec_scorer_decode_ahead_total", {"outcome": outcome}) or 0.0
+
+
+async def _decode(sched, seq_id, prompt, n, drafts_fn=lambda tokens: [], **sampling):
+    """Like greedy_with_drafts, with sampling fields replaced (a seeded draw)."""
+    from dataclasses import replace
+
+    tokens = list(prompt)
+    job = replace(spec(seq_id, context=tokens, drafts=drafts_fn(tokens)), **sampling)
+    while True:
+        (r,), _, _ = await sched.verify([job])
+        assert r.status == OK, r.message
+        tokens += r.output_token_ids
+        if len(tokens) - len(prompt) >= n:
+            return tokens[len(prompt):len(prompt) + n]
+        job = replace(spec(seq_id, context_len=len(tokens), drafts=drafts_fn(tokens)), **sampling)
+
+
+def test_decode_ahead_gives_plain_greedy_and_is_used(stories_path, engine):
+    """Plain decoding with decode-ahead: every Verify after the first is
+    answered by the step run ahead of it, and the tokens are plain greedy."""
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 24)
+    used, discarded = _ahead_count("used"), _ahead_count("discarded")
+    free_at_start = engine.free_tokens()
+
+    async def run():
+        sched = Scheduler(engine, decode_ahead=True)
+        try:
+            tokens = await _decode(sched, "plain", prompt, 24)
+            await asyncio.sleep(0.2)  # the step ahead of the Verify we never send
+            released = await sched.release(["plain"])
+            return tokens, released
+        finally:
+            sched.stop()
+
+    tokens, released = asyncio.run(run())
+    assert tokens == expected and released == 1
+    # 24 rounds: the 23 after the first take a step run ahead (rarely one
+    # arrives before the worker starts its step: then it runs as usual)
+    assert _ahead_count("used") - used >= 12
+    assert _ahead_count("discarded") - discarded == 1  # the step ahead of the end, freed with the sequence
+    assert engine.free_tokens() == free_at_start
+
+
+def _alternate_drafts(prompt, reference):
+    """Rounds cycling draft-less, right drafts (from reference) and wrong ones."""
+    def drafts(tokens):
+        done = len(tokens) - len(prompt)
+        right = reference[done:][:3]
+        if done % 3 == 0 or not right:
+            return []
+        return right if done % 3 == 1 else [(t + 1) % 512 for t in right]
+    return drafts
+
+
+def test_decode_ahead_starts_a_greedy_verify_with_drafts(stories_path, engine):
+    """Greedy rounds alternating draft-less and drafted (right and wrong
+    drafts): a drafted Verify after a draft-less one starts from the step run
+    ahead (it decides the first draft) instead of rolling it back; the output
+    is plain greedy."""
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 30)
+    used, discarded = _ahead_count("used"), _ahead_count("discarded")
+
+    async def run():
+        sched = Scheduler(engine, decode_ahead=True)
+        try:
+            return await _decode(sched, "mixed", prompt, 30, _alternate_drafts(prompt, expected))
+        finally:
+            sched.stop()
+
+    assert asyncio.run(run()) == expected
+    assert _ahead_count("used") - used >= 4
+    assert _ahead_count("discarded") - discarded == 0
+
+
+@pytest.mark.parametrize("strategy", ["rejection", "target_match"])
+def test_decode_ahead_with_sampled_drafts_gives_the_same_tokens(stories_path, engine, strategy):
+    """Sampled rounds alternating draft-less and drafted: the same tokens
+    with decode-ahead as without. Rejection sampling rolls the step back
+    (its first draft's test is not the step's draw); target-match starts from
+    it (it accepts a draft exactly when it equals that draw) and, being token
+    for token plain sampling, also equals plain seeded decoding."""
+    from specdec.kernels import REJECTION, TARGET_MATCH
+
+    prompt = prompt_ids(stories_path)
+    sampling = dict(temperature=0.9, top_k=40, top_p=0.95, seed=5,
+                    strategy=REJECTION if strategy == "rejection" else TARGET_MATCH)
+    used, discarded = _ahead_count("used"), _ahead_count("discarded")
+
+    async def run(ahead: bool, drafts_fn=lambda tokens: []):
+        sched = Scheduler(engine, decode_ahead=ahead)
+        try:
+            return await _decode(sched, f"{strategy}{ahead}", prompt, 30, drafts_fn, **sampling)
+        finally:
+            sched.stop()
+
+    plain = asyncio.run(run(False))
+    drafts_fn = _alternate_drafts(prompt, plain)
+    without = asyncio.run(run(False, drafts_fn))
+    assert asyncio.run(run(True, drafts_fn)) == without
+    if strategy == "rejection":
+        assert _ahead_count("discarded") - discarded >= 1
+    else:
+        assert without == plain
+        assert _ahead_count("discarded") - discarded == 0 and _ahead_count("used") - used >= 4
+
+
+@pytest.mark.parametrize("temperature", [0.8, 1.3])
+def test_decode_ahead_draws_the_same_sampled_tokens(stories_path, engine, temperature):
+    """A seeded sampled request: the same tokens with decode-ahead as without
+    (the step ahead draws with the request's seed at the same position), and
+    two sequences at once each get their own."""
+    from specdec.kernels import REJECTION
+
+    prompt = prompt_ids(stories_path)
+    sampling = dict(temperature=temperature, top_k=50, top_p=0.95, seed=11, strategy=REJECTION)
+
+    async def run(ahead: bool):
+        sched = Scheduler(engine, decode_ahead=ahead)
+        try:
+            return await asyncio.gather(_decode(sched, f"s{ahead}", prompt, 20, **sampling),
+                                        _decode(sched, f"t{ahead}", prompt, 20, **{**sampling, "seed": 12}))
+        finally:
+            sched.stop()
+
+    without, with_ahead = asyncio.run(run(False)), asyncio.run(run(True))
+    assert with_ahead == without
+    assert without[0] != without[1]  # the seeds matter: the test compares real draws
