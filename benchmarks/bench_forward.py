@@ -144,14 +144,15 @@ def best_rate(fn, reps: int) -> tuple[float, list[int]]:
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
-              threads: int) -> dict:
+              threads: int, decode_ahead: str = "on") -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
     alone) beside the engine alone (engine_row); with the gateway's per-round
-    split of the fastest run: scorer compute, and the rest of the round."""
+    split of the fastest run: scorer compute, and the rest of the round.
+    decode_ahead: the scorer's --decode-ahead."""
     stats = []
     with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
-               extra_scorer_args=["--threads", str(threads)]) as stack:
+               extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead]) as stack:
         def once() -> list[int]:
             request = make_request(prompt, max_tokens=n, method="none")
             request.ignore_eos = True
@@ -163,7 +164,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
-    return {"engine": "whole local stack", "dtype": dtype, "gemm": engine_row["gemm"], "tokens": len(tokens),
+    return {"engine": f"stack, ahead {decode_ahead}", "decode_ahead": decode_ahead, "dtype": dtype,
+            "gemm": engine_row["gemm"], "tokens": len(tokens),
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
             "agree_with_engine": agree, "threads": threads,
             "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
@@ -251,6 +253,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--no-stack", dest="stack", action="store_false",
                     help="skip plain decoding through the whole local stack")
+    ap.add_argument("--stack-decode-ahead", default="on,off",
+                    help="the whole-stack row's scorer --decode-ahead values, one row each")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
@@ -293,8 +297,9 @@ def main() -> None:
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
             if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
-                results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens, args.decode_reps,
-                                                   decode, args.threads))
+                for ahead in args.stack_decode_ahead.split(","):
+                    results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
+                                                       args.decode_reps, decode, args.threads, ahead))
     results["load_average_end"] = os.getloadavg()
     print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
           f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
