@@ -63,8 +63,15 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from specdec.engine.base import Engine, ForwardItem, PoolExhausted
-from specdec.kernels import GREEDY, POLICY_NORMAL, TARGET_MATCH, SamplingTensors, SparseDraftProbs, verify
-from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES, MAX_SPECULATIVE_TOKENS
+from specdec.kernels import SamplingTensors, SparseDraftProbs, verify
+from specdec.limits import (
+    FEATURE_BYTES_PER_MESSAGE,
+    FEATURE_VALUE_BYTES,
+    GREEDY,
+    MAX_SPECULATIVE_TOKENS,
+    POLICY_NORMAL,
+    TARGET_MATCH,
+)
 
 log = logging.getLogger(__name__)
 

@@ -45,6 +45,20 @@ def test_greedy_matches_transformers(stories_stack, stories_path, prompt, method
         assert s.draft_tokens == 0 and s.rounds == s.output_tokens
 
 
+def test_plain_decoding_takes_the_scorer_s_decode_ahead(stories_stack, stories_path):
+    """Real processes: plain decoding through the gateway is answered by the
+    scorer's steps run ahead (on by default), and the tokens are plain greedy."""
+    scorer = stories_stack.by_name("scorer")[0]
+    key = 'specdec_scorer_decode_ahead_total{outcome="used"}'
+    before = scorer.metrics().get(key, 0.0)
+    gen = stream(stories_stack.gateway_addr,
+                 make_request(PROMPTS["story"], max_tokens=MAX_TOKENS, method="none"))
+    expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["story"]), MAX_TOKENS)
+    assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
+    # every round after the first can take one; allow for the end of the stream
+    assert scorer.metrics().get(key, 0.0) - before >= len(gen.token_ids) // 2
+
+
 def test_ngram_speculates_on_repetitive_text(stories_stack):
     gen = stream(stories_stack.gateway_addr,
                  make_request(PROMPTS["repeats"], max_tokens=MAX_TOKENS, method="ngram", k=5))
