@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,59 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS
 from specdec.security import ClientTls, sync_channel
 
+_handed_out: set[int] = set()  # ports free_port gave this process: never twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port that is free now, for a child to listen on.
+
+    Not from the kernel's ephemeral range: a port from there can be taken by
+    any outgoing connection between this call and the child's bind (a CI run
+    lost a proposer's metrics port that way). Never the same port twice in
+    this process. The child may still lose the race: `Stack.start` starts it
+    again on new ports when it reports "Address already in use"."""
+    lo, _ = _ephemeral_range()
+    low = 10000 if lo > 12000 else 1024
+    for _ in range(200):
+        port = random.randint(low, lo - 1)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # a crowded machine: whatever the kernel gives
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
+
+
+def lost_port_race(service: "Service") -> bool:
+    """Whether the service exited because a port it was given was taken."""
+    if service.proc.poll() is None or not service.log_path:
+        return False
+    try:
+        with open(service.log_path, errors="replace") as f:
+            log = f.read()
+    except OSError:
+        return False
+    return any(m in log for m in ("Address already in use", "Failed to bind", "cannot bind"))
 
 
 #: Set in a child's environment: the launcher's pid, the parent it dies with.
@@ -202,6 +251,33 @@ class Stack:
         self.services.append(service)
         return service
 
+    def _wait(self, service: Service, timeout_s: float, tls: ClientTls | None, fixed_port: bool = False) -> None:
+        """Waits until the service serves; a service that lost one of its
+        ports to another socket before binding it is started again on new
+        ones (twice at most)."""
+        for attempt in range(3):
+            try:
+                wait_serving(service.addr, service.proc, timeout_s, service.name, tls)
+                return
+            except RuntimeError:
+                if attempt == 2 or not lost_port_race(service):
+                    raise
+            self._respawn_on_new_ports(service, fixed_port)
+
+    def _respawn_on_new_ports(self, service: Service, fixed_port: bool) -> None:
+        cmd = list(service.cmd)
+        flags = ["--metrics-port"] + ([] if fixed_port else ["--port"])
+        for flag in flags:
+            if flag in cmd:
+                cmd[cmd.index(flag) + 1] = str(free_port())
+        print(f"{service.name} lost a port to another socket before binding it; starting it again on new ports",
+              file=sys.stderr, flush=True)
+        service.cmd = cmd
+        service.addr = f"127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        if "--metrics-port" in cmd:
+            service.metrics_port = int(cmd[cmd.index("--metrics-port") + 1])
+        service.proc = _popen(cmd, service.log_path, "w")
+
     def restart(self, service: Service, timeout_s: float = 300.0) -> None:
         """Starts a stopped or killed service again on the same port and
         waits until it serves (chaos tests: the gateway finds it again).
@@ -254,7 +330,7 @@ class Stack:
             drafters = [self._spawn("proposer-draft", self._draft_proposer_args(draft_methods), free_port())
                         for _ in draft_methods[:1]]
             for s in proposers + drafters + scorers:
-                wait_serving(s.addr, s.proc, timeout_s, s.name, self.tls.internal_client() if self.tls else None)
+                self._wait(s, timeout_s, self.tls.internal_client() if self.tls else None)
             gw_args = ["gateway", "--model", self.model, "--scorer", ",".join(s.addr for s in scorers),
                        "--default-method", self.default_method, "--default-k", str(self.default_k),
                        *self.extra_gateway_args]
@@ -268,7 +344,7 @@ class Stack:
             if self.api_keys_file:
                 gw_args += ["--api-keys", self.api_keys_file]
             gateway = self._spawn("gateway", gw_args, self.gateway_port or free_port())
-            wait_serving(gateway.addr, gateway.proc, timeout_s, "gateway", self.tls.client() if self.tls else None)
+            self._wait(gateway, timeout_s, self.tls.client() if self.tls else None, fixed_port=bool(self.gateway_port))
         except BaseException:
             self.stop()
             raise

@@ -141,3 +141,45 @@ def test_two_gateways_sharing_replicas_never_mix_sequences(backend, stories_path
     finally:
         for g in gateways:
             g.close()
+
+
+def test_free_port_avoids_the_ephemeral_range_and_never_repeats():
+    from specdec import launcher
+
+    lo, hi = launcher._ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert not any(lo <= p <= hi for p in ports)
+
+
+def test_a_service_whose_port_is_taken_before_it_binds_starts_again_on_new_ones(stories_path, tmp_path,
+                                                                               monkeypatch):
+    """The CI failure this guards against: between the launcher choosing a
+    port and the child binding it, another socket took it, and the child
+    exited. Here the scorer's metrics port is taken on purpose."""
+    import socket
+
+    from specdec import launcher
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    real, calls = launcher.free_port, []
+
+    def first_metrics_port_taken() -> int:
+        calls.append(1)
+        return taken if len(calls) == 2 else real()  # call 1: the scorer's gRPC port, 2: its metrics port
+
+    monkeypatch.setattr(launcher, "free_port", first_metrics_port_taken)
+    stack = launcher.Stack(model=stories_path, methods="ngram", metrics=True, log_dir=str(tmp_path))
+    try:
+        stack.start()
+        scorer = stack.by_name("scorer")[0]
+        assert scorer.metrics_port != taken and f"--metrics-port {taken}" not in " ".join(scorer.cmd)
+        assert scorer.metrics()["specdec_scorer_live_sequences"] == 0
+        result = stream(stack.gateway_addr, _long(4), timeout=120)
+        assert len(result.token_ids) == 4
+    finally:
+        stack.stop()
+        squatter.close()
