@@ -14,26 +14,37 @@ weight row once per pair of input rows and reaches ~18 GB/s there (1 row:
 ``python benchmarks/bench_forward.py`` prints the selector's timings).
 
 Layout and order of operations: the weight is kept as [out, in] float32,
-out zero-padded to a multiple of ``OUT_BLOCK``. The kernel takes the input
-rows two at a time (an odd last row is paired with a zero row) and the
-outputs ``OUT_BLOCK`` at a time, and computes those 8 dot products in one
-loop over ``in``; with reassociation allowed, LLVM vectorises that loop
-along ``in`` with one vector accumulator per dot product, the same for each
-of the 8, and every (row pair, output block) runs
-the same loop: so each output's summation order is fixed by ``in`` alone.
-Threads (numba ``prange``) split the output blocks, never a dot product.
+out zero-padded to a multiple of ``OUT_BLOCK`` (8). The kernel takes the
+input rows two at a time (an odd last row is paired with a zero row) and the
+outputs 8 at a time, and computes those 16 dot products in one loop over
+``in`` (``_block``; 10 loads per 16 multiply-adds, where the 2 x 4 block
+before it did 6 per 8: on 2 cores of an AVX-512 AMD EPYC, SmolLM2's
+projections at 1 / 6 / 32 rows went from ~24 / 31 / 73 ms to ~21 / 26 /
+64 ms); with reassociation allowed, LLVM vectorises that loop along ``in``
+with one vector accumulator per dot product, the same for each of the 16,
+and every (row pair, output block) runs the same loop: so each output's
+summation order is fixed by ``in`` alone. Threads (numba ``prange``) split
+the output blocks, never a dot product.
 
 Only float32: bfloat16 weights take oneDNN where the CPU computes bfloat16
 natively, and anywhere else this path is refused for them by name.
 
-Two kernels, two GEMM paths (``GROUP_ROWS``), each row-invariant by itself:
-"numba" takes the rows two at a time as above; "numba6" takes them six at a
-time, two outputs per pass (``_k6x2``: 12 dot products in one loop over
-``in``, which runs in chunks of ``CHUNK`` values, each chunk vectorised the
-same way, then the ``in % CHUNK`` tail), the last rows padded with zero
-rows to six. Six rows read each weight value once, where pairs read it
-three times, so verifying k = 5 drafts costs about what one decode step
-costs; a 6-row pass does 6x the arithmetic of one row, which only pays
+Three GEMM paths (``GROUP_ROWS``). "numba" takes the rows two at a time as
+above, row-invariant by construction. "numba1" is the same, except that a
+lone row (the decode step) runs ``_block1``, the one-row form of the same
+loop, instead of being paired with a zero row: half the arithmetic, and
+~19 ms instead of ~21 there (~29 GB/s, against ~23 GB/s for numpy's sum of
+the same bytes on one core). It is row-invariant only where LLVM vectorises
+the one-row and two-row loops alike (vector width and interleave are LLVM's
+choice, made per loop): it did on that EPYC for every width tried, but
+nothing guarantees it, so the selector's check decides, on the machine, and
+"auto" never takes it where a lone row sums differently. "numba6" takes the
+rows six at a time, two outputs per pass (``_k6x2``: 12 dot products in one
+loop over ``in``, which runs in chunks of ``CHUNK`` values, each chunk
+vectorised the same way, then the ``in % CHUNK`` tail), the last rows padded
+with zero rows to six. Six rows read each weight value once, where pairs
+read it three times, so verifying k = 5 drafts costs about what one decode
+step costs; a 6-row pass does 6x the arithmetic of one row, which only pays
 where the CPU computes faster than it reads memory, and the selector times
 both on the machine. Its 12 multiply-adds per two loads would leave the
 memory idle between reads, so each chunk first prefetches the weight
@@ -49,10 +60,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-#: Outputs computed together (weight rows streamed side by side; ``_block`` is written for 4).
-OUT_BLOCK = 4
-#: Rows per kernel pass of each path's kernel ("numba": ``_block``, "numba6": ``_k6x2``).
-GROUP_ROWS = {"numba": 2, "numba6": 6}
+#: Outputs computed together (weight rows streamed side by side; ``_block`` is written for 8).
+OUT_BLOCK = 8
+#: Rows per kernel pass of each path's kernel ("numba", "numba1": ``_block``, "numba6": ``_k6x2``).
+GROUP_ROWS = {"numba": 2, "numba1": 2, "numba6": 6}
 #: Values of ``in`` per vectorised chunk of ``_k6x2`` (a whole number of cache lines).
 CHUNK = 64
 #: float32 values per 64-byte cache line (one prefetch each).
@@ -84,42 +95,105 @@ def prefetch(typingctx, array, index):
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
 def _block(x, w, out, o, r):
-    """out[r:r+2, o:o+4] = x[r:r+2] @ w[o:o+4].T, one loop over in."""
+    """out[r:r+2, o:o+8] = x[r:r+2] @ w[o:o+8].T, one loop over in."""
     w0 = w[o]
     w1 = w[o + 1]
     w2 = w[o + 2]
     w3 = w[o + 3]
+    w4 = w[o + 4]
+    w5 = w[o + 5]
+    w6 = w[o + 6]
+    w7 = w[o + 7]
     xa = x[r]
     xb = x[r + 1]
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    b0 = b1 = b2 = b3 = np.float32(0.0)
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
     for k in range(x.shape[1]):
+        v0 = w0[k]
+        v1 = w1[k]
+        v2 = w2[k]
+        v3 = w3[k]
+        v4 = w4[k]
+        v5 = w5[k]
+        v6 = w6[k]
+        v7 = w7[k]
         u = xa[k]
-        v = xb[k]
-        a0 += u * w0[k]
-        a1 += u * w1[k]
-        a2 += u * w2[k]
-        a3 += u * w3[k]
-        b0 += v * w0[k]
-        b1 += v * w1[k]
-        b2 += v * w2[k]
-        b3 += v * w3[k]
+        a0 += u * v0
+        a1 += u * v1
+        a2 += u * v2
+        a3 += u * v3
+        a4 += u * v4
+        a5 += u * v5
+        a6 += u * v6
+        a7 += u * v7
+        u = xb[k]
+        b0 += u * v0
+        b1 += u * v1
+        b2 += u * v2
+        b3 += u * v3
+        b4 += u * v4
+        b5 += u * v5
+        b6 += u * v6
+        b7 += u * v7
+    _store8(out, r, o, a0, a1, a2, a3, a4, a5, a6, a7)
+    _store8(out, r + 1, o, b0, b1, b2, b3, b4, b5, b6, b7)
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
+def _block1(x, w, out, o, r):
+    """out[r, o:o+8] = x[r] @ w[o:o+8].T: ``_block``'s loop for one row (the
+    "numba1" path; the same summation order as ``_block`` only where the
+    compiler vectorises both loops alike, which the selector checks)."""
+    w0 = w[o]
+    w1 = w[o + 1]
+    w2 = w[o + 2]
+    w3 = w[o + 3]
+    w4 = w[o + 4]
+    w5 = w[o + 5]
+    w6 = w[o + 6]
+    w7 = w[o + 7]
+    xa = x[r]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+    for k in range(x.shape[1]):
+        v0 = w0[k]
+        v1 = w1[k]
+        v2 = w2[k]
+        v3 = w3[k]
+        v4 = w4[k]
+        v5 = w5[k]
+        v6 = w6[k]
+        v7 = w7[k]
+        u = xa[k]
+        a0 += u * v0
+        a1 += u * v1
+        a2 += u * v2
+        a3 += u * v3
+        a4 += u * v4
+        a5 += u * v5
+        a6 += u * v6
+        a7 += u * v7
+    _store8(out, r, o, a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _store8(out, r, o, a0, a1, a2, a3, a4, a5, a6, a7):
     out[r, o] = a0
     out[r, o + 1] = a1
     out[r, o + 2] = a2
     out[r, o + 3] = a3
-    out[r + 1, o] = b0
-    out[r + 1, o + 1] = b1
-    out[r + 1, o + 2] = b2
-    out[r + 1, o + 3] = b3
+    out[r, o + 4] = a4
+    out[r, o + 5] = a5
+    out[r, o + 6] = a6
+    out[r, o + 7] = a7
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True, parallel=True)
-def _gemm(x, w, out, chunks):
+def _gemm(x, w, out, chunks, lone):
     """out = x @ w.T for x [R, in], w [out, in] (out a multiple of
     OUT_BLOCK), out [R, out]; the output blocks split into `chunks` ranges
-    run in parallel. An odd last row goes through the same loop paired with
-    a zero row (in a scratch pair), so it sums exactly like the others."""
+    run in parallel. An odd last row goes through ``_block1`` when `lone`
+    (path "numba1"), else through ``_block`` paired with a zero row (in a
+    scratch pair), so that it sums exactly like the others ("numba")."""
     rows = x.shape[0]
     even = rows - rows % 2
     blocks = w.shape[0] // OUT_BLOCK
@@ -130,12 +204,16 @@ def _gemm(x, w, out, chunks):
         if even < rows:
             pair[0] = x[even]
         for blk in range(c * per, min(blocks, (c + 1) * per)):
+            o = OUT_BLOCK * blk
             for r in range(0, even, 2):
-                _block(x, w, out, OUT_BLOCK * blk, r)
+                _block(x, w, out, o, r)
             if even < rows:
-                _block(pair, w, pair_out, OUT_BLOCK * blk, 0)
-                for j in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
-                    out[even, j] = pair_out[0, j]
+                if lone:
+                    _block1(x, w, out, o, even)
+                else:
+                    _block(pair, w, pair_out, o, 0)
+                    for j in range(o, o + OUT_BLOCK):
+                        out[even, j] = pair_out[0, j]
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
@@ -236,17 +314,22 @@ def pad_weight(weight: np.ndarray) -> np.ndarray:
     return padded
 
 
-def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, group: int = 2) -> np.ndarray:
+def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, path: str = "numba") -> np.ndarray:
     """x float32 [R, in] (contiguous) @ the padded weight's transpose ->
-    float32 [R, padded out], rows `group` (2 or 6, GROUP_ROWS) per pass."""
+    float32 [R, padded out], through the kernel of `path` (a GROUP_ROWS name)."""
+    if path not in GROUP_ROWS:
+        raise ValueError(f"no numba GEMM kernel {path!r}; one of {sorted(GROUP_ROWS)}")
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with _LAUNCH:
-        (_gemm6 if group == 6 else _gemm)(x, weight, out, chunks)
+        if path == "numba6":
+            _gemm6(x, weight, out, chunks)
+        else:
+            _gemm(x, weight, out, chunks, path == "numba1")
     return out
 
 
 def warm_up() -> None:
     """Compiles (or loads from numba's cache) the kernel for the argument
     types ``gemm`` passes, so the first forward pass does not wait."""
-    for group in GROUP_ROWS.values():
-        gemm(np.zeros((1, 8), np.float32), np.zeros((OUT_BLOCK, 8), np.float32), 1, group)
+    for path in GROUP_ROWS:
+        gemm(np.zeros((1, 8), np.float32), np.zeros((OUT_BLOCK, 8), np.float32), 1, path)

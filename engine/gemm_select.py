@@ -56,8 +56,8 @@ from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKEN
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
-#: Bumped when the check or the cache layout changes (old entries are ignored).
-CACHE_VERSION = 2
+#: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
+CACHE_VERSION = 3
 #: Distinct input rows whose one-row results every larger input is compared with.
 CHECK_BASE_ROWS = 32
 #: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
@@ -100,7 +100,10 @@ class GemmPath:
 #: "numba" and "numba6" are our own float32 kernels for few rows
 #: (engine.gemm_numba), row-invariant by construction: one compiled loop
 #: takes the rows min_rows at a time (2 or 6), the last ones beside zero rows
-#: (it pads them itself).
+#: (it pads them itself). "numba1" is "numba" with a lone row through a
+#: one-row loop (no zero row: a faster decode step); it sums like the pairs
+#: only where the compiler vectorises both loops alike, and the check
+#: rejects it where it does not.
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()))}
@@ -146,7 +149,7 @@ class Linear:
         return self._gemm(x.contiguous())
 
     def _numba(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.min_rows))
+        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.path.name))
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias
