@@ -200,6 +200,7 @@ def main() -> None:
                          "after the first suffix-family one would copy its identical outputs; 1000 for the "
                          "repeated workload, whose point is that cache (then name one suffix-family variant)")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--gemm", default="auto", help="the scorer's --gemm (auto: the selector's choice)")
     ap.add_argument("--out", default="bench_results/e2e.json")
     args = ap.parse_args()
 
@@ -218,14 +219,16 @@ def main() -> None:
                          f"run (it would copy the identical outputs of the others); got "
                          f"{', '.join(label(*v) for v in suffix_family)} (choose one with --methods and "
                          f"--draft-lengths, or --max-cached-requests 0)")
-    result = {"model": args.model, "workload": args.workload, "dtype": args.dtype, "max_tokens": args.max_tokens,
+    result = {"gemm": args.gemm, "model": args.model, "workload": args.workload, "dtype": args.dtype,
+              "max_tokens": args.max_tokens,
               "k": args.k, "machine": platform.processor() or platform.machine(), "max_cached_requests": cached,
               "single": [], "concurrent": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-")
     print(f"starting the stack on {args.model} ({args.dtype}); logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, dtype=args.dtype, engine=args.engine, log_dir=log_dir,
                methods="naive,ngram,suffix,hybrid",
-               extra_proposer_args=["--max-cached-requests", str(cached)]) as stack:
+               extra_proposer_args=["--max-cached-requests", str(cached)],
+               extra_scorer_args=["--gemm", args.gemm]) as stack:
         addr = stack.gateway_addr
         stream(addr, make_request(next(iter(prompts.values())), max_tokens=8, method="none"))  # warm up
         for method, policy in variants(methods, policies):

@@ -1,0 +1,96 @@
+"""Plain greedy decoding of the engine through several GEMM paths, and of
+transformers ``generate``, taking turns: one decode of each per round, many
+rounds, so that the machine's slow and fast moments (memory bandwidth shared
+with other tenants moves these bandwidth-bound figures by ±30% from minute to
+minute) fall on all of them alike. Prints the median and best tokens/s per
+engine and each one's median ratio to transformers (computed round by
+round), and writes JSON.
+
+    python benchmarks/bench_decode_ab.py --paths onednn,numba,numba1 --rounds 9
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from bench_forward import PROMPT, copy_bandwidth_gbs, decode_weight_bytes, engine_greedy, hf_greedy
+
+from specdec.engine.gemm_select import GemmRefused, cpu_model
+from specdec.engine.kv_pool import default_num_threads
+from specdec.engine.llama import Checkpoint, LlamaEngine
+from specdec.models import default_model, load_tokenizer, resolve_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=default_model())
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--paths", default="auto,onednn,numba,numba1", help="GEMM paths (auto: the selector's)")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--out", default="bench_results/decode_ab.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(args.model)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs()).eval()
+    checkpoint = Checkpoint.of_model(hf, args.model)
+    prompt = list(load_tokenizer(src)(PROMPT)["input_ids"])
+    runners, refused = {"transformers": lambda: hf_greedy(hf, prompt, args.tokens)}, {}
+    engines = {}
+    for path in args.paths.split(","):
+        try:
+            engine = LlamaEngine(checkpoint, args.dtype, kv_capacity_tokens=len(prompt) + args.tokens + 64,
+                                 gemm=path, num_threads=args.threads)
+        except GemmRefused as e:
+            refused[path] = str(e)
+            print(f"{path}: refused: {e}")
+            continue
+        label = f"engine {path}" + (f"->{engine.gemm}" if path == "auto" else "")
+        engines[label] = engine
+        runners[label] = (lambda e: lambda: engine_greedy(e, prompt, args.tokens))(engine)
+    reference = runners["transformers"]()
+    for label, run in runners.items():  # warm-up, and every engine's tokens are transformers'
+        tokens = run()
+        if tokens != reference:
+            print(f"{label}: tokens differ from transformers' at "
+                  f"{next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)}")
+    bandwidth = copy_bandwidth_gbs()
+    limit = bandwidth * 1e9 / decode_weight_bytes(next(iter(engines.values()))) if engines else None
+    print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); copy bandwidth {bandwidth:.1f} GB/s; "
+          f"{args.rounds} rounds of {args.tokens} tokens, {args.threads} threads, load average "
+          f"{os.getloadavg()[0]:.1f}")
+    rates: dict[str, list[float]] = {label: [] for label in runners}
+    for _ in range(args.rounds):
+        for label, run in runners.items():
+            t0 = time.perf_counter()
+            n = len(run())
+            rates[label].append(n / (time.perf_counter() - t0))
+    hf_rates = rates["transformers"]
+    rows = []
+    print(f"\n{'engine':24s} {'median tok/s':>12s} {'best':>7s} {'x HF (median of rounds)':>24s} {'% BW limit':>10s}")
+    for label, r in rates.items():
+        ratio = statistics.median(a / b for a, b in zip(r, hf_rates))
+        pct = 100 * statistics.median(r) / limit if limit else None
+        rows.append({"engine": label, "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
+                     "rates": r, "median_ratio_to_transformers": ratio, "pct_of_bandwidth_limit_median": pct})
+        print(f"{label:24s} {statistics.median(r):12.1f} {max(r):7.1f} {ratio:24.2f} "
+              f"{'' if pct is None else f'{pct:9.0f}%'}")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"cpu": cpu_model(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+                   "bandwidth_gbs": bandwidth, "bandwidth_limit_tok_s": limit, "rows": rows,
+                   "refused": refused}, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
