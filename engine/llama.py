@@ -32,7 +32,9 @@ verifying 6-, 17- or 421-row chunks give bitwise equal logits.
 GEMM paths (``gemm``), SmolLM2-135M on 2 cores of AMD EPYC
 (benchmarks/bench_forward.py): "auto" picks our own float32 kernel
 (``gemm_numba``: one dot-product loop per output, rows in pairs or, path
-"numba6", six at a time, outputs split over the threads) in float32 and oneDNN prepacked in bfloat16 where
+"numba6", six at a time, or, path "numba1", a lone row through the one-row
+form of the pair loop where the check finds it sums alike; outputs split
+over the threads) in float32 and oneDNN prepacked in bfloat16 where
 the CPU computes it natively. A float32 decode step's GEMMs take ~29 ms
 there against ~45-50 ms through oneDNN (a decode step is a matrix-vector
 product, bound by memory bandwidth, for which BLAS libraries are not
