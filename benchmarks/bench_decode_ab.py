@@ -4,24 +4,31 @@ rounds, so that the machine's slow and fast moments (memory bandwidth shared
 with other tenants moves these bandwidth-bound figures by ±30% from minute to
 minute) fall on all of them alike. Prints the median and best tokens/s per
 engine and each one's median ratio to transformers (computed round by
-round), and writes JSON.
+round), and writes JSON. ``--stack on,off`` adds plain decoding through a
+local stack (real processes and gRPC, method "none", EOS ignored, the
+scorer's GEMM path chosen as it chooses it, its --decode-ahead on or off)
+and its median ratio to the first engine path, round by round.
 
-    python benchmarks/bench_decode_ab.py --paths onednn,numba,numba1 --rounds 9
+    python benchmarks/bench_decode_ab.py --paths auto,onednn,numba,numba1 --rounds 9 --stack on,off
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
 from bench_forward import PROMPT, copy_bandwidth_gbs, decode_weight_bytes, engine_greedy, hf_greedy
 
+from specdec.client import make_request, stream
 from specdec.engine.gemm_select import GemmRefused, cpu_model
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
+from specdec.launcher import Stack
 from specdec.models import default_model, load_tokenizer, resolve_model
 
 
@@ -33,8 +40,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--stack", default="", help="decode-ahead values (on,off) of stack rows; '' for none")
     ap.add_argument("--out", default="bench_results/decode_ab.json")
     args = ap.parse_args()
+    with contextlib.ExitStack() as stacks:
+        run_rounds(args, stacks)
+
+
+def stack_runner(stacks: contextlib.ExitStack, args, prompt: list[int], ahead: str):
+    stack = stacks.enter_context(Stack(model=args.model, dtype=args.dtype, log_dir=tempfile.mkdtemp(),
+                                       extra_scorer_args=["--threads", str(args.threads), "--decode-ahead", ahead]))
+
+    def once() -> list[int]:
+        request = make_request(prompt, max_tokens=args.tokens, method="none")
+        request.ignore_eos = True
+        return list(stream(stack.gateway_addr, request).token_ids)
+    return once
+
+
+def run_rounds(args, stacks: contextlib.ExitStack) -> None:
     torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
@@ -57,6 +81,8 @@ def main() -> None:
         label = f"engine {path}" + (f"->{engine.gemm}" if path == "auto" else "")
         engines[label] = engine
         runners[label] = (lambda e: lambda: engine_greedy(e, prompt, args.tokens))(engine)
+    for ahead in [a for a in args.stack.split(",") if a]:
+        runners[f"stack, ahead {ahead}"] = stack_runner(stacks, args, prompt, ahead)
     reference = runners["transformers"]()
     for label, run in runners.items():  # warm-up, and every engine's tokens are transformers'
         tokens = run()
@@ -75,15 +101,22 @@ def main() -> None:
             n = len(run())
             rates[label].append(n / (time.perf_counter() - t0))
     hf_rates = rates["transformers"]
+    first_engine = next(iter(engines), None)
     rows = []
     print(f"\n{'engine':24s} {'median tok/s':>12s} {'best':>7s} {'x HF (median of rounds)':>24s} {'% BW limit':>10s}")
     for label, r in rates.items():
         ratio = statistics.median(a / b for a, b in zip(r, hf_rates))
         pct = 100 * statistics.median(r) / limit if limit else None
-        rows.append({"engine": label, "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
-                     "rates": r, "median_ratio_to_transformers": ratio, "pct_of_bandwidth_limit_median": pct})
+        row = {"engine": label, "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
+               "rates": r, "median_ratio_to_transformers": ratio, "pct_of_bandwidth_limit_median": pct}
+        vs = ""
+        if label.startswith("stack") and first_engine:
+            row["median_ratio_to_" + first_engine.replace(" ", "_")] = statistics.median(
+                a / b for a, b in zip(r, rates[first_engine]))
+            vs = f"  {row['median_ratio_to_' + first_engine.replace(' ', '_')]:.3f} x {first_engine} (median of rounds)"
+        rows.append(row)
         print(f"{label:24s} {statistics.median(r):12.1f} {max(r):7.1f} {ratio:24.2f} "
-              f"{'' if pct is None else f'{pct:9.0f}%'}")
+              f"{'' if pct is None else f'{pct:9.0f}%'}{vs}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpu": cpu_model(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
