@@ -108,6 +108,16 @@ def _child(table, parent, tok):
     return -1
 
 
+@njit(cache=True, inline="always")
+def _find_child(nodes, table, parent, tok):
+    """As _child, trying parent's best child first (usually the one wanted:
+    that skips the hash probe, a cache miss in a large trie)."""
+    c = nodes[parent, BEST]
+    if c < 0 or nodes[c, TOK] != tok:
+        c = _child(table, parent, tok)
+    return c
+
+
 @njit(cache=True)
 def _hash_put(table, key, val):
     mask = table.shape[0] - 1
@@ -217,9 +227,7 @@ def _step(nodes, stamps, table, hdr, pool, seqs, parent, tok, seq, pos, now, max
 
     Returns the explicit node now matching it, or -1 if it lies in a leaf.
     """
-    c = nodes[parent, BEST]  # usually the continuation: skips the hash probe
-    if c < 0 or nodes[c, TOK] != tok:
-        c = _child(table, parent, tok)
+    c = _find_child(nodes, table, parent, tok)
     if c < 0:
         c = _new_child(nodes, stamps, table, hdr, parent, tok, seq, pos, now)
         _child_incremented(nodes, parent, c)
@@ -278,9 +286,10 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
+def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
-    the nodes left with count 0. Stamps stay valid as long as the removed
+    the nodes left with count 0, bumping their rows' generation (gens: int32
+    [rows]; see follow_global). Stamps stay valid as long as the removed
     stream is the oldest one (FIFO eviction): the latest occurrence of any
     surviving node lies in a newer stream.
     """
@@ -288,9 +297,10 @@ def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
     for j in range(n):
         node = ROOT
         for i in range(j, min(j + max_depth, n)):
-            c = _child(table, node, pool[start + i])
+            c = _find_child(nodes, table, node, pool[start + i])
             if nodes[c, LSEQ] >= 0:  # a leaf: this very occurrence
                 _free_child(nodes, table, hdr, c)
+                gens[c] += 1
                 if nodes[node, BEST] == c:
                     _repick_best(nodes, stamps, node)
                 break
@@ -299,6 +309,7 @@ def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
             # reached 0 on earlier walks); its row is reused only by inserts
             if nodes[c, COUNT] == 0:
                 _free_child(nodes, table, hdr, c)
+                gens[c] += 1
             if nodes[node, BEST] == c:
                 _repick_best(nodes, stamps, node)
             node = c
@@ -341,22 +352,28 @@ def _max_draft_len(match_len, k, max_spec_factor):
 
 
 @njit(cache=True)
+def _step_match(nodes, table, pool, seqs, max_depth, node, off, tok):
+    """Where the string at (node, off) followed by tok lies in the tree:
+    (node, tokens past it in its leaf chain), or (-1, 0) when absent."""
+    if nodes[node, LSEQ] >= 0:
+        seq = nodes[node, LSEQ]
+        pos = nodes[node, LPOS] + off + 1
+        if (nodes[node, DEPTH] + off + 1 > max_depth or pos >= seqs[seq, S_LEN]
+                or pool[seqs[seq, S_START] + pos] != tok):
+            return -1, 0
+        return node, off + 1
+    return _find_child(nodes, table, node, tok), 0
+
+
+@njit(cache=True)
 def _walk(nodes, table, pool, seqs, tokens, max_depth):
     """Locates ``tokens`` in the tree: (node, tokens past it in its leaf
     chain), or (-1, 0) when absent."""
     node, off = ROOT, 0
     for i in range(tokens.shape[0]):
-        if nodes[node, LSEQ] >= 0:
-            seq = nodes[node, LSEQ]
-            pos = nodes[node, LPOS] + off + 1
-            if (nodes[node, DEPTH] + off + 1 > max_depth or pos >= seqs[seq, S_LEN]
-                    or pool[seqs[seq, S_START] + pos] != tokens[i]):
-                return -1, 0
-            off += 1
-        else:
-            node = _child(table, node, tokens[i])
-            if node < 0:
-                return -1, 0
+        node, off = _step_match(nodes, table, pool, seqs, max_depth, node, off, tokens[i])
+        if node < 0:
+            return -1, 0
     return node, off
 
 
@@ -371,30 +388,91 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
         best[0], best[1], best[2] = score, num, match_len
 
 
+# A sequence's matches in the global trie. The global trie does not contain
+# the sequence's context, so its suffixes found there are kept per sequence:
+# entry i of (node, off, gen) lists is where context[c - i - 1 : c] lies (as
+# _walk gives it; gen is the node row's generation then), for i < n, and
+# context[c - n - 1 : c] is absent or n = max_match. The strings present form
+# a prefix of the list because a trie of all windows holds every suffix of a
+# string it holds. Appending token t maps entry i to entry i + 1 (one step
+# each, no walks from the root). The trie changes between rounds: a node
+# freed by an eviction (its generation bumped) ends the list there (the
+# strings past it have no occurrence left either), a leaf materialised by an
+# add moves the entries inside its chain to the explicit nodes now below it,
+# and adds can make longer suffixes present, so after any add (the trie's
+# epoch changed) or truncation the list is extended with walks from the root.
+# Drafts then come from the listed positions exactly as from walks of every
+# suffix: O(max_match) steps a round instead of O(max_match^2).
 @njit(cache=True)
-def speculate_walk(nodes, table, pool, seqs, max_depth, context, max_match, k,
-                   max_spec_factor, min_token_prob, out, best):
-    """Best draft over the suffixes of ``context`` (int32 [c]) of length
-    <= max_match found by walking from the root; writes out (int32 [>= k]) and
-    best (float64 [3]: score, length, match length)."""
+def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match, old_len, changed,
+                  lst_node, lst_off, lst_gen, n):
+    """Brings the lists of a sequence whose context was context[:old_len]
+    (old_len < 0: no list yet) to the context (int32 [c]), the trie having
+    changed (adds) when ``changed``; returns the new n."""
+    c = context.shape[0]
+    if old_len < 0:
+        n, old_len, changed = 0, c, True
+    keep = 0
+    while keep < n:  # entries still live, leaf offsets re-resolved
+        node, off = lst_node[keep], lst_off[keep]
+        if gens[node] != lst_gen[keep]:
+            changed = True
+            break
+        if off > 0 and nodes[node, LSEQ] < 0:  # the leaf was materialised: walk its part below
+            past, off = off, 0
+            for j in range(old_len - past, old_len):
+                node, off = _step_match(nodes, table, pool, seqs, max_depth, node, off, context[j])
+                if node < 0:
+                    break
+            if node < 0:  # (cannot happen: the string still has its occurrence)
+                changed = True
+                break
+            lst_node[keep], lst_off[keep], lst_gen[keep] = node, off, gens[node]
+        keep += 1
+    n = keep
+    for j in range(old_len, c):  # one step per appended token
+        tok = context[j]
+        node, off = _step_match(nodes, table, pool, seqs, max_depth, ROOT, 0, tok)
+        i = 0
+        while node >= 0:
+            nxt_node, nxt_off = (lst_node[i], lst_off[i]) if i < n else (-1, 0)
+            lst_node[i], lst_off[i], lst_gen[i] = node, off, gens[node]
+            i += 1
+            if i == max_match or nxt_node < 0:
+                break
+            node, off = _step_match(nodes, table, pool, seqs, max_depth, nxt_node, nxt_off, tok)
+        n = i
+    if changed:  # longer suffixes may be present now
+        while n < min(max_match, c):
+            node, off = _walk(nodes, table, pool, seqs, context[c - n - 1:], max_depth)
+            if node < 0:
+                break
+            lst_node[n], lst_off[n], lst_gen[n] = node, off, gens[node]
+            n += 1
+    return n
+
+
+@njit(cache=True)
+def speculate_listed(nodes, pool, seqs, max_depth, lst_node, lst_off, n, k, max_spec_factor, min_token_prob,
+                     out, best):
+    """Best draft over a sequence's listed matches (follow_global), as if
+    every suffix of length <= max_match were walked from the root; writes out
+    (int32 [>= k]) and best (float64 [3]: score, length, match length)."""
     tmp = np.empty(k, dtype=np.int32)
     best[:] = 0.0
-    c = context.shape[0]
-    for m in range(1, min(max_match, c) + 1):
-        node, off = _walk(nodes, table, pool, seqs, context[c - m:], max_depth)
-        if node < 0:
-            break
-        num, score = _draft_from(nodes, pool, seqs, node, off, max_depth,
-                                 _max_draft_len(m, k, max_spec_factor), min_token_prob, tmp)
-        _keep_if_better(num, score, m, best, tmp, out)
+    for i in range(n):
+        num, score = _draft_from(nodes, pool, seqs, lst_node[i], lst_off[i], max_depth,
+                                 _max_draft_len(i + 1, k, max_spec_factor), min_token_prob, tmp)
+        _keep_if_better(num, score, i + 1, best, tmp, out)
 
 
 @njit(cache=True)
 def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec_factor,
                      min_token_prob, out, best):
-    """Like ``speculate_walk`` for a tree that contains the context itself:
-    its suffixes with a continuation are exactly the active nodes (the others
-    are the context's own leaf chain, or at depth max_depth)."""
+    """Best draft over the context's suffixes in a tree that contains the
+    context itself: its suffixes with a continuation are exactly the active
+    nodes (the others are the context's own leaf chain, or at depth
+    max_depth). Writes out and best as speculate_listed."""
     tmp = np.empty(k, dtype=np.int32)
     best[:] = 0.0
     for i in range(n_active):
@@ -441,7 +519,8 @@ def _touch(nodes, table, active, n_active, tok):
 @njit(cache=True)
 def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
                 active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
-                g_depth, use_global, in_sync, out, offsets, scores, first, sink):
+                g_gens, g_depth, g_epoch, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
+                first, sink):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
     SuffixTrie.append), then, when its context length equals context_lens[i]
@@ -459,6 +538,11 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
     the request's regions, and to call again from i; n when all are done.
     Before request i, the first rows request i + TOUCH_AHEAD needs are read
     (``_touch``; sink: int64 [1], written so that the reads are kept).
+
+    The global trie's matches of slot s (see follow_global): g_lists int32
+    [slots, 3, max_depth + 1] its (node, off, gen) lists, g_n [slots] their
+    length, g_len [slots] the context length they are for (-1: none yet),
+    g_seen [slots] the trie's epoch (g_epoch: counts its adds) then.
     """
     local_best, g_best = np.zeros(3), np.zeros(3)
     no_stamps = np.zeros(0, dtype=np.int64)
@@ -496,11 +580,13 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
                              out[num:num + k], local_best)
             drafted, score = int(local_best[1]), local_best[0]
             if use_global:
-                depth, start = depths[s], seqs[ctx, S_START]
+                start, lst = seqs[ctx, S_START], g_lists[s]
+                g_n[s] = follow_global(g_nodes, g_table, g_pool, g_seqs, g_gens, g_depth, pool[start:start + length],
+                                       depths[s], g_len[s], g_seen[s] != g_epoch, lst[0], lst[1], lst[2], g_n[s])
+                g_len[s], g_seen[s] = length, g_epoch
                 g_out = np.empty(k, dtype=np.int32)
-                speculate_walk(g_nodes, g_table, g_pool, g_seqs, g_depth,
-                               pool[start + max(0, length - depth):start + length], depth, k, factors[s],
-                               min_probs[s], g_out, g_best)
+                speculate_listed(g_nodes, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
+                                 min_probs[s], g_out, g_best)
                 if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
                     drafted, score = int(g_best[1]), g_best[0]
                     out[num:num + drafted] = g_out[:drafted]
@@ -524,6 +610,7 @@ class SuffixTrie:
         self.max_depth = max_depth
         self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
         self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
+        self.gens = np.zeros(self.nodes.shape[0], dtype=np.int32)  # bumped when a row is freed
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
@@ -531,6 +618,7 @@ class SuffixTrie:
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
         self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
+        self.epoch = 0  # counts appends (which may add strings; see follow_global)
 
     @property
     def pool_end(self) -> int:
@@ -556,12 +644,13 @@ class SuffixTrie:
         self.pool[self.pool_end:self.pool_end + len(tokens)] = tokens
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
+        self.epoch += 1
         while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                             self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
 
     def remove(self, seq: int) -> None:
-        remove_stream(self.nodes, self.stamps, self.table, self.hdr, self.pool,
+        remove_stream(self.nodes, self.stamps, self.gens, self.table, self.hdr, self.pool,
                       self.seqs, seq, self.max_depth)
 
     def tokens(self, seq: int) -> np.ndarray:
@@ -594,7 +683,9 @@ class SuffixTrie:
             nodes[:len(self.nodes)] = self.nodes
             stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
-            self.nodes, self.stamps = nodes, stamps
+            gens = np.zeros(size, dtype=np.int32)
+            gens[:len(self.gens)] = self.gens
+            self.nodes, self.stamps, self.gens = nodes, stamps, gens
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
             table = np.full((2 * len(self.table), 2), _EMPTY, dtype=np.int64)
             rehash(self.table, table)
@@ -604,7 +695,7 @@ class SuffixTrie:
         return int(self.hdr[H_LIVE])
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.stamps, self.table,
+        return sum(a.nbytes for a in (self.nodes, self.stamps, self.gens, self.table,
                                       self.pool, self.seqs, self.hdr))
 
 
@@ -660,6 +751,9 @@ class RequestArena:
     are garbage, reclaimed when the pool is compacted);
     active[s, :n_active[s]] are the context's active nodes. Per-request
     tries never lose an occurrence, so they keep no stamps (nor PREV links).
+    g_lists[s, :, :g_n[s]] are the slot's matches in the global trie (see
+    follow_global), for its first g_len[s] tokens and the trie's epoch
+    g_seen[s].
     """
 
     def __init__(self, max_depth: int) -> None:
@@ -676,6 +770,8 @@ class RequestArena:
         self.min_probs = np.zeros(16)
         self.active = np.zeros((16, max_depth + 1), dtype=np.int32)
         self.n_active = np.zeros(16, dtype=np.int64)
+        self.g_lists = np.zeros((16, 3, max_depth + 1), dtype=np.int32)
+        self.g_n, self.g_len, self.g_seen = (np.zeros(16, dtype=np.int64) for _ in range(3))
         self._free: list[int] = []  # slots to reuse
         self._num_slots = 0  # slots ever handed out
         self._sink = np.zeros(1, dtype=np.int64)  # see arena_round
@@ -685,6 +781,7 @@ class RequestArena:
         slot = self._free.pop() if self._free else self._new_slot()
         self.depths[slot], self.factors[slot] = depth, options.max_spec_factor
         self.min_probs[slot] = options.min_token_prob
+        self.g_n[slot], self.g_len[slot] = 0, -1
         reference = np.ascontiguousarray(options.reference_token_ids, dtype=np.int32)
         self._place(2 * slot + REFERENCE_STREAM, reference, 0, len(reference))
         self._place(2 * slot + CONTEXT_STREAM, context, len(reference), max(64, 2 * len(context)))
@@ -725,7 +822,8 @@ class RequestArena:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self._nodes.array, self._table.array, self.pool, self.pool_hdr, self.seqs,
                                       self.hdrs, self.nbase, self.ncap, self.tbase, self.tcap, self.depths,
-                                      self.factors, self.min_probs, self.active, self.n_active))
+                                      self.factors, self.min_probs, self.active, self.n_active, self.g_lists,
+                                      self.g_n, self.g_len, self.g_seen))
 
     def round(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
               ks: np.ndarray, glob: SuffixTrie | None) -> tuple[DraftBatch, np.ndarray]:
@@ -739,8 +837,9 @@ class RequestArena:
         while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
                                 self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
-                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, glob is not None,
-                                in_sync, out, offsets, scores, i, self._sink)) < n:
+                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.gens, g.max_depth, g.epoch,
+                                glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync, out,
+                                offsets, scores, i, self._sink)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM
                 self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
@@ -778,7 +877,7 @@ class RequestArena:
         self._num_slots += 1
         if slot == len(self.depths):
             for name in ("hdrs", "nbase", "ncap", "tbase", "tcap", "depths", "factors", "min_probs", "active",
-                         "n_active", "seqs"):
+                         "n_active", "g_lists", "g_n", "g_len", "g_seen", "seqs"):
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
         return slot
