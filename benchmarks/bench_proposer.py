@@ -17,6 +17,13 @@ n proposer processes with the gateway's own consistent hashing
 each replica gets its part concurrently (asyncio.gather, as gateway/loop.py's
 _propose); reported: round time and each replica's mean compute_s.
 
+``--gap-ms G`` waits G ms after each exchange before the next round, as a
+gateway waits for the scorer's verification (10-40 ms on a GPU): work a
+proposer does between messages (caching finished outputs in the suffix
+global trie) then leaves the measured exchange, which is the proposer's
+share of the round's critical path. 0 (the default): back-to-back rounds.
+Rows still last ``--seconds`` of wall time, gaps included.
+
 ``--baseline-src DIR`` runs the same rows also against another copy of the
 ``proposer_svc`` package (e.g. main's:
 ``git archive main proposer_svc | tar -x -C /tmp/main-src``), in the same run;
@@ -24,7 +31,7 @@ _propose); reported: round time and each replica's mean compute_s.
 
 Usage:
     flock /tmp/specdec-bench.lock python benchmarks/bench_proposer.py \
-        [--methods ngram,suffix,hybrid] [--batch-sizes 1,32,256] [--seconds 5] \
+        [--methods ngram,suffix,hybrid] [--batch-sizes 1,32,256] [--seconds 5] [--gap-ms 20] \
         [--replicas 1,2,4] [--baseline-src /tmp/main-src/proposer_svc] [--out bench_results/proposer.json]
 """
 from __future__ import annotations
@@ -168,9 +175,9 @@ class Proposers:
             proc.wait(10)
 
 
-async def run_row(addrs: list[str], workload: Workload, seconds: float) -> dict:
-    """Rounds for ``seconds`` (after one opening round and one warm round);
-    the sequences go to replicas by the gateway's hash ring."""
+async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float) -> dict:
+    """Rounds for ``seconds`` (after one opening round and one warm round),
+    ``gap_s`` apart; the sequences go to replicas by the gateway's hash ring."""
     ring = ReplicaSet("bench", addrs)
     channels = {a: aio_channel(a, None, []) for a in addrs}
     streams = {a: ProposerStream(channels[a]) for a in addrs}
@@ -196,7 +203,10 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float) -> dict:
                 by_replica[ring.pick(s.seq_id)].append(s)
         start = time.perf_counter()
         found = await asyncio.gather(*(round_on(a, releases) for a in addrs))
-        return time.perf_counter() - start, [c for c, _ in found], sum(n for _, n in found)
+        wall = time.perf_counter() - start
+        if gap_s:
+            await asyncio.sleep(gap_s)  # the scorer's verification
+        return wall, [c for c, _ in found], sum(n for _, n in found)
 
     for _ in range(2):  # open, then one warm round
         await one_round()
@@ -222,14 +232,14 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float) -> dict:
 
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
-          seconds: float, stream: np.ndarray, log_dir: str) -> list[dict]:
+          seconds: float, gap_s: float, stream: np.ndarray, log_dir: str) -> list[dict]:
     rows = []
     for n in replicas:
         procs = Proposers(n, ",".join(methods), src, log_dir)
         try:
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
-                    row = asyncio.run(run_row(procs.addrs, Workload(stream, b, method), seconds))
+                    row = asyncio.run(run_row(procs.addrs, Workload(stream, b, method), seconds, gap_s))
                     row["code"] = label
                     rows.append(row)
                     print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
@@ -265,6 +275,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,32,256")
     ap.add_argument("--replicas", default="1", help="comma-separated replica counts (fan-out rows use the largest B)")
     ap.add_argument("--seconds", type=float, default=5.0, help="per row")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="wait between rounds (the scorer's verification)")
     ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
     ap.add_argument("--src", help="the proposer_svc package directory under test (default: the installed one), "
                                   "e.g. a snapshot, so that edits during a queued run do not leak in")
@@ -279,13 +290,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
         if args.baseline_src:
-            rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, stream, log_dir)
-        rows += bench("this", args.src, methods, batches, replicas, args.seconds, stream, log_dir)
+            rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3,
+                          stream, log_dir)
+        rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, stream,
+                      log_dir)
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "cpu": cpu, "commit": git_commit(), "baseline_src": args.baseline_src, "src": args.src,
-        "seconds_per_row": args.seconds, "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
+        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms,
+        "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 

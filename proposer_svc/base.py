@@ -123,6 +123,12 @@ class Proposer(abc.ABC):
         """Replica-level gauges (memory in bytes, live sequences, ...)."""
         return {}
 
+    def between_messages(self) -> None:
+        """Deferred upkeep, run by the servicer after answering a message and
+        before reading the next (off the round's critical path): nothing by
+        default."""
+        return None
+
     def advance(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                 ks: np.ndarray) -> DraftBatch:
         """One round of n open sequences: appends ``tokens[bounds[i]:bounds[i + 1]]``

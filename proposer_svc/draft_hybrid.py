@@ -53,6 +53,10 @@ class DraftHybridProposer(Proposer):
         for part in self._parts:
             part.stop(seq_id, completed)
 
+    def between_messages(self):
+        for part in self._parts:
+            part.between_messages()
+
     def context_len(self, seq_id):
         return self.model.context_len(seq_id)
 

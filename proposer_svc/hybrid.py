@@ -95,6 +95,9 @@ class HybridProposer(Proposer):
         self.ngram.stop(seq_id, completed)
         self.suffix.stop(seq_id, completed)
 
+    def between_messages(self):
+        self.suffix.between_messages()
+
     def context_len(self, seq_id):
         return self.suffix.context_len(seq_id)
 

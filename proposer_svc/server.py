@@ -165,9 +165,13 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 if self.added_latency_s:
                     await asyncio.sleep(self.added_latency_s)
                 yield response
+                for proposer in self.proposers.values():  # the answer is on its way
+                    proposer.between_messages()
         finally:
             for seq_id in [s for s, o in self._owner.items() if o is owner]:
                 self._stop(seq_id, completed=False)
+            for proposer in self.proposers.values():
+                proposer.between_messages()
             LIVE_SEQUENCES.set(len(self._method_of))
 
     def handle(self, request: pb.ProposeRequest, owner: object = None) -> pb.ProposeResponse:

@@ -706,6 +706,12 @@ class SuffixConfig:
 
     max_cached_requests: int = 1000  # finished outputs in the global trie (0: no global trie)
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
+    # False: a finished output enters the global trie at once (stop). True (a
+    # served replica): it waits for between_messages, which the servicer calls
+    # once a message is answered, so inserting it and evicting the oldest (ms
+    # each at depth 64) overlap the gateway's verification instead of
+    # delaying the round that released it, which then drafts without it.
+    cache_between_messages: bool = False
 
 
 class _Regions:
@@ -958,6 +964,7 @@ class SuffixProposer(Proposer):
         self._prompt_len: dict[str, int] = {}
         self._global = (_GlobalCache(config.max_cached_requests, config.max_tree_depth)
                         if config.max_cached_requests > 0 else None)
+        self._finished: list[np.ndarray] = []  # outputs waiting for the global trie
         _warm_up()
 
     def start(self, seq_id, context, options):
@@ -1014,7 +1021,15 @@ class SuffixProposer(Proposer):
         output = self._arena.context(slot)[prompt_len:].copy()
         self._arena.close(slot)
         if completed and self._global is not None and len(output):
-            self._global.add(output)
+            self._finished.append(output)
+            if not self.config.cache_between_messages:
+                self.between_messages()
+
+    def between_messages(self):
+        """Puts the finished outputs into the global trie."""
+        glob, finished, self._finished = self._global, self._finished, []
+        for output in finished:
+            glob.add(output)
 
     def context_len(self, seq_id):
         try:

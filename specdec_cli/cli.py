@@ -70,7 +70,8 @@ def replica_settings(args):
                          kv_capacity_tokens=args.draft_kv_tokens),
             target_model=args.target_model, draft=DraftConfig(top_k=args.draft_top_k, max_batch=args.draft_max_batch))
     heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch))
-    return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests), draft, heads)
+    return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests, cache_between_messages=True),
+                           draft, heads)
 
 
 def build_parser() -> argparse.ArgumentParser:

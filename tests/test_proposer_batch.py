@@ -1,10 +1,12 @@
 """The batched proposer servicer (one Proposer.advance per method and message)
 against the per-sequence proposer API: many sequences per message, opens,
-updates, releases (completed ones feed the suffix global tree), re-opens
-after UNKNOWN_SEQUENCE, and bad updates in the middle of a batch, in-process
-and through a real proposer process over gRPC."""
+updates, releases (completed ones feed the suffix global tree, at once or,
+as a served replica does, once the message is answered), re-opens after
+UNKNOWN_SEQUENCE, and bad updates in the middle of a batch, in-process and
+through a real proposer process over gRPC."""
 from __future__ import annotations
 
+import asyncio
 import queue
 import subprocess
 import sys
@@ -15,8 +17,9 @@ import pytest
 
 from specdec.launcher import free_port, wait_serving
 from specdec.proposer_svc.base import SeqOptions
-from specdec.proposer_svc.registry import build_proposers
+from specdec.proposer_svc.registry import ReplicaSettings, build_proposers
 from specdec.proposer_svc.server import ProposerServicer
+from specdec.proposer_svc.suffix import SuffixConfig
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -37,10 +40,11 @@ class Driver:
     """Rounds of Propose messages over many sequences, each checked against
     reference proposers driven one call at a time with the same inputs."""
 
-    def __init__(self, exchange, seed: int) -> None:
+    def __init__(self, exchange, seed: int, served: bool = False) -> None:
         self.exchange = exchange  # ProposeRequest -> ProposeResponse
         self.rng = np.random.default_rng(seed)
-        self.reference = build_proposers(METHODS)
+        # served: the proposer caches finished outputs between messages (as `specdec proposer` does)
+        self.reference = build_proposers(METHODS, _settings(served))
         self.tokens: dict[str, list[int]] = {}  # seq_id -> its whole text
         self.sent: dict[str, int] = {}  # seq_id -> tokens the proposer holds (0: open next)
         self.method: dict[str, str] = {}
@@ -92,6 +96,8 @@ class Driver:
             expected = self.reference[self.method[u.seq_id]].propose([(u.seq_id, k)])[0].truncated(k)
             assert list(d.token_ids) == expected.token_ids.tolist(), u.seq_id
             self.drafted += len(expected.token_ids)
+        for prop in self.reference.values():
+            prop.between_messages()
         return response
 
     def scenario(self) -> None:
@@ -128,6 +134,10 @@ class Driver:
         for _ in range(3):
             self.round()
         assert self.drafted > 100
+
+
+def _settings(served: bool) -> ReplicaSettings:
+    return ReplicaSettings(SuffixConfig(cache_between_messages=served))
 
 
 def _bad_updates_named(exchange) -> None:
@@ -195,9 +205,50 @@ def test_real_proposer_process_batches_as_the_per_sequence_api():
                 requests.put(request)
                 return next(responses)
 
-            Driver(exchange, seed=2).scenario()
+            Driver(exchange, seed=2, served=True).scenario()
             _bad_updates_named(exchange)
             requests.put(None)
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_finished_outputs_reach_the_global_tree_once_the_message_is_answered(served):
+    """A served replica puts a completed sequence's output into the suffix
+    global tree after answering the message that released it (off the
+    round's critical path), before it reads the next; otherwise at once."""
+    servicer = ProposerServicer(build_proposers(["suffix"], _settings(served)))
+    output = [40, 41, 42, 43, 44, 45, 46, 47]
+    opts = pb.ProposerOptions(method="suffix")
+    messages = [
+        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", open=True, token_ids=[1, 2, 3], context_len=3,
+                                                       options=opts)]),
+        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", token_ids=output, context_len=11)]),
+        # b ends with the start of a's output, which it holds nowhere else
+        pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id="a", completed=True)],
+                          sequences=[pb.SequenceUpdate(seq_id="b", open=True, token_ids=[9, 8, *output[:4]],
+                                                       context_len=6, num_speculative_tokens=3, options=opts)]),
+        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", context_len=6, num_speculative_tokens=3)]),
+    ]
+
+    async def drive() -> list[list[int]]:
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (request := await inbox.get()) is not None:
+                yield request
+
+        stream = servicer.Propose(requests(), None)
+        drafts = []
+        for message in messages:
+            await inbox.put(message)
+            drafts.append(list((await stream.__anext__()).drafts[0].token_ids))
+        await inbox.put(None)
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        return drafts
+
+    drafts = asyncio.run(drive())
+    assert drafts[3] == output[4:7]
+    assert drafts[2] == ([] if served else output[4:7])
