@@ -5,7 +5,16 @@ B live sequences (prompts cut from Python stdlib sources, tokenized with the
 SmolLM2 tokenizer) are opened on the first round; every later round
 appends each sequence's next 3 true tokens and asks k=5 drafts. A sequence
 that runs out of text is released as completed (so suffix/hybrid's global
-tree fills) and re-opened on a new slice. Each row runs ``--seconds``.
+tree fills) and re-opened on a new slice. The first sequences run out after
+1/B, 2/B, ... of a whole output, so that releases and opens spread over the
+rounds as in a server's steady state (about B / 171 of each a round), not
+all B in one round. Each method reads its own part of the text, row after
+row, so that a suffix tree does not hold the text it drafts for unless the
+stream wraps around. Each row runs ``--seconds``. Before the rows, ``--fill-cache
+N`` (default 1000, the proposer's default ``--max-cached-requests``) sends N
+finished sequences of new text through each replica for every suffix-family
+method, so that the rows measure a server whose global tree is full, as in
+its steady state (0: start empty).
 
 Reported per (method, B): ms per round (one exchange: write the message, read
 the response, as gateway/clients.ProposerStream does), µs per sequence-round
@@ -52,6 +61,7 @@ import numpy as np
 from specdec.gateway.clients import ProposerStream
 from specdec.gateway.discovery import ReplicaSet
 from specdec.launcher import free_port, wait_serving
+from specdec.proposer_svc.registry import SUFFIX_METHODS
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.security import aio_channel
 
@@ -85,7 +95,8 @@ def token_stream(min_tokens: int) -> np.ndarray:
 
     tok = load_tokenizer(resolve_model(default_model()))
     root = Path(os.__file__).parent
-    files = sorted(p for p in root.glob("*.py") if 12_000 < p.stat().st_size < 200_000)
+    files = sorted(p for p in root.rglob("*.py") if 12_000 < p.stat().st_size < 200_000
+                   and not {"test", "tests", "site-packages", "dist-packages"} & set(p.relative_to(root).parts))
     ids: list[int] = []
     for path in files:
         ids.extend(tok.encode(path.read_text(errors="replace")))
@@ -100,6 +111,7 @@ class Seq:
 
     seq_id: str
     start: int  # stream offset of its prompt
+    end: int  # context length at which it is released
     sent: int = 0  # tokens the proposer holds (0: open next round)
 
 
@@ -110,19 +122,19 @@ class Workload:
     stream: np.ndarray
     batch: int
     method: str
+    generation: int = 0  # slices handed out before (by earlier rows too)
     seqs: list[Seq] = field(default_factory=list)
-    generation: int = 0
 
     def __post_init__(self) -> None:
-        self.seqs = [self._fresh(i) for i in range(self.batch)]
+        self.seqs = [self._fresh(i, OUTPUT_LEN * (i + 1) // self.batch) for i in range(self.batch)]
 
-    def _fresh(self, i: int) -> Seq:
+    def _fresh(self, i: int, output_len: int = OUTPUT_LEN) -> Seq:
         """Sequence i's next slice: slices do not overlap until the stream
         wraps around (so the global tree does not hold the very text)."""
         slices = len(self.stream) // (PROMPT_LEN + OUTPUT_LEN)
         start = (self.generation % slices) * (PROMPT_LEN + OUTPUT_LEN)
         self.generation += 1
-        return Seq(f"{self.method}-{i}-{self.generation}", start)
+        return Seq(f"{self.method}-{i}-{self.generation}", start, PROMPT_LEN + max(APPEND, output_len))
 
     def request(self, seqs: list[Seq], releases: list[str]) -> pb.ProposeRequest:
         """The round's message for ``seqs`` (opening those not yet sent)."""
@@ -146,7 +158,7 @@ class Workload:
         release as completed)."""
         done = []
         for i, s in enumerate(self.seqs):
-            if s.sent >= PROMPT_LEN + OUTPUT_LEN:
+            if s.sent >= s.end:
                 done.append(s.seq_id)
                 self.seqs[i] = self._fresh(i)
         return done
@@ -173,6 +185,31 @@ class Proposers:
             proc.terminate()
         for proc in self.procs:
             proc.wait(10)
+
+
+async def fill_cache(addrs: list[str], workload: Workload, count: int) -> None:
+    """Opens, completes and releases ``count`` sequences of new text (the
+    workload's next slices, whole outputs) on every replica, a message of
+    workload.batch sequences at a time."""
+    for addr in addrs:
+        channel = aio_channel(addr, None, [])
+        stream = ProposerStream(channel)
+        for _ in range(0, count, workload.batch):
+            seqs = [workload._fresh(i) for i in range(workload.batch)]
+            opens, outputs = pb.ProposeRequest(), pb.ProposeRequest()
+            for seq in seqs:
+                prompt, end = seq.start + PROMPT_LEN, seq.start + PROMPT_LEN + OUTPUT_LEN
+                u = opens.sequences.add(seq_id=seq.seq_id, open=True, token_ids=workload.stream[seq.start:prompt],
+                                        context_len=PROMPT_LEN)
+                u.options.method = workload.method
+                outputs.sequences.add(seq_id=seq.seq_id, token_ids=workload.stream[prompt:end],
+                                      context_len=PROMPT_LEN + OUTPUT_LEN)
+            releases = pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=seq.seq_id, completed=True)
+                                                   for seq in seqs])
+            for request in (opens, outputs, releases):
+                await stream.exchange(request, TIMEOUT_S)
+        stream.reset()
+        await channel.close()
 
 
 async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float) -> dict:
@@ -232,14 +269,24 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
 
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
-          seconds: float, gap_s: float, stream: np.ndarray, log_dir: str) -> list[dict]:
+          seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str) -> list[dict]:
     rows = []
     for n in replicas:
         procs = Proposers(n, ",".join(methods), src, log_dir)
+        # slices handed out per method: each method starts in its own part of the
+        # text and goes on from there, so its rows do not read what it cached
+        slices = len(stream) // (PROMPT_LEN + OUTPUT_LEN)
+        handed_out = {m: i * slices // len(methods) for i, m in enumerate(methods)}
         try:
+            for method in [m for m in methods if m in SUFFIX_METHODS] if fill else []:
+                workload = Workload(stream, 100, method, handed_out[method])
+                asyncio.run(fill_cache(procs.addrs, workload, fill))
+                handed_out[method] = workload.generation
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
-                    row = asyncio.run(run_row(procs.addrs, Workload(stream, b, method), seconds, gap_s))
+                    workload = Workload(stream, b, method, handed_out[method])
+                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s))
+                    handed_out[method] = workload.generation
                     row["code"] = label
                     rows.append(row)
                     print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
@@ -276,6 +323,8 @@ def main() -> None:
     ap.add_argument("--replicas", default="1", help="comma-separated replica counts (fan-out rows use the largest B)")
     ap.add_argument("--seconds", type=float, default=5.0, help="per row")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="wait between rounds (the scorer's verification)")
+    ap.add_argument("--fill-cache", type=int, default=1000,
+                    help="finished sequences sent first to fill the suffix global tree (0: none)")
     ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
     ap.add_argument("--src", help="the proposer_svc package directory under test (default: the installed one), "
                                   "e.g. a snapshot, so that edits during a queued run do not leak in")
@@ -286,19 +335,21 @@ def main() -> None:
     replicas = [int(n) for n in args.replicas.split(",")]
     cpu = cpu_model()
     print(f"CPU: {cpu}; {os.cpu_count()} cores; commit {git_commit()}", flush=True)
-    stream = token_stream(4 * max(batches) * (PROMPT_LEN + OUTPUT_LEN))
+    fills = args.fill_cache * len([m for m in methods if m in SUFFIX_METHODS])
+    stream = token_stream((fills + 8 * max(batches)) * (PROMPT_LEN + OUTPUT_LEN))
+    print(f"text: {len(stream)} tokens", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as log_dir:
         if args.baseline_src:
             rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3,
-                          stream, log_dir)
-        rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, stream,
-                      log_dir)
+                          args.fill_cache, stream, log_dir)
+        rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, args.fill_cache,
+                      stream, log_dir)
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "cpu": cpu, "commit": git_commit(), "baseline_src": args.baseline_src, "src": args.src,
-        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms,
+        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms, "fill_cache": args.fill_cache,
         "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -579,7 +579,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             speculate_active(trie, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
                              out[num:num + k], local_best)
             drafted, score = int(local_best[1]), local_best[0]
-            if use_global:
+            if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
                 g_n[s] = follow_global(g_nodes, g_table, g_pool, g_seqs, g_gens, g_depth, pool[start:start + length],
                                        depths[s], g_len[s], g_seen[s] != g_epoch, lst[0], lst[1], lst[2], g_n[s])
