@@ -73,6 +73,7 @@ REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
 
 ROOT = 0
 _EMPTY = -1
+_STALE = -2  # BEST of a node whose best child is picked again later (remove_stream)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 #: guards ceil(m * factor) against round-off (10 * 0.3 -> 3.0000000000000004)
 SPEC_FACTOR_EPS = 1e-9
@@ -292,27 +293,39 @@ def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
     [rows]; see follow_global). Stamps stay valid as long as the removed
     stream is the oldest one (FIFO eviction): the latest occurrence of any
     surviving node lies in a newer stream.
+
+    A node whose best child lost an occurrence gets its best child picked
+    again once, after the whole stream (BEST is _STALE meanwhile, which
+    lookups take for "none"): the root and other nodes with thousands of
+    children lose occurrences of their best child many times a stream, and
+    each pick reads every child.
     """
     start, n = seqs[seq, S_START], seqs[seq, S_LEN]
+    stale = np.empty(n * max_depth, dtype=np.int32)
+    n_stale = 0
     for j in range(n):
         node = ROOT
         for i in range(j, min(j + max_depth, n)):
             c = _find_child(nodes, table, node, pool[start + i])
-            if nodes[c, LSEQ] >= 0:  # a leaf: this very occurrence
-                _free_child(nodes, table, hdr, c)
-                gens[c] += 1
-                if nodes[node, BEST] == c:
-                    _repick_best(nodes, stamps, node)
-                break
-            nodes[c, COUNT] -= 1
+            leaf = nodes[c, LSEQ] >= 0  # a leaf: this very occurrence
+            if not leaf:
+                nodes[c, COUNT] -= 1
             # a node reaching 0 keeps only the child on this walk (the others
             # reached 0 on earlier walks); its row is reused only by inserts
-            if nodes[c, COUNT] == 0:
+            if leaf or nodes[c, COUNT] == 0:
                 _free_child(nodes, table, hdr, c)
                 gens[c] += 1
             if nodes[node, BEST] == c:
-                _repick_best(nodes, stamps, node)
+                nodes[node, BEST] = _STALE
+                stale[n_stale] = node
+                n_stale += 1
+            if leaf:
+                break
             node = c
+    for i in range(n_stale):
+        node = stale[i]
+        if node == ROOT or nodes[node, COUNT] > 0:  # (not freed since)
+            _repick_best(nodes, stamps, node)
     seqs[seq, S_LEN] = 0
 
 
