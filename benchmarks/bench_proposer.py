@@ -16,9 +16,12 @@ finished sequences of new text through each replica for every suffix-family
 method, so that the rows measure a server whose global tree is full, as in
 its steady state (0: start empty).
 
-Reported per (method, B): ms per round (one exchange: write the message, read
-the response, as gateway/clients.ProposerStream does), µs per sequence-round
-(round / B) and the proposer's compute share (its reported compute_s / round).
+Reported per (method, B): ms per round (build the round's message as a
+gateway would, then one exchange: write the message, read the response, as
+gateway/clients.ProposerStream does), µs per sequence-round (round / B), the
+exchange alone in µs per sequence-round (from writing the built message to
+the response: the proposer service's part, transport included) and the
+proposer's compute share (its reported compute_s / round).
 
 ``--replicas 1,2,4`` (fan-out): the B sequences of one method are spread over
 n proposer processes with the gateway's own consistent hashing
@@ -222,16 +225,18 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
     for s in workload.seqs:
         by_replica[ring.pick(s.seq_id)].append(s)
 
-    async def round_on(addr: str, releases: list[str]) -> tuple[float, float]:
+    async def round_on(addr: str, releases: list[str]) -> tuple[float, float, float]:
         seqs = by_replica[addr]
         request = workload.request(seqs, [r for r in releases if ring.pick(r) == addr])
+        sent = time.perf_counter()
         response = await streams[addr].exchange(request, TIMEOUT_S)
+        exchange = time.perf_counter() - sent
         assert len(response.drafts) == len(seqs)
         bad = [d for d in response.drafts if d.status != pb.SEQUENCE_STATUS_OK]
         assert not bad, bad[0]
-        return response.compute_s, sum(len(d.token_ids) for d in response.drafts)
+        return response.compute_s, sum(len(d.token_ids) for d in response.drafts), exchange
 
-    async def one_round() -> tuple[float, list[float], int]:
+    async def one_round() -> tuple[float, list[float], int, float]:
         releases = workload.recycle()
         if releases:
             by_replica.clear()
@@ -243,16 +248,17 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
         wall = time.perf_counter() - start
         if gap_s:
             await asyncio.sleep(gap_s)  # the scorer's verification
-        return wall, [c for c, _ in found], sum(n for _, n in found)
+        return wall, [c for c, _, _ in found], sum(n for _, n, _ in found), max(e for _, _, e in found)
 
     for _ in range(2):  # open, then one warm round
         await one_round()
-    rounds, computes, drafts = [], [], 0
+    rounds, computes, exchanges, drafts = [], [], [], 0
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end:
-        wall, compute, n = await one_round()
+        wall, compute, n, exchange = await one_round()
         rounds.append(wall)
         computes.append(compute)
+        exchanges.append(exchange)
         drafts += n
     for s in streams.values():
         s.reset()
@@ -263,6 +269,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
     return {"method": workload.method, "batch": workload.batch, "replicas": len(addrs), "rounds": len(rounds),
             "ms_per_round": 1e3 * round_s, "median_ms_per_round": 1e3 * float(np.median(rounds)),
             "us_per_seq_round": 1e6 * round_s / workload.batch,
+            "exchange_us_per_seq_round": 1e6 * float(np.mean(exchanges)) / workload.batch,
             "compute_share": float(compute.max(axis=1).mean() / round_s),
             "replica_compute_ms": [1e3 * float(c) for c in compute.mean(axis=0)],
             "drafts_per_seq_round": drafts / (len(rounds) * workload.batch)}
@@ -309,10 +316,10 @@ def git_commit() -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'us/seq-rnd':>10s} "
-          f"{'compute':>7s}  replica compute ms")
+          f"{'exchange':>8s} {'compute':>7s}  replica compute ms")
     for r in rows:
         print(f"{r['code']:9s} {r['method']:7s} {r['batch']:4d} {r['replicas']:4d} {r['ms_per_round']:9.2f} "
-              f"{r['us_per_seq_round']:10.1f} {r['compute_share']:7.2f}  "
+              f"{r['us_per_seq_round']:10.1f} {r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f}  "
               f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])}")
 
 

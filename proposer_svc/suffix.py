@@ -467,15 +467,25 @@ def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match,
 
 @njit(cache=True)
 def speculate_listed(nodes, pool, seqs, max_depth, lst_node, lst_off, n, k, max_spec_factor, min_token_prob,
-                     out, best):
+                     floor, out, best):
     """Best draft over a sequence's listed matches (follow_global), as if
     every suffix of length <= max_match were walked from the root; writes out
-    (int32 [>= k]) and best (float64 [3]: score, length, match length)."""
+    (int32 [>= k]) and best (float64 [3]: score, length, match length).
+
+    Only drafts that could beat a draft of score ``floor`` (ties: the
+    longer) are looked for. A match of length m drafts at most
+    L(m) = _max_draft_len(m) tokens, so its score is <= L(m) and, at a score
+    of exactly L(m), its length is L(m) <= the length of any draft scoring
+    L(m). Longest matches first, then: once L(m) <= max(floor, best score) no
+    shorter match can win (L grows with m, and among equals the longer match
+    wins), and the walks of the short matches are skipped."""
     tmp = np.empty(k, dtype=np.int32)
     best[:] = 0.0
-    for i in range(n):
-        num, score = _draft_from(nodes, pool, seqs, lst_node[i], lst_off[i], max_depth,
-                                 _max_draft_len(i + 1, k, max_spec_factor), min_token_prob, tmp)
+    for i in range(n - 1, -1, -1):
+        limit = _max_draft_len(i + 1, k, max_spec_factor)
+        if limit <= max(floor, best[0]):
+            break
+        num, score = _draft_from(nodes, pool, seqs, lst_node[i], lst_off[i], max_depth, limit, min_token_prob, tmp)
         _keep_if_better(num, score, i + 1, best, tmp, out)
 
 
@@ -599,7 +609,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
                 g_len[s], g_seen[s] = length, g_epoch
                 g_out = np.empty(k, dtype=np.int32)
                 speculate_listed(g_nodes, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
-                                 min_probs[s], g_out, g_best)
+                                 min_probs[s], local_best[0], g_out, g_best)
                 if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
                     drafted, score = int(g_best[1]), g_best[0]
                     out[num:num + drafted] = g_out[:drafted]
