@@ -302,6 +302,12 @@ class NaiveProposer(Proposer):
             self._contexts.length(seq_id)  # raises UnknownSequence
         return [NO_DRAFT for _ in requests]
 
+    def advance(self, seq_ids, tokens, bounds, context_lens, ks):
+        slots = self._contexts.slots(seq_ids)  # raises UnknownSequence
+        self._contexts.append_many(slots, tokens, bounds)
+        lens = self._contexts.lens[slots]
+        return DraftBatch((context_lens == 0) | (lens == context_lens), offsets=np.zeros(len(seq_ids) + 1, np.int64))
+
     def stop(self, seq_id, completed):
         self._contexts.stop(seq_id)
 

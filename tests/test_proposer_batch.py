@@ -23,7 +23,8 @@ from specdec.proposer_svc.suffix import SuffixConfig
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
-METHODS = ["ngram", "suffix", "hybrid"]
+DRAFTING = ["ngram", "suffix", "hybrid"]
+METHODS = [*DRAFTING, "naive"]  # naive: its batched advance (no drafts) against the per-sequence API
 OK, UNKNOWN, INVALID = pb.SEQUENCE_STATUS_OK, pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, pb.SEQUENCE_STATUS_INVALID
 
 
@@ -167,8 +168,8 @@ def _bad_updates_named(exchange) -> None:
 def test_a_sequence_named_twice_in_one_message_is_updated_in_order():
     """Its updates apply one after the other (each length check sees the
     previous one), as if sent in two messages."""
-    handle = ProposerServicer(build_proposers(METHODS)).handle
-    for method in METHODS:
+    handle = ProposerServicer(build_proposers(DRAFTING)).handle
+    for method in DRAFTING:
         opts = pb.ProposerOptions(method=method, min_token_prob=0.1)
         response = handle(pb.ProposeRequest(sequences=[
             pb.SequenceUpdate(seq_id="d", open=True, token_ids=[1, 2, 3, 1], context_len=4, options=opts),
@@ -252,3 +253,22 @@ def test_finished_outputs_reach_the_global_tree_once_the_message_is_answered(ser
     drafts = asyncio.run(drive())
     assert drafts[3] == output[4:7]
     assert drafts[2] == ([] if served else output[4:7])
+
+
+def test_naive_batched_round_checks_lengths_and_drafts_nothing():
+    """naive's one-call round: in-sync sequences get an empty draft, one whose
+    held length differs is dropped (UNKNOWN_SEQUENCE), as for every method."""
+    handle = ProposerServicer(build_proposers(["naive"])).handle
+    opts = pb.ProposerOptions(method="naive")
+    handle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, open=True, token_ids=[1, 2, 3], context_len=3, options=opts) for s in "abc"]))
+    response = handle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id="a", token_ids=[4], context_len=4, num_speculative_tokens=3),
+        pb.SequenceUpdate(seq_id="b", token_ids=[4, 5], context_len=9, num_speculative_tokens=3),
+        pb.SequenceUpdate(seq_id="c", token_ids=[4, 5], num_speculative_tokens=3)]))
+    assert [d.status for d in response.drafts] == [OK, UNKNOWN, OK]
+    assert all(len(d.token_ids) == 0 for d in response.drafts)
+    follow = handle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, token_ids=[6], context_len=n, num_speculative_tokens=1)
+        for s, n in (("a", 5), ("b", 6), ("c", 6))]))
+    assert [d.status for d in follow.drafts] == [OK, UNKNOWN, OK]  # b was dropped; a and c held every token
