@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from specdec.drafts import ONE_HOT_METHODS
 from specdec.proposer_svc.base import NaiveProposer, Proposer
 from specdec.proposer_svc.draft_model import DraftModelSettings
 from specdec.proposer_svc.feature_draft import HeadConfig
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from specdec.proposer_svc.draft import DraftModelProposer
 
 #: method names accepted by `build_proposers` (and in requests)
-SUPPORTED_METHODS = ("naive", "ngram", "suffix", "hybrid", "draft", "draft_hybrid", "eagle3", "mtp")
+SUPPORTED_METHODS = (*ONE_HOT_METHODS, "draft", "draft_hybrid", "eagle3", "mtp")
 #: methods that run a draft model (need ReplicaSettings.draft)
 MODEL_METHODS = ("draft", "draft_hybrid")
 #: methods that draft from the target's hidden states (need ReplicaSettings.heads)
@@ -24,8 +25,8 @@ FEATURE_METHODS = ("eagle3", "mtp")
 #: methods drafting from suffix trees, whose global tree keeps finished outputs across requests
 #: (SuffixConfig.max_cached_requests, `specdec proposer --max-cached-requests`)
 SUFFIX_METHODS = ("suffix", "hybrid", "draft_hybrid")
-#: methods that copy from the context (no model, no settings required)
-COPY_METHODS = tuple(m for m in SUPPORTED_METHODS if m not in MODEL_METHODS + FEATURE_METHODS)
+#: methods that copy from the context (no model, no settings required; one-hot drafts)
+COPY_METHODS = ONE_HOT_METHODS
 
 
 @dataclass(frozen=True)

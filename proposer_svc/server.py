@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from specdec.drafts import Draft
+from specdec.drafts import ONE_HOT_METHODS, Draft
 from specdec.limits import (
     DEFAULT_MAX_N,
     DEFAULT_MAX_SPEC_FACTOR,
@@ -132,6 +132,24 @@ def _feature_rows(msg: pb.Features, dim: int) -> np.ndarray:
     return rows
 
 
+def _ints(field, dtype) -> np.ndarray:
+    """A repeated integer field as a numpy array."""
+    return np.fromiter(field, dtype=dtype, count=len(field))
+
+
+def _columns_shape_error(cols: pb.RoundUpdates, n: int) -> str:
+    """Why a RoundUpdates' columns do not fit together ("" when they do)."""
+    for name in ("token_counts", "context_lens", "num_speculative_tokens"):
+        if len(getattr(cols, name)) != n:
+            return f"round.{name}: {len(getattr(cols, name))} entries for {n} seq_ids"
+    counts = cols.token_counts
+    if n and min(counts) < 0:
+        return "round.token_counts: negative count"
+    if sum(counts) != len(cols.token_ids):
+        return f"round.token_ids: {len(cols.token_ids)} tokens, token_counts add up to {sum(counts)}"
+    return ""
+
+
 def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
     """Writes a domain draft into its wire message."""
     msg.token_ids.extend(draft.token_ids.tolist())
@@ -185,6 +203,9 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         for release in request.releases:
             self._stop(release.seq_id, release.completed)
         response = pb.ProposeResponse(batch_id=request.batch_id)
+        if request.HasField("round"):
+            response.round.SetInParent()
+            self._columns(request.round, response.round)
         updates = request.sequences
         seq_ids = [u.seq_id for u in updates]
         add = response.drafts.add
@@ -197,6 +218,82 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         self._handle_in_order([updates[j] for j in one_by_one], [msgs[j] for j in one_by_one], owner)
         LIVE_SEQUENCES.set(len(self._method_of))
         return response
+
+    def _columns(self, cols: pb.RoundUpdates, out: pb.RoundDrafts) -> None:
+        """A message's column updates (ProposeRequest.round): checked with a
+        few vectorised passes, then one ``advance`` per method, the drafts
+        answered as columns. A malformed set of columns fails every entry
+        (INVALID, the field named); a bad entry fails alone."""
+        seq_ids = list(cols.seq_ids)
+        n = len(seq_ids)
+        status = np.full(n, pb.SEQUENCE_STATUS_OK, dtype=np.int64)
+        messages = [""] * n
+        why = _columns_shape_error(cols, n)
+        if why:
+            out.draft_counts.extend([0] * n)
+            out.statuses.extend([pb.SEQUENCE_STATUS_INVALID] * n)
+            out.messages.extend([why] * n)
+            return
+        counts, tokens = _ints(cols.token_counts, np.int64), _ints(cols.token_ids, np.int32)
+        context_lens, ks = _ints(cols.context_lens, np.int64), _ints(cols.num_speculative_tokens, np.int64)
+
+        def fail(rows: np.ndarray, code: int, message: str) -> None:
+            for j in np.flatnonzero(rows & (status == pb.SEQUENCE_STATUS_OK)).tolist():
+                status[j], messages[j] = code, message
+
+        fail((ks < 0) | (ks > MAX_SPECULATIVE_TOKENS), pb.SEQUENCE_STATUS_INVALID,
+             f"round.num_speculative_tokens: must be in 0..{MAX_SPECULATIVE_TOKENS}")
+        fail(context_lens < 0, pb.SEQUENCE_STATUS_INVALID, "round.context_lens: must be >= 0")
+        if len(tokens) and tokens.min() < 0:
+            fail(np.bincount(np.repeat(np.arange(n), counts)[tokens < 0], minlength=n) > 0,
+                 pb.SEQUENCE_STATUS_INVALID, "round.token_ids: negative token id")
+        if len(set(seq_ids)) < n or "" in seq_ids:
+            seen: dict[str, int] = {}
+            for s in seq_ids:
+                seen[s] = seen.get(s, 0) + 1
+            fail(np.array([seen[s] > 1 for s in seq_ids]), pb.SEQUENCE_STATUS_INVALID,
+                 "round.seq_ids: named twice in one message")
+            fail(np.array([not s for s in seq_ids]), pb.SEQUENCE_STATUS_INVALID, "round.seq_ids: must not be empty")
+        methods = [self._method_of.get(s, "") for s in seq_ids]
+        kinds = set(methods)
+        if "" in kinds:
+            fail(np.array([not m for m in methods]), pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE)
+        if kinds - {"", *ONE_HOT_METHODS}:
+            fail(np.array([m not in ONE_HOT_METHODS for m in methods]), pb.SEQUENCE_STATUS_INVALID,
+                 "round.seq_ids: its method drafts with probabilities or features; send its updates in sequences")
+        # one advance per method over its valid entries; drafts placed back in entry order
+        draft_counts = np.zeros(n, dtype=np.int64)
+        found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (entries, drafts, their offsets)
+        ok = status == pb.SEQUENCE_STATUS_OK
+        by_name = np.array(methods) if len(kinds) > 1 else None
+        for method in sorted(kinds & set(ONE_HOT_METHODS)):
+            rows = ok if by_name is None else ok & (by_name == method)
+            entries = np.flatnonzero(rows)
+            if not len(entries):
+                continue
+            result = self.proposers[method].advance([seq_ids[j] for j in entries.tolist()],
+                                                    tokens[np.repeat(rows, counts)], bounds_of(counts[entries]),
+                                                    context_lens[entries], ks[entries])
+            assert result.drafts is None, f"{method} returned drafts with probabilities"  # (one-hot methods)
+            for j in entries[~result.in_sync].tolist():
+                self._stop(seq_ids[j], completed=False)
+                status[j], messages[j] = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
+            draft_counts[entries] = np.diff(result.offsets)
+            found.append((entries, result.token_ids, result.offsets))
+            DRAFT_TOKENS.labels(method).inc(len(result.token_ids))
+        out.draft_counts.extend(draft_counts.tolist())
+        if len(found) == 1 and len(found[0][0]) == n:
+            out.token_ids.extend(found[0][1].tolist())
+        elif found:
+            starts = bounds_of(draft_counts)
+            flat = np.empty(int(starts[-1]), dtype=np.int32)
+            for entries, drafts, offsets in found:
+                sizes = np.diff(offsets)
+                flat[np.repeat(starts[entries] - offsets[:-1], sizes) + np.arange(len(drafts))] = drafts
+            out.token_ids.extend(flat.tolist())
+        if (status != pb.SEQUENCE_STATUS_OK).any():
+            out.statuses.extend(status.tolist())
+            out.messages.extend(messages)
 
     def _plain_rounds(self, updates, seq_ids: list[str], msgs: list[pb.Draft]) -> tuple[dict[str, _Batch], list[int]]:
         """Gathers by method the *plain* updates of a message: no open, no

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 import numpy as np
 
 
+#: Proposer methods whose drafts are always one-hot (they copy from text; no
+#: probabilities): their plain round updates may travel as columns
+#: (ProposeRequest.round), which the gateway and the proposer servicer both
+#: check against this.
+ONE_HOT_METHODS = ("naive", "ngram", "suffix", "hybrid")
+
+
 @dataclass(frozen=True, eq=False)
 class Draft:
     """Draft tokens for one sequence.

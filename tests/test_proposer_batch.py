@@ -18,7 +18,7 @@ import pytest
 from specdec.launcher import free_port, wait_serving
 from specdec.proposer_svc.base import SeqOptions
 from specdec.proposer_svc.registry import ReplicaSettings, build_proposers
-from specdec.proposer_svc.server import ProposerServicer
+from specdec.proposer_svc.server import UNKNOWN_MESSAGE, ProposerServicer
 from specdec.proposer_svc.suffix import SuffixConfig
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
@@ -41,8 +41,10 @@ class Driver:
     """Rounds of Propose messages over many sequences, each checked against
     reference proposers driven one call at a time with the same inputs."""
 
-    def __init__(self, exchange, seed: int, served: bool = False) -> None:
+    def __init__(self, exchange, seed: int, served: bool = False, columns: bool = False) -> None:
         self.exchange = exchange  # ProposeRequest -> ProposeResponse
+        self.columns = columns  # plain updates go in ProposeRequest.round (every other round)
+        self.rounds = 0
         self.rng = np.random.default_rng(seed)
         # served: the proposer caches finished outputs between messages (as `specdec proposer` does)
         self.reference = build_proposers(METHODS, _settings(served))
@@ -77,13 +79,24 @@ class Driver:
         checks the drafts of the latter against the reference."""
         gone = {s for s, _ in releases} | {skip}
         updates = list(extra) + [self.update(s, int(self.rng.integers(0, 9))) for s in self.tokens if s not in gone]
-        response = self.exchange(pb.ProposeRequest(
-            releases=[pb.SequenceRelease(seq_id=s, completed=c) for s, c in releases], sequences=updates))
-        assert [d.seq_id for d in response.drafts] == [u.seq_id for u in updates]
+        self.rounds += 1
+        # every other round, the plain updates (not the extra ones) go as columns
+        plain = updates[len(extra):]
+        in_columns = [u for u in plain if not u.open] if self.columns and self.rounds % 2 else []
+        in_sequences = list(extra) + [u for u in plain if u.open or not in_columns]
+        request = pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=s, completed=c) for s, c in releases],
+                                    sequences=in_sequences)
+        if in_columns:
+            request.round.CopyFrom(as_columns(in_columns))
+        response = self.exchange(request)
+        assert [d.seq_id for d in response.drafts] == [u.seq_id for u in in_sequences]
+        assert response.HasField("round") == bool(in_columns)
         for seq_id, completed in releases:
             self.reference[self.method.pop(seq_id)].stop(seq_id, completed)
             del self.tokens[seq_id], self.sent[seq_id]
-        ours = list(zip(updates, response.drafts))[len(extra):]
+        ours = list(zip(in_columns, column_drafts(response.round, len(in_columns))))
+        ours += list(zip(in_sequences[len(extra):], response.drafts[len(extra):]))
+        assert len(ours) == len(plain)
         for u, d in ours:
             assert d.status == OK, (u.seq_id, d.message)
             prop = self.reference[self.method[u.seq_id]]
@@ -137,6 +150,24 @@ class Driver:
         assert self.drafted > 100
 
 
+def as_columns(updates: list[pb.SequenceUpdate]) -> pb.RoundUpdates:
+    """Plain updates as a ProposeRequest.round."""
+    return pb.RoundUpdates(seq_ids=[u.seq_id for u in updates], token_counts=[len(u.token_ids) for u in updates],
+                           token_ids=[t for u in updates for t in u.token_ids],
+                           context_lens=[u.context_len for u in updates],
+                           num_speculative_tokens=[u.num_speculative_tokens for u in updates])
+
+
+def column_drafts(answer: pb.RoundDrafts, n: int) -> list[pb.Draft]:
+    """A ProposeResponse.round as one Draft message per entry."""
+    assert len(answer.draft_counts) == n and sum(answer.draft_counts) == len(answer.token_ids)
+    assert len(answer.statuses) in (0, n) and len(answer.messages) == len(answer.statuses)
+    bounds = np.cumsum([0, *answer.draft_counts])
+    return [pb.Draft(status=answer.statuses[i] if answer.statuses else OK,
+                     message=answer.messages[i] if answer.messages else "",
+                     token_ids=answer.token_ids[bounds[i]:bounds[i + 1]]) for i in range(n)]
+
+
 def _settings(served: bool) -> ReplicaSettings:
     return ReplicaSettings(SuffixConfig(cache_between_messages=served))
 
@@ -181,10 +212,48 @@ def test_a_sequence_named_twice_in_one_message_is_updated_in_order():
         assert list(response.drafts[3].token_ids) == [8]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_batched_servicer_drafts_as_the_per_sequence_api(seed):
+@pytest.mark.parametrize("seed,columns", [(0, False), (1, False), (0, True), (1, True)])
+def test_batched_servicer_drafts_as_the_per_sequence_api(seed, columns):
     servicer = ProposerServicer(build_proposers(METHODS))
-    Driver(servicer.handle, seed).scenario()
+    Driver(servicer.handle, seed, columns=columns).scenario()
+
+
+def test_bad_columns_are_named_and_fail_alone():
+    """ProposeRequest.round: columns that do not fit together fail every
+    entry (INVALID, the field named); a bad entry fails alone; an unknown
+    sequence is UNKNOWN; the good entries draft as in a SequenceUpdate."""
+    proposers = build_proposers(["ngram"])
+    proposers["draft"] = build_proposers(["ngram"])["ngram"]  # stands in for a method with sampled drafts
+    handle = ProposerServicer(proposers).handle
+    text = [1, 2, 3, 1, 2]
+    handle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, open=True, token_ids=text, context_len=5,
+                          options=pb.ProposerOptions(method="draft" if s == "m" else "ngram")) for s in "abcdm"]))
+
+    def answer(**cols) -> list[tuple[int, str, list[int]]]:
+        response = handle(pb.ProposeRequest(round=pb.RoundUpdates(**cols)))
+        return [(d.status, d.message, list(d.token_ids)) for d in column_drafts(response.round, len(cols["seq_ids"]))]
+
+    shape = answer(seq_ids=["a", "b"], token_counts=[1, 1], token_ids=[3], context_lens=[6, 6],
+                   num_speculative_tokens=[2, 2])
+    assert [(s, m.split(":")[0]) for s, m, _ in shape] == [(INVALID, "round.token_ids")] * 2
+    shape = answer(seq_ids=["a", "b"], token_counts=[1], token_ids=[3], context_lens=[6, 6],
+                   num_speculative_tokens=[2, 2])
+    assert [(s, m.split(":")[0]) for s, m, _ in shape] == [(INVALID, "round.token_counts")] * 2
+    # nothing was applied: a and b still hold 5 tokens
+    mixed = answer(seq_ids=["a", "b", "c", "nobody", "d", "d", "m", ""],
+                   token_counts=[1, 1, 1, 1, 1, 1, 1, 1], token_ids=[3, 3, -3, 3, 3, 3, 3, 3],
+                   context_lens=[6, 6, 6, 6, 6, 6, 6, 6], num_speculative_tokens=[2, 99, 2, 2, 2, 2, 2, 2])
+    assert mixed[0] == (OK, "", [1, 2])
+    assert [(s, m.split(":")[0]) for s, m, _ in mixed[1:]] == [
+        (INVALID, "round.num_speculative_tokens"), (INVALID, "round.token_ids"), (UNKNOWN, UNKNOWN_MESSAGE),
+        (INVALID, "round.seq_ids"), (INVALID, "round.seq_ids"), (INVALID, "round.seq_ids"),
+        (INVALID, "round.seq_ids")]
+    assert all(not toks for _, _, toks in mixed[1:])
+    # the failed entries changed nothing; a desynchronised one is dropped
+    again = answer(seq_ids=["b", "c", "a"], token_counts=[1, 1, 1], token_ids=[3, 3, 1], context_lens=[6, 6, 9],
+                   num_speculative_tokens=[2, 2, 2])
+    assert [(s, t) for s, _, t in again] == [(OK, [1, 2]), (OK, [1, 2]), (UNKNOWN, [])]
 
 
 def test_batched_servicer_names_bad_fields():
@@ -206,7 +275,7 @@ def test_real_proposer_process_batches_as_the_per_sequence_api():
                 requests.put(request)
                 return next(responses)
 
-            Driver(exchange, seed=2, served=True).scenario()
+            Driver(exchange, seed=2, served=True, columns=True).scenario()
             _bad_updates_named(exchange)
             requests.put(None)
     finally:

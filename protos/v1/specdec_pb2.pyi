@@ -253,14 +253,42 @@ class SequenceRelease(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., completed: _Optional[bool] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("batch_id", "sequences", "releases")
+    __slots__ = ("batch_id", "sequences", "releases", "round")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceUpdate]
     releases: _containers.RepeatedCompositeFieldContainer[SequenceRelease]
-    def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ...) -> None: ...
+    round: RoundUpdates
+    def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ..., round: _Optional[_Union[RoundUpdates, _Mapping]] = ...) -> None: ...
+
+class RoundUpdates(_message.Message):
+    __slots__ = ("seq_ids", "token_counts", "token_ids", "context_lens", "num_speculative_tokens")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    context_lens: _containers.RepeatedScalarFieldContainer[int]
+    num_speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RoundDrafts(_message.Message):
+    __slots__ = ("draft_counts", "token_ids", "statuses", "messages")
+    DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    draft_counts: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    statuses: _containers.RepeatedScalarFieldContainer[SequenceStatus]
+    messages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, draft_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[SequenceStatus, str]]] = ..., messages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("seq_id", "status", "token_ids", "probs", "message", "feature_layers", "features_from")
@@ -281,14 +309,16 @@ class Draft(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., message: _Optional[str] = ..., feature_layers: _Optional[_Iterable[int]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("batch_id", "drafts", "compute_s")
+    __slots__ = ("batch_id", "drafts", "compute_s", "round")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
     compute_s: float
-    def __init__(self, batch_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    round: RoundDrafts
+    def __init__(self, batch_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., compute_s: _Optional[float] = ..., round: _Optional[_Union[RoundDrafts, _Mapping]] = ...) -> None: ...
 
 class VerifySequence(_message.Message):
     __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states", "feature_layers", "max_context_features")
