@@ -3,7 +3,11 @@ process and its real bidi Propose stream on loopback, as the gateway drives it.
 
 B live sequences (prompts cut from Python stdlib sources, tokenized with the
 SmolLM2 tokenizer) are opened on the first round; every later round
-appends each sequence's next 3 true tokens and asks k=5 drafts. A sequence
+appends each sequence's next 3 true tokens and asks k=5 drafts. Updates of
+held sequences travel as columns (ProposeRequest.round), as the gateway
+sends them; ``--no-columns`` sends one SequenceUpdate each (the format
+before), and a ``--baseline-src`` older than the columns is always driven
+that way (``--baseline-columns`` if it has them). A sequence
 that runs out of text is released as completed (so suffix/hybrid's global
 tree fills) and re-opened on a new slice. The first sequences run out after
 1/B, 2/B, ... of a whole output, so that releases and opens spread over the
@@ -126,6 +130,7 @@ class Workload:
     batch: int
     method: str
     generation: int = 0  # slices handed out before (by earlier rows too)
+    columns: bool = True  # held sequences' updates as columns (ProposeRequest.round); False: one message each
     seqs: list[Seq] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -140,20 +145,33 @@ class Workload:
         return Seq(f"{self.method}-{i}-{self.generation}", start, PROMPT_LEN + max(APPEND, output_len))
 
     def request(self, seqs: list[Seq], releases: list[str]) -> pb.ProposeRequest:
-        """The round's message for ``seqs`` (opening those not yet sent)."""
+        """The round's message for ``seqs``: opens as SequenceUpdates, the
+        others' updates as columns (ProposeRequest.round), as the gateway
+        sends them (gateway/wire.propose_request)."""
         req = pb.ProposeRequest()
         req.releases.extend(pb.SequenceRelease(seq_id=s, completed=True) for s in releases)
+        held = [s for s in seqs if s.sent]
+        for s in ([] if self.columns else held):
+            u = req.sequences.add(seq_id=s.seq_id, context_len=s.sent + APPEND, num_speculative_tokens=K)
+            u.token_ids.extend(self.stream[s.start + s.sent:s.start + s.sent + APPEND].tolist())
+            s.sent += APPEND
+        held = held if self.columns else []
         for s in seqs:
             if s.sent == 0:
-                n = PROMPT_LEN
-                u = req.sequences.add(seq_id=s.seq_id, open=True, context_len=n, num_speculative_tokens=K)
-                u.token_ids.extend(self.stream[s.start:s.start + n].tolist())
+                u = req.sequences.add(seq_id=s.seq_id, open=True, context_len=PROMPT_LEN, num_speculative_tokens=K)
+                u.token_ids.extend(self.stream[s.start:s.start + PROMPT_LEN].tolist())
                 u.options.method, u.options.min_token_prob = self.method, 0.1
-            else:
-                n = s.sent + APPEND
-                u = req.sequences.add(seq_id=s.seq_id, context_len=n, num_speculative_tokens=K)
-                u.token_ids.extend(self.stream[s.start + s.sent:s.start + n].tolist())
-            s.sent = n
+                s.sent = PROMPT_LEN
+        if held:
+            cols = req.round
+            cols.seq_ids.extend([s.seq_id for s in held])
+            cols.token_counts.extend([APPEND] * len(held))
+            at = np.array([s.start + s.sent for s in held])
+            cols.token_ids.extend(self.stream[(at[:, None] + np.arange(APPEND)).ravel()].tolist())
+            cols.context_lens.extend([s.sent + APPEND for s in held])
+            cols.num_speculative_tokens.extend([K] * len(held))
+            for s in held:
+                s.sent += APPEND
         return req
 
     def recycle(self) -> list[str]:
@@ -231,10 +249,11 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
         sent = time.perf_counter()
         response = await streams[addr].exchange(request, TIMEOUT_S)
         exchange = time.perf_counter() - sent
-        assert len(response.drafts) == len(seqs)
+        assert len(response.drafts) + len(response.round.draft_counts) == len(seqs)
         bad = [d for d in response.drafts if d.status != pb.SEQUENCE_STATUS_OK]
-        assert not bad, bad[0]
-        return response.compute_s, sum(len(d.token_ids) for d in response.drafts), exchange
+        assert not bad and not response.round.statuses, (bad, response.round.messages)
+        return response.compute_s, sum(len(d.token_ids) for d in response.drafts) + len(response.round.token_ids), \
+            exchange
 
     async def one_round() -> tuple[float, list[float], int, float]:
         releases = workload.recycle()
@@ -276,7 +295,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
 
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
-          seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str) -> list[dict]:
+          seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str, columns: bool) -> list[dict]:
     rows = []
     for n in replicas:
         procs = Proposers(n, ",".join(methods), src, log_dir)
@@ -291,10 +310,10 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
                 handed_out[method] = workload.generation
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
-                    workload = Workload(stream, b, method, handed_out[method])
+                    workload = Workload(stream, b, method, handed_out[method], columns=columns)
                     row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s))
                     handed_out[method] = workload.generation
-                    row["code"] = label
+                    row["code"], row["columns"] = label, columns
                     rows.append(row)
                     print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
                           f"{row['us_per_seq_round']:7.1f} us/seq-round  compute share {row['compute_share']:.2f}",
@@ -335,6 +354,11 @@ def main() -> None:
     ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
     ap.add_argument("--src", help="the proposer_svc package directory under test (default: the installed one), "
                                   "e.g. a snapshot, so that edits during a queued run do not leak in")
+    ap.add_argument("--no-columns", action="store_true",
+                    help="send every update as its own SequenceUpdate (the message format before "
+                         "ProposeRequest.round), not the held sequences' as columns")
+    ap.add_argument("--baseline-columns", action="store_true",
+                    help="the baseline code understands ProposeRequest.round too (default: it predates it)")
     ap.add_argument("--out", default="bench_results/proposer.json")
     args = ap.parse_args()
     methods = args.methods.split(",")
@@ -349,9 +373,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as log_dir:
         if args.baseline_src:
             rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3,
-                          args.fill_cache, stream, log_dir)
+                          args.fill_cache, stream, log_dir, args.baseline_columns)
         rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, args.fill_cache,
-                      stream, log_dir)
+                      stream, log_dir, not args.no_columns)
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({

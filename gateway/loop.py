@@ -68,13 +68,11 @@ from specdec.gateway.sequence import RequestFailed, Sequence
 from specdec.gateway.wire import (
     Status,
     Verdict,
-    declared_features,
-    draft_from_message,
     propose_request,
+    proposer_answers,
     verdicts_from_response,
     verify_request,
 )
-from specdec.protos.v1 import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -266,24 +264,26 @@ class SpecLoop:
         return drafts
 
     async def _propose_on(self, addr: str, seqs: list[Sequence]) -> dict[str, Draft]:
-        request = propose_request(seqs, self.releases.take_proposer(addr))
+        message = propose_request(seqs, self.releases.take_proposer(addr))
         start = time.perf_counter()
         try:
-            response = await self.conns.proposer_stream(addr).exchange(request, self.config.propose_timeout_s)
-        except Exception as e:  # any proposer failure only costs this round's drafts
+            response = await self.conns.proposer_stream(addr).exchange(message.request,
+                                                                       self.config.propose_timeout_s)
+            answers = proposer_answers(message, response)
+        except Exception as e:  # any proposer failure (a misfit answer too) only costs this round's drafts
             self.failures.proposer_failed(addr, seqs, e)
             return {}
         elapsed = time.perf_counter() - start
         drafts = {}
-        for seq, msg in zip(seqs, response.drafts):
+        for seq, answer in answers:
             seq.stats.propose_s += elapsed
-            if msg.status != pb.SEQUENCE_STATUS_OK:
+            if answer is None:
                 seq.proposer_len = 0  # re-open next round
                 continue
             if seq.proposer_len == 0:  # the answer to an open declares the features it drafts from
-                seq.proposer_opened(*declared_features(msg))
+                seq.proposer_opened(*answer.features)
             seq.proposer_len = len(seq.tokens)
-            draft = self._checked(seq, draft_from_message(msg))
+            draft = self._checked(seq, answer.draft)
             seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
             drafts[seq.seq_id] = draft
         return drafts

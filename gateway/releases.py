@@ -58,7 +58,8 @@ class Releases:
         for addr in list(self._proposer):
             releases = self.take_proposer(addr)
             try:
-                await self.conns.proposer_stream(addr).exchange(propose_request([], releases), propose_timeout_s)
+                message = propose_request([], releases)
+                await self.conns.proposer_stream(addr).exchange(message.request, propose_timeout_s)
             except asyncio.CancelledError:
                 self._proposer.setdefault(addr, []).extend(releases)
                 raise

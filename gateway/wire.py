@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.drafts import Draft
+from specdec.drafts import ONE_HOT_METHODS, Draft
 from specdec.gateway.sequence import FeatureBlock, Sequence
 from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES
 from specdec.protos.v1 import specdec_pb2 as pb
@@ -66,14 +66,44 @@ def sequence_update(seq: Sequence) -> pb.SequenceUpdate:
     return update
 
 
-def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> pb.ProposeRequest:
-    """One Propose message: releases (seq_id, completed) first, then updates,
-    each with the target features that arrived for it (none on an open: the
-    proposer's answer says what it needs), FEATURE_BYTES_PER_MESSAGE at most
-    in all (the rest waits for the next round)."""
+@dataclass(frozen=True)
+class ProposeMessage:
+    """One Propose message and which sequence went where in it."""
+
+    request: pb.ProposeRequest
+    in_round: list[Sequence]  # their plain updates are request.round's columns, in this order
+    in_sequences: list[Sequence]  # one SequenceUpdate each in request.sequences, in this order
+
+
+@dataclass(frozen=True)
+class ProposerAnswer:
+    """A proposer's answer for one sequence that it holds (status OK)."""
+
+    draft: Draft
+    # the answer to an open: (feature_layers, features_from) it declared
+    features: tuple[tuple[int, ...], int] = ((), 0)
+
+
+def in_columns(seq: Sequence) -> bool:
+    """Whether the sequence's update may travel in ProposeRequest.round: the
+    proposer holds it (no open) and its method drafts one-hot, from no
+    features."""
+    return seq.proposer_len > 0 and seq.params.method in ONE_HOT_METHODS and not seq.features.layers
+
+
+def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> ProposeMessage:
+    """One Propose message: releases (seq_id, completed) first, then the
+    plain updates of one-hot methods as columns (request.round: a round of
+    many sequences is then a few packed fields), then the other updates
+    (opens, methods with sampled drafts or features), each with the target
+    features that arrived for it (none on an open: the proposer's answer
+    says what it needs), FEATURE_BYTES_PER_MESSAGE at most in all (the rest
+    waits for the next round)."""
+    in_round = [seq for seq in seqs if in_columns(seq)]
+    in_sequences = [seq for seq in seqs if not in_columns(seq)] if in_round else seqs
     updates = []
     budget = FEATURE_BYTES_PER_MESSAGE
-    for seq in seqs:
+    for seq in in_sequences:
         update = sequence_update(seq)
         block = None if update.open else seq.relay_features(budget, alone=budget == FEATURE_BYTES_PER_MESSAGE)
         if block is not None:
@@ -81,14 +111,42 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> p
                                                  data=block.data))
             budget -= len(block.data)
         updates.append(update)
-    return pb.ProposeRequest(
+    request = pb.ProposeRequest(
         releases=[pb.SequenceRelease(seq_id=seq_id, completed=completed) for seq_id, completed in releases],
         sequences=updates)
+    if in_round:
+        cols = request.round
+        cols.seq_ids.extend([seq.seq_id for seq in in_round])
+        news = [seq.tokens[seq.proposer_len:] for seq in in_round]
+        cols.token_counts.extend([len(t) for t in news])
+        cols.token_ids.extend([t for new in news for t in new])
+        cols.context_lens.extend([len(seq.tokens) for seq in in_round])
+        cols.num_speculative_tokens.extend([seq.num_speculative_tokens() for seq in in_round])
+    return ProposeMessage(request, in_round, in_sequences)
 
 
-def declared_features(msg: pb.Draft) -> tuple[tuple[int, ...], int]:
-    """(feature_layers, features_from) of a proposer's answer to an open."""
-    return tuple(msg.feature_layers), msg.features_from
+def proposer_answers(message: ProposeMessage,
+                     response: pb.ProposeResponse) -> list[tuple[Sequence, ProposerAnswer | None]]:
+    """Each sequence of the message with its answer (None: the proposer holds
+    no state for it or refused the update; re-open it). Raises ValueError
+    when the response does not fit the message (a faulty proposer)."""
+    if len(response.drafts) != len(message.in_sequences):
+        raise ValueError(f"{len(response.drafts)} drafts for {len(message.in_sequences)} sequence updates")
+    answers: list[tuple[Sequence, ProposerAnswer | None]] = []
+    if message.in_round:
+        cols, n = response.round, len(message.in_round)
+        counts = cols.draft_counts
+        if len(counts) != n or sum(counts) != len(cols.token_ids) or (cols.statuses and len(cols.statuses) != n):
+            raise ValueError(f"round drafts do not fit the {n} sequences of the round")
+        flat = np.fromiter(cols.token_ids, dtype=np.int32, count=len(cols.token_ids))
+        bounds = np.cumsum([0, *counts]).tolist()
+        ok = [s == pb.SEQUENCE_STATUS_OK for s in cols.statuses] if cols.statuses else [True] * n
+        answers += [(seq, ProposerAnswer(Draft(flat[bounds[i]:bounds[i + 1]])) if ok[i] else None)
+                    for i, seq in enumerate(message.in_round)]
+    for seq, msg in zip(message.in_sequences, response.drafts):
+        answers.append((seq, ProposerAnswer(draft_from_message(msg), (tuple(msg.feature_layers), msg.features_from))
+                        if msg.status == pb.SEQUENCE_STATUS_OK else None))
+    return answers
 
 
 def draft_from_message(msg: pb.Draft) -> Draft:

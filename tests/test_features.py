@@ -63,10 +63,10 @@ def test_propose_messages_relay_rows_within_their_byte_budget(monkeypatch):
         seq.proposer_opened((1, 3), 0)
         seq.features.receive(block(0, rows))  # 4 bytes a row
     seqs[2].proposer_len = 0  # c must re-open
-    first = wire.propose_request(seqs, [])
+    first = wire.propose_request(seqs, []).request
     assert [u.features.rows for u in first.sequences] == [6, 0, 0]  # b's 20 bytes do not fit in 16
     assert not first.sequences[2].HasField("features") and first.sequences[2].open
-    second = wire.propose_request(seqs[1:2], [])
+    second = wire.propose_request(seqs[1:2], []).request
     assert second.sequences[0].features == pb.Features(start=0, rows=5, dim=2, data=block(0, 5).data)
     assert [s.stats.feature_bytes for s in seqs] == [24, 20, 0]
 

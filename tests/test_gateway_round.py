@@ -321,3 +321,45 @@ def test_stop_ends_the_loop_when_a_call_swallows_the_cancellation():
 
     assert asyncio.run(run())
     assert scorer.calls == 1  # the release was answered: nothing left for the last flush
+
+
+def test_plain_updates_of_one_hot_methods_travel_as_columns():
+    """propose_request: held sequences of one-hot methods go in request.round
+    (their new tokens, lengths and budgets as columns), opens and the other
+    methods in request.sequences; proposer_answers gives each sequence its
+    draft or None (re-open), and refuses an answer that does not fit."""
+    from specdec.gateway import wire
+
+    seqs = [Sequence(name, _params(method, 3), _Tokenizer(), (), 100)
+            for name, method in (("a", "ngram"), ("b", "draft"), ("c", "suffix"), ("d", "ngram"))]
+    for seq in seqs[:3]:
+        seq.proposer_len = 2  # held: the proposer has the first 2 of the 3 prompt tokens
+    message = wire.propose_request(seqs, [("gone", True)])
+    req = message.request
+    name = {seq.seq_id: seq.request_id for seq in seqs}
+    assert [s.request_id for s in message.in_round] == ["a", "c"]
+    assert [s.request_id for s in message.in_sequences] == ["b", "d"] == [name[u.seq_id] for u in req.sequences]
+    assert [name[s] for s in req.round.seq_ids] == ["a", "c"] and list(req.round.token_counts) == [1, 1]
+    assert list(req.round.token_ids) == [PROMPT[2]] * 2 and list(req.round.context_lens) == [3, 3]
+    assert list(req.round.num_speculative_tokens) == [3, 3]
+    assert req.sequences[1].open and not req.sequences[0].open and req.releases[0].seq_id == "gone"
+
+    response = pb.ProposeResponse(
+        drafts=[pb.Draft(token_ids=[7]), pb.Draft(token_ids=[8, 9], feature_layers=[2])],
+        round=pb.RoundDrafts(draft_counts=[2, 0], token_ids=[5, 6],
+                             statuses=[pb.SEQUENCE_STATUS_OK, pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE],
+                             messages=["", "re-open"]))
+    answers = {seq.request_id: answer for seq, answer in wire.proposer_answers(message, response)}
+    assert answers["a"].draft.token_ids.tolist() == [5, 6] and answers["c"] is None
+    assert answers["b"].draft.token_ids.tolist() == [7]
+    assert answers["d"].draft.token_ids.tolist() == [8, 9] and answers["d"].features == ((2,), 0)
+    for misfit in (pb.RoundDrafts(draft_counts=[2], token_ids=[5, 6]),
+                   pb.RoundDrafts(draft_counts=[2, 1], token_ids=[5, 6]),
+                   pb.RoundDrafts(draft_counts=[1, 1], token_ids=[5, 6], statuses=[pb.SEQUENCE_STATUS_OK])):
+        response.round.CopyFrom(misfit)
+        with pytest.raises(ValueError):
+            wire.proposer_answers(message, response)
+    del response.drafts[1]
+    response.round.CopyFrom(pb.RoundDrafts(draft_counts=[0, 0]))
+    with pytest.raises(ValueError):
+        wire.proposer_answers(message, response)
