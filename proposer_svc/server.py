@@ -19,7 +19,7 @@ from specdec.limits import (
     DEFAULT_MIN_N,
     MAX_SPECULATIVE_TOKENS,
 )
-from specdec.proposer_svc.base import Proposer, SeqOptions, bounds_of
+from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, bounds_of
 from specdec.proposer_svc.eagle3 import bf16_rows
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
@@ -150,6 +150,19 @@ def _columns_shape_error(cols: pb.RoundUpdates, n: int) -> str:
     return ""
 
 
+def _flat_drafts(method: str, result: DraftBatch) -> tuple[np.ndarray, np.ndarray]:
+    """A one-hot method's drafts as (token_ids int32 [total], offsets int64
+    [n + 1]), also when its advance returned them one by one (the default
+    Proposer.advance does)."""
+    if result.drafts is None:
+        return result.token_ids, result.offsets
+    if any(d.probs for d in result.drafts):  # (a bug: its drafts cannot travel as columns)
+        raise RuntimeError(f"method {method!r} is one-hot but returned drafts with probabilities")
+    offsets = bounds_of(np.array([len(d) for d in result.drafts], dtype=np.int64))
+    tokens = np.concatenate([d.token_ids for d in result.drafts]) if result.drafts else np.zeros(0)
+    return tokens.astype(np.int32, copy=False), offsets
+
+
 def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
     """Writes a domain draft into its wire message."""
     msg.token_ids.extend(draft.token_ids.tolist())
@@ -274,13 +287,13 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             result = self.proposers[method].advance([seq_ids[j] for j in entries.tolist()],
                                                     tokens[np.repeat(rows, counts)], bounds_of(counts[entries]),
                                                     context_lens[entries], ks[entries])
-            assert result.drafts is None, f"{method} returned drafts with probabilities"  # (one-hot methods)
             for j in entries[~result.in_sync].tolist():
                 self._stop(seq_ids[j], completed=False)
                 status[j], messages[j] = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
-            draft_counts[entries] = np.diff(result.offsets)
-            found.append((entries, result.token_ids, result.offsets))
-            DRAFT_TOKENS.labels(method).inc(len(result.token_ids))
+            drafts, offsets = _flat_drafts(method, result)
+            draft_counts[entries] = np.diff(offsets)
+            found.append((entries, drafts, offsets))
+            DRAFT_TOKENS.labels(method).inc(len(drafts))
         out.draft_counts.extend(draft_counts.tolist())
         if len(found) == 1 and len(found[0][0]) == n:
             out.token_ids.extend(found[0][1].tolist())

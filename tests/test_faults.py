@@ -15,7 +15,7 @@ import pytest
 from conftest import start_stack
 
 from specdec.client import make_request, stream
-from specdec.proposer_svc.base import Draft, NaiveProposer
+from specdec.proposer_svc.base import Draft, NaiveProposer, Proposer
 from specdec.proposer_svc.server import ProposerServicer
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
@@ -132,6 +132,7 @@ def test_killing_a_scorer_replica_mid_generation_changes_nothing(stories_path, t
 
 class _CountingProposer(NaiveProposer):
     name = "ngram"
+    advance = Proposer.advance  # (naive's own round never asks propose for drafts)
 
     def __init__(self) -> None:
         super().__init__()
