@@ -13,6 +13,7 @@ same tokens with overlap as without. A proposer killed mid-run: test_faults.py."
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -71,7 +72,14 @@ class _SlowProposer:
         await asyncio.sleep(self.latency_s)
         self.rounds += 1
         response = pb.ProposeResponse(batch_id=request.batch_id)
-        for u in request.sequences:
+        cols = request.round  # the held sequences' updates as columns (ProposeRequest.round)
+        at = list(itertools.accumulate(cols.token_counts, initial=0))
+        held = [pb.SequenceUpdate(seq_id=s, token_ids=cols.token_ids[at[i]:at[i + 1]], context_len=cols.context_lens[i],
+                                  num_speculative_tokens=cols.num_speculative_tokens[i])
+                for i, s in enumerate(cols.seq_ids)]
+        if request.HasField("round"):
+            response.round.SetInParent()
+        for u in held + list(request.sequences):
             if u.open:
                 self.tokens[u.seq_id] = []
             context = self.tokens[u.seq_id]
@@ -83,8 +91,12 @@ class _SlowProposer:
                 wrong = i == length - 1 and self.rounds % 3 == 0
                 draft.append((_target(guess) + wrong) % VOCAB)
                 guess.append(draft[-1])
-            response.drafts.add(seq_id=u.seq_id, status=pb.SEQUENCE_STATUS_OK, token_ids=draft)
-        self.calls.log.append(("propose", frozenset(u.seq_id for u in request.sequences),
+            if any(u is h for h in held):
+                response.round.draft_counts.append(len(draft))
+                response.round.token_ids.extend(draft)
+            else:
+                response.drafts.add(seq_id=u.seq_id, status=pb.SEQUENCE_STATUS_OK, token_ids=draft)
+        self.calls.log.append(("propose", frozenset(u.seq_id for u in held + list(request.sequences)),
                                start, time.perf_counter()))
         return response
 
