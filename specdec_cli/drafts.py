@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-
 #: Proposer methods whose drafts are always one-hot (they copy from text; no
 #: probabilities): their plain round updates may travel as columns
 #: (ProposeRequest.round), which the gateway and the proposer servicer both
