@@ -55,7 +55,7 @@ class EngineConfig:
                                                 or len(set(self.head_token_ids)) != len(self.head_token_ids)):
             raise ValueError("head_token_ids must be distinct token ids >= 0, at least one")
         if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads (scorer --threads) must be >= 1, got {self.num_threads}")
+            raise ValueError(f"num_threads (--threads, --draft-threads) must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

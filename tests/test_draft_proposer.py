@@ -158,3 +158,18 @@ def test_a_small_head_without_mapping_and_a_bad_mapping_are_refused(stories_path
         _built(_draft_dir(stories_path, tmp_path, "dup", [5, 5, 6]), stories_path)
     with pytest.raises(ValueError, match="draft_vocab.json: target_ids must be distinct ids in"):
         _built(_draft_dir(stories_path, tmp_path, "out", [5, 512]), stories_path)
+
+
+def test_draft_threads_flag_reaches_the_draft_engine():
+    """`specdec proposer --draft-threads N` sets the draft engine's threads;
+    0 is refused, naming the flag."""
+    from specdec.cli import build_parser, replica_settings
+
+    def settings(*extra: str):
+        return replica_settings(build_parser().parse_args(
+            ["proposer", "--methods", "draft", "--draft-model", "some/draft", *extra]))
+
+    assert settings("--draft-threads", "1").draft.engine.num_threads == 1
+    assert settings().draft.engine.num_threads is None  # the engine decides
+    with pytest.raises(ValueError, match="--draft-threads"):
+        settings("--draft-threads", "0").draft.engine.check()  # (checked when the engine is built)
