@@ -207,8 +207,9 @@ class ProposerServicer(pb_grpc.ProposerServicer):
 
     def handle(self, request: pb.ProposeRequest, owner: object = None) -> pb.ProposeResponse:
         """Applies releases, then the round's columns (``_columns``), then the
-        updates in order: opens at once, the others gathered into one ``advance`` per method (their new tokens and
-        drafts together). A sequence named again in the message first runs
+        updates in order: opens at once, the others gathered into one
+        ``advance`` per method (their new tokens and drafts together). A
+        sequence named again in the message first runs
         what is gathered, so updates apply as if sent one by one. In a
         message that names each sequence once, the plain updates (the usual
         round, see ``_plain_rounds``) are gathered and run first: sequences
