@@ -99,8 +99,10 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> P
     features that arrived for it (none on an open: the proposer's answer
     says what it needs), FEATURE_BYTES_PER_MESSAGE at most in all (the rest
     waits for the next round)."""
-    in_round = [seq for seq in seqs if in_columns(seq)]
-    in_sequences = [seq for seq in seqs if not in_columns(seq)] if in_round else seqs
+    in_round: list[Sequence] = []
+    in_sequences: list[Sequence] = []
+    for seq in seqs:
+        (in_round if in_columns(seq) else in_sequences).append(seq)
     updates = []
     budget = FEATURE_BYTES_PER_MESSAGE
     for seq in in_sequences:
