@@ -96,6 +96,18 @@ def overlap_pays(propose_s: float, verify: tuple[float, float], tokens: float) -
     return overlapped < OVERLAP_MARGIN * lock_step
 
 
+def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain_tokens: float) -> bool:
+    """Whether a round should wait for the proposers (drafting ahead, loop.py).
+
+    Without waiting the round takes ``V`` (verify_s) and is expected to yield
+    ``base_tokens`` (each sequence's next token plus the expected accepted
+    drafts it already has); waiting ``P`` (propose_s) for fresh drafts of the
+    sequences that have none adds ``gain_tokens`` expected accepted drafts.
+    Wait when that raises the round's tokens per second:
+    ``(base + gain) / (V + P) > base / V``."""
+    return gain_tokens * verify_s > base_tokens * propose_s
+
+
 class VerifyCosts:
     """The Verify time of each scorer replica (``CostModel``), fed with every
     decode-only call and exported as specdec_gateway_verify_cost_seconds;

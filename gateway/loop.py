@@ -36,6 +36,29 @@ scorer's fitted Verify cost (``always`` splits regardless: tests, and
 benchmarks of the split itself); with one live sequence there is nothing to
 overlap and rounds are lock-step.
 
+Drafting ahead (``--overlap ahead``). Cohorts halve the batch, which a
+scorer whose Verify is bound by reading the weights (a GPU, and this CPU:
+one Verify of 8 sequences costs about what one of 4 does) pays for with a
+second pass. Drafting ahead keeps the batch whole: while round r is
+verified, the proposers already draft round r+1 for every sequence, from
+the context as it stands before the verification and with a budget of
+2k + 1 (``Sequence.propose_budget``): enough to cover round r's k drafts,
+its target token and round r+1's k. When round r is committed, a draft
+proposed at context length n is still good if the tokens committed since n
+are its first tokens; what follows them is round r+1's draft, with no wait.
+That holds when round r accepted everything and its target token is the
+proposer's next guess, which copy work does round after round; after a
+rejection the draft ahead is contradicted and dropped. For the sequences
+left without a draft the round either waits for fresh drafts (lock-step for
+them) or goes on without, whichever the measured times say yields more
+tokens per second (``costs.fresh_drafts_pay``: expected accepted drafts
+gained against the proposer's time). Proposers keep no state that a wrong
+guess would need undone: they are only ever sent committed tokens. Only
+sequences whose output cannot depend on the drafts draft ahead
+(``Sequence.may_draft_ahead``: greedy and target-match verification, no
+target features), so timing never changes a token, seeded sampling included;
+the others are proposed lock-step within the same rounds.
+
 A proposer that is slow, down or wrong only costs drafts (the round goes on
 with zero drafts); a lost scorer replica costs a re-prefill on another one.
 Neither changes a token. Where state lives is ``Placement``'s business, what
@@ -59,7 +82,14 @@ from specdec.drafts import NO_DRAFT, Draft
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
-from specdec.gateway.costs import VerifyCosts, apply_plan, overlap_pays, plan_drafts
+from specdec.gateway.costs import (
+    VerifyCosts,
+    apply_plan,
+    draft_gains,
+    fresh_drafts_pay,
+    overlap_pays,
+    plan_drafts,
+)
 from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.failures import FailurePolicy
 from specdec.gateway.placement import Placement
@@ -84,6 +114,7 @@ class Overlap(str, enum.Enum):
     ON = "on"  # while the cost model says two cohorts are faster
     ALWAYS = "always"  # whenever two or more sequences are live
     OFF = "off"  # lock-step rounds
+    AHEAD = "ahead"  # draft each round's successor while it is verified (whole batches)
 
 
 @dataclass
@@ -112,6 +143,9 @@ class SpecLoop:
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
         self._live: list[Sequence] = []
         self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
+        # drafting ahead: seq_id -> (context length it was proposed at, draft of up to 2k + 1 tokens)
+        self._ahead: dict[str, tuple[int, Draft]] = {}
+        self._verify_s: float | None = None  # moving average of a drafting-ahead round's Verify wall time
         self._propose_s: float | None = None  # moving average of a propose phase's wall time
         self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
         self._wake = asyncio.Event()
@@ -188,8 +222,9 @@ class SpecLoop:
         live = self._retire()
         if not live:
             return
-        overlapped = self._overlap_pays(live)
-        if overlapped:
+        if self.config.overlap is Overlap.AHEAD:
+            progressed = await self._ahead_round(live)
+        elif self._overlap_pays(live):
             metrics.OVERLAPPED_STEPS.inc()
             progressed = await self._overlapped_step(live)
         else:
@@ -223,6 +258,61 @@ class SpecLoop:
         clock.end()
         return progressed or not verifying
 
+    async def _ahead_round(self, live: list[Sequence]) -> bool:
+        """Verifies every live sequence, with the drafts proposed ahead in the
+        round before where they still hold (and fresh ones where waiting for
+        them pays, or the sequence may not draft ahead), while the proposers
+        draft ahead for the next round; then commits. True if any progressed."""
+        clock = _RoundClock(len(live))
+        drafts = {seq.seq_id: self._draft_from_ahead(seq) for seq in live}
+        missing = [s for s in live if not drafts[s.seq_id]]
+        wait = [s for s in missing if not s.may_draft_ahead]
+        optional = [s for s in missing if s.may_draft_ahead]
+        if optional and self._fresh_drafts_pay(live, drafts, optional):
+            wait += optional
+        if wait:
+            drafts.update(await clock.timed("propose", self._propose(wait, ahead=True)))
+        waited = {s.seq_id for s in wait}
+        ahead = [s for s in live if s.may_draft_ahead and s.seq_id not in waited]
+        start = time.perf_counter()
+        verify = self._timed_verify(clock, live, drafts, start)
+        verdicts, _ = await asyncio.gather(verify, clock.timed("propose_ahead", self._propose(ahead, ahead=True)))
+        progressed = self._commit(verdicts)
+        clock.end()
+        return progressed
+
+    async def _timed_verify(self, clock: "_RoundClock", live: list[Sequence], drafts: dict[str, Draft],
+                            start: float) -> list[Verdict]:
+        verdicts = await clock.timed("verify", self._verify(live, drafts))
+        self._verify_s = _moving_average(self._verify_s, time.perf_counter() - start)
+        return verdicts
+
+    def _draft_from_ahead(self, seq: Sequence) -> Draft:
+        """What still holds of the draft proposed ahead for the sequence: the
+        part after the tokens committed since (NO_DRAFT when they contradict
+        it, or nothing of it is left), at most this round's budget."""
+        entry = self._ahead.pop(seq.seq_id, None)
+        if entry is None or not seq.may_draft_ahead:
+            return NO_DRAFT
+        start, draft = entry
+        committed = seq.tokens[start:]
+        if len(committed) > len(draft) or draft.token_ids[:len(committed)].tolist() != committed:
+            return NO_DRAFT
+        held = draft.after(len(committed)).truncated(seq.num_speculative_tokens())
+        if held:
+            metrics.AHEAD_DRAFTS.labels(seq.params.method).inc()
+        return held
+
+    def _fresh_drafts_pay(self, live: list[Sequence], drafts: dict[str, Draft], optional: list[Sequence]) -> bool:
+        """Whether waiting for fresh drafts for ``optional`` (sequences left
+        without a draft ahead) is expected to yield more tokens per second than
+        verifying at once (until both times are measured, it is tried)."""
+        if self._propose_s is None or self._verify_s is None:
+            return True
+        base = sum(1.0 + sum(draft_gains(s, drafts[s.seq_id])) for s in live)
+        gain = sum(s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) for s in optional)
+        return fresh_drafts_pay(self._propose_s, self._verify_s, base, gain)
+
     def _take_drafted(self, live: list[Sequence]) -> dict[str, Draft]:
         """The drafts of last step's proposed cohort that are still live."""
         ids = {s.seq_id for s in live}
@@ -250,21 +340,23 @@ class SpecLoop:
 
     # -------------------------------------------------------------- propose
 
-    async def _propose(self, live: list[Sequence]) -> dict[str, Draft]:
+    async def _propose(self, live: list[Sequence], ahead: bool = False) -> dict[str, Draft]:
         """Draft tokens for every live sequence (NO_DRAFT where its proposer
-        had none, failed or sent garbage)."""
+        had none, failed or sent garbage); with ``ahead``, the sequences that
+        may draft ahead are asked for more and keep the whole draft in
+        ``self._ahead`` (the returned drafts are this round's part)."""
         groups = self.placement.by_proposer(live)
         drafts = {seq.seq_id: NO_DRAFT for seq in live}
         if not groups:
             return drafts
         start = time.perf_counter()
-        for found in await asyncio.gather(*(self._propose_on(a, seqs) for a, seqs in groups.items())):
+        for found in await asyncio.gather(*(self._propose_on(a, seqs, ahead) for a, seqs in groups.items())):
             drafts.update(found)
         self._propose_s = _moving_average(self._propose_s, time.perf_counter() - start)
         return drafts
 
-    async def _propose_on(self, addr: str, seqs: list[Sequence]) -> dict[str, Draft]:
-        message = propose_request(seqs, self.releases.take_proposer(addr))
+    async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
+        message = propose_request(seqs, self.releases.take_proposer(addr), ahead)
         start = time.perf_counter()
         try:
             response = await self.conns.proposer_stream(addr).exchange(message.request,
@@ -283,15 +375,21 @@ class SpecLoop:
             if seq.proposer_len == 0:  # the answer to an open declares the features it drafts from
                 seq.proposer_opened(*answer.features)
             seq.proposer_len = len(seq.tokens)
-            draft = self._checked(seq, answer.draft)
+            drafting_ahead = ahead and seq.may_draft_ahead
+            draft = self._checked(seq, answer.draft, seq.propose_budget(drafting_ahead))
             seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
+            seq.drafts_offered = _moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
+            if drafting_ahead:
+                self._ahead[seq.seq_id] = (len(seq.tokens), draft)
+                draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
         return drafts
 
-    def _checked(self, seq: Sequence, draft: Draft) -> Draft:
-        """A proposer returning garbage (too many drafts, ids outside the
-        vocabulary, malformed probabilities) costs its drafts, nothing else."""
-        if draft.is_well_formed(seq.num_speculative_tokens(), self.vocab_size):
+    def _checked(self, seq: Sequence, draft: Draft, budget: int) -> Draft:
+        """A proposer returning garbage (more drafts than the budget asked,
+        ids outside the vocabulary, malformed probabilities) costs its
+        drafts, nothing else."""
+        if draft.is_well_formed(budget, self.vocab_size):
             return draft
         log.warning("proposer %s sent invalid drafts for %s; dropped", seq.proposer_addr, seq.seq_id)
         metrics.INVALID_DRAFTS.labels(seq.proposer_addr).inc()
@@ -362,6 +460,7 @@ class SpecLoop:
         live = []
         for seq in self._live:
             if seq.done:
+                self._ahead.pop(seq.seq_id, None)
                 _count_end(seq)
                 self.releases.add(seq)
             else:

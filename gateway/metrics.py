@@ -30,11 +30,15 @@ ROUND_SECONDS = Histogram("specdec_gateway_round_seconds",
                           "(one cohort verified while the other is proposed, then committed)",
                           buckets=_LATENCY_BUCKETS)
 PHASE_SECONDS = Histogram("specdec_gateway_phase_seconds",
-                          "Wall time of a round's phase (overlapped steps run propose and verify at once)",
+                          "Wall time of a round's phase (overlapped steps run propose and verify at once; "
+                          "propose_ahead: drafting ahead, alongside the round's verify)",
                           ["phase"], buckets=_LATENCY_BUCKETS)
 OVERLAPPED_STEPS = Counter("specdec_gateway_overlapped_steps_total",
                            "Overlapped steps: one cohort verified while the other is proposed "
                            "(the rest of the loop's steps are lock-step rounds)")
+AHEAD_DRAFTS = Counter("specdec_gateway_ahead_drafts_total",
+                       "Drafts verified that were proposed ahead, during the round before, and still held "
+                       "(--overlap ahead), by method", ["method"])
 REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",

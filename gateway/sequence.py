@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.request import GenParams
-from specdec.limits import FEATURE_VALUE_BYTES
+from specdec.limits import FEATURE_VALUE_BYTES, MAX_SPECULATIVE_TOKENS
+from specdec.protos.v1 import specdec_pb2 as pb
 
 _ids = itertools.count()
 #: Sequence ids on scorers and proposers are this gateway process's random
@@ -227,6 +228,10 @@ class IncrementalDecoder:
             self._at, self._text, self._head = at, known, head
 
 
+# verification strategies whose output does not depend on the drafts
+_DRAFT_INDEPENDENT = (pb.VERIFY_STRATEGY_GREEDY, pb.VERIFY_STRATEGY_TARGET_MATCH)
+
+
 class RequestFailed(Exception):
     """Ends a request with a gRPC status (code name, message)."""
 
@@ -265,6 +270,7 @@ class Sequence:
         self.retries = 0  # consecutive rounds without progress (pool full, no replica, scorer busy)
         self.features = FeatureRelay()  # target features for the proposer (eagle3, mtp)
         self.acceptance = AcceptanceEstimate()  # how well this sequence's drafts do
+        self.drafts_offered = 1.0  # moving average: how often its proposer answered with any draft
 
     # ------------------------------------------------------------- queries
 
@@ -281,6 +287,25 @@ class Sequence:
         makes more output than max_tokens or the context allow."""
         left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
         return max(0, min(self.params.num_speculative_tokens, left - 1))
+
+    @property
+    def may_draft_ahead(self) -> bool:
+        """Whether drafts proposed before the last round's outcome may be used
+        (drafting ahead, gateway/loop.py): only where the output cannot depend
+        on which drafts were verified — greedy or target-match verification
+        with the normal accept policy (rejection sampling's result depends on
+        the drafts, and a seeded request must come out the same every time)
+        — and the proposer drafts from tokens alone (no target features)."""
+        p = self.params
+        return (p.verify_strategy in _DRAFT_INDEPENDENT and p.accept_policy == pb.ACCEPT_POLICY_NORMAL
+                and not self.features.layers)
+
+    def propose_budget(self, ahead: bool) -> int:
+        """Draft tokens to ask the proposer for: this round's budget, or when
+        drafting ahead enough for this round, its target token and the next
+        round (2k + 1, at most MAX_SPECULATIVE_TOKENS)."""
+        k = self.num_speculative_tokens()
+        return min(2 * k + 1, MAX_SPECULATIVE_TOKENS) if ahead and k else k
 
     def proposer_opened(self, feature_layers: tuple[int, ...], features_from: int) -> None:
         """The proposer answered this sequence's open, declaring the target

@@ -48,12 +48,13 @@ class Verdict:
     features: FeatureBlock | None = None  # target features the scorer returned (OK only)
 
 
-def sequence_update(seq: Sequence) -> pb.SequenceUpdate:
+def sequence_update(seq: Sequence, ahead: bool = False) -> pb.SequenceUpdate:
     """The sequence's tokens since the proposer last saw it (all of them, with
-    its options, when the proposer must open it)."""
+    its options, when the proposer must open it); ahead: ask for drafts
+    ahead (``Sequence.propose_budget``)."""
     p = seq.params
     update = pb.SequenceUpdate(seq_id=seq.seq_id, context_len=len(seq.tokens),
-                               num_speculative_tokens=seq.num_speculative_tokens())
+                               num_speculative_tokens=seq.propose_budget(ahead))
     if seq.proposer_len == 0:
         update.open = True
         update.token_ids.extend(seq.tokens)
@@ -91,8 +92,10 @@ def in_columns(seq: Sequence) -> bool:
     return seq.proposer_len > 0 and seq.params.method in ONE_HOT_METHODS and not seq.features.layers
 
 
-def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> ProposeMessage:
-    """One Propose message: releases (seq_id, completed) first, then the
+def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
+                    ahead: bool = False) -> ProposeMessage:
+    """One Propose message (asking for drafts ahead for the sequences that
+    may use them when ``ahead``): releases (seq_id, completed) first, then the
     plain updates of one-hot methods as columns (request.round: a round of
     many sequences is then a few packed fields), then the other updates
     (opens, methods with sampled drafts or features), each with the target
@@ -106,7 +109,7 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> P
     updates = []
     budget = FEATURE_BYTES_PER_MESSAGE
     for seq in in_sequences:
-        update = sequence_update(seq)
+        update = sequence_update(seq, ahead and seq.may_draft_ahead)
         block = None if update.open else seq.relay_features(budget, alone=budget == FEATURE_BYTES_PER_MESSAGE)
         if block is not None:
             update.features.CopyFrom(pb.Features(start=block.start, rows=block.rows, dim=block.dim,
@@ -123,7 +126,8 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]]) -> P
         cols.token_counts.extend([len(t) for t in news])
         cols.token_ids.extend([t for new in news for t in new])
         cols.context_lens.extend([len(seq.tokens) for seq in in_round])
-        cols.num_speculative_tokens.extend([seq.num_speculative_tokens() for seq in in_round])
+        cols.num_speculative_tokens.extend([seq.propose_budget(ahead and seq.may_draft_ahead)
+                                            for seq in in_round])
     return ProposeMessage(request, in_round, in_sequences)
 
 

@@ -144,10 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="num_speculative_tokens (draft tokens per round) of requests that name none")
     p.add_argument("--propose-timeout-ms", type=float, default=500.0,
                    help="a proposer slower than this costs the round its drafts")
-    p.add_argument("--overlap", default="on", choices=["on", "always", "off"],
+    p.add_argument("--overlap", default="on", choices=["on", "always", "ahead", "off"],
                    help="on: while it pays (measured), verify one half of the sequences while the proposers "
                         "draft the other half, so proposer time leaves the critical path; always: whenever "
-                        "two or more sequences are live; off: lock-step rounds")
+                        "two or more sequences are live; ahead: while a round is verified, the proposers draft the "
+                        "next one (budget 2k+1), used where the round's outcome confirms it; the round waits "
+                        "for fresh drafts only where that pays (greedy and target-match requests); "
+                        "off: lock-step rounds")
     p.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: verify only the drafts whose expected acceptance pays for their "
                         "cost on the scorer (measured online); fixed: every draft, up to k. "

@@ -41,6 +41,13 @@ class Draft:
             return self
         return Draft(self.token_ids[:n], self.prob_token_ids[:n], self.probs[:n])
 
+    def after(self, n: int) -> Draft:
+        """The draft tokens from position n on (with their probabilities): what
+        is left of a draft once its first n tokens have become context."""
+        if n == 0:
+            return self
+        return Draft(self.token_ids[n:], self.prob_token_ids[n:], self.probs[n:])
+
     def confidence(self) -> list[float] | None:
         """q(token_j), the draft's own probability of each of its tokens, or
         None for a one-hot draft (n-gram, suffix: no confidence to give)."""

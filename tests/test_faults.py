@@ -83,10 +83,12 @@ def _moves(stack, kind: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
 
 
-@pytest.mark.parametrize("overlap", [pytest.param("off", marks=pytest.mark.slow), "always"])  # lock-step: slow suite
+# lock-step runs in the slow suite
+@pytest.mark.parametrize("overlap", [pytest.param("off", marks=pytest.mark.slow), "always", "ahead"])
 def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory, overlap):
-    """Lock-step, and overlapped (the replica may die while one cohort's
-    Propose is in flight and the other's Verify runs)."""
+    """Lock-step, overlapped (the replica may die while one cohort's
+    Propose is in flight and the other's Verify runs) and drafting ahead
+    (it may die with the next round's drafts in flight)."""
     stack = start_stack(stories_path, tmp_path_factory, f"two-proposers-{overlap}", num_proposers=2,
                         metrics=True, methods="ngram",
                         extra_gateway_args=["--propose-timeout-ms", "2000", "--overlap", overlap])
@@ -106,6 +108,7 @@ def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path,
         assert samples['specdec_gateway_output_tokens_total{method="ngram"}'] == tokens
         assert samples['specdec_gateway_accepted_tokens_total{method="ngram"}'] > 0
         assert (samples.get("specdec_gateway_overlapped_steps_total", 0) > 0) == (overlap == "always")
+        assert (samples.get('specdec_gateway_ahead_drafts_total{method="ngram"}', 0) > 0) == (overlap == "ahead")
     finally:
         stack.stop()
 

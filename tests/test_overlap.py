@@ -44,10 +44,10 @@ def _target(context: list[int]) -> int:
 
 
 class _Calls:
-    """(kind, seq_ids, start, end) of every call, in a shared clock."""
+    """(kind, seq_ids, start, end, drafts accepted) of every call, in a shared clock."""
 
     def __init__(self) -> None:
-        self.log: list[tuple[str, frozenset[str], float, float]] = []
+        self.log: list[tuple[str, frozenset[str], float, float, int]] = []
 
     def overlapping(self) -> list[tuple[frozenset[str], frozenset[str]]]:
         """(proposed seq_ids, verified seq_ids) of each propose call that was
@@ -97,7 +97,7 @@ class _SlowProposer:
             else:
                 response.drafts.add(seq_id=u.seq_id, status=pb.SEQUENCE_STATUS_OK, token_ids=draft)
         self.calls.log.append(("propose", frozenset(u.seq_id for u in held + list(request.sequences)),
-                               start, time.perf_counter()))
+                               start, time.perf_counter(), 0))
         return response
 
 
@@ -132,7 +132,7 @@ class _SlowScorer:
             results.append(pb.VerifyResult(seq_id=v.seq_id, status=pb.SEQUENCE_STATUS_OK,
                                            output_token_ids=output, num_accepted=num_accepted))
         self.calls.log.append(("verify", frozenset(v.seq_id for v in request.sequences),
-                               start, time.perf_counter()))
+                               start, time.perf_counter(), sum(r.num_accepted for r in results)))
         return pb.VerifyResponse(results=results, compute_s=compute_s)
 
     async def Release(self, request, timeout=None):
@@ -247,15 +247,21 @@ def _overlap_stack(path, tmp_path_factory, overlap: str):
                        draft_model=path, metrics=True, extra_gateway_args=["--overlap", overlap])
 
 
-@pytest.fixture(scope="module")
-def overlap_stack(stories_path, tmp_path_factory):
-    stack = _overlap_stack(stories_path, tmp_path_factory, "always")
+@pytest.fixture(scope="module", params=["always", "ahead"])
+def overlap_stack(request, stories_path, tmp_path_factory):
+    stack = _overlap_stack(stories_path, tmp_path_factory, request.param)
+    stack.overlap = request.param
     yield stack
     stack.stop()
 
 
 def _overlapped_steps(stack) -> float:
-    return stack.by_name("gateway")[0].metrics().get("specdec_gateway_overlapped_steps_total", 0.0)
+    """Overlapped steps (always), or drafts verified that were proposed
+    ahead (ahead), so far."""
+    samples = stack.by_name("gateway")[0].metrics()
+    if stack.overlap == "ahead":
+        return sum(v for k, v in samples.items() if k.startswith("specdec_gateway_ahead_drafts_total{"))
+    return samples.get("specdec_gateway_overlapped_steps_total", 0.0)
 
 
 def _concurrently(addr: str, requests: list) -> list:
@@ -278,19 +284,78 @@ def test_greedy_identity_with_overlap_for_every_method_and_k(overlap_stack, stor
 
 def test_seeded_sampling_with_overlap_is_reproducible_and_equals_lock_step(overlap_stack):
     """Concurrent streams run overlapped; a stream alone runs lock-step (one
-    live sequence has nothing to overlap with). ngram and draft: their drafts
+    live sequence has nothing to overlap with; drafting ahead, only
+    target-match requests draft ahead, alone too, and their output does not
+    depend on the drafts). ngram and draft: their drafts
     depend on the sequence alone (suffix and hybrid also learn from earlier
     outputs, so with sampling a later run draws on other drafts: the same
     distribution, other tokens)."""
     addr = overlap_stack.gateway_addr
+    strategies = [pb.VERIFY_STRATEGY_REJECTION, pb.VERIFY_STRATEGY_TARGET_MATCH]  # target-match drafts ahead
     requests = [make_request(PROMPTS[i % 2], max_tokens=24, method=m, k=4, temperature=0.9, top_p=0.95,
-                             seed=100 + i) for i, m in enumerate(["ngram", "draft"] * 4)]
+                             seed=100 + i, verify_strategy=strategies[i // 2 % 2])
+                for i, m in enumerate(["ngram", "draft"] * 4)]
     steps = _overlapped_steps(overlap_stack)
     overlapped = [g.token_ids for g in _concurrently(addr, requests)]
     assert _overlapped_steps(overlap_stack) > steps
     again = [g.token_ids for g in _concurrently(addr, requests)]
     steps = _overlapped_steps(overlap_stack)
     lock_step = [stream(addr, r).token_ids for r in requests]
-    assert _overlapped_steps(overlap_stack) == steps
+    if overlap_stack.overlap == "always":
+        assert _overlapped_steps(overlap_stack) == steps
     assert overlapped == again == lock_step
     assert len({tuple(t) for t in overlapped}) > 2  # seeds (and prompts) matter
+
+
+# ------------------------------------------------------------ drafting ahead
+
+def _waited(calls: _Calls) -> list[bool]:
+    """For each Verify call after the first: whether a propose call ran
+    wholly between the Verify before it and its start (the round waited for
+    drafts), rather than alongside the Verify before (drafting ahead)."""
+    verifies = [c for c in calls.log if c[0] == "verify"]
+    proposes = [c for c in calls.log if c[0] == "propose"]
+    return [any(before[3] <= p[2] and p[3] <= v[2] for p in proposes) for before, v in zip(verifies, verifies[1:])]
+
+
+def _ahead_used(calls: _Calls) -> int:
+    """Verify calls that accepted drafts without waiting for a proposer:
+    drafts proposed ahead, while the Verify before them ran."""
+    verifies = [c for c in calls.log if c[0] == "verify"]
+    return sum(not waited and v[4] > 0 for waited, v in zip(_waited(calls), verifies[1:]))
+
+
+@pytest.mark.parametrize("num_seqs,k", [(1, 3), (4, 3), (3, 1), (2, 8)])
+def test_drafting_ahead_gives_lock_step_output_with_drafts_proposed_during_verification(num_seqs, k):
+    """A proposer slower than a Verify: the rounds do not wait for it (but
+    the first, before anything is measured) and verify the drafts it
+    proposed ahead, while the Verify before ran, where they still hold."""
+    outputs, calls = _generate(Overlap.AHEAD, num_seqs=num_seqs, max_tokens=40, k=k, latency_s=0.03,
+                               per_token_s=0.0005)
+    assert outputs == [_expected([5 + i, 7, 11 + i], 40) for i in range(num_seqs)]
+    same = [(p, v) for p, v in calls.overlapping() if p & v]
+    assert len(same) >= 8, "the proposer did not draft the sequences being verified"
+    assert not any(_waited(calls))
+    assert _ahead_used(calls) >= 5, "no round verified drafts proposed ahead without waiting"
+
+
+def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
+    """A proposer much slower than a Verify: after the first rounds (no
+    figures yet: it waits) the rounds go on with the drafts proposed ahead
+    and never wait; a proposer much quicker than a Verify with a large fixed
+    part (a GPU-like scorer): sequences without a draft ahead wait for one."""
+    _, slow = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.03, per_token_s=0.0002)
+    half = len([c for c in slow.log if c[0] == "verify"]) // 2
+    assert half > 5 and sum(_waited(slow)) <= 2
+    _, quick = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.002, fixed_s=0.03,
+                         per_token_s=0.0)
+    assert sum(_waited(quick)) >= 5
+
+
+def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
+    from specdec.gateway.costs import fresh_drafts_pay
+
+    # 4 sequences expecting 1.5 tokens each from a 40 ms Verify: 150 tokens/s
+    assert fresh_drafts_pay(0.005, 0.040, 6.0, 1.0)  # +1 token for 5 ms: 156 tokens/s
+    assert not fresh_drafts_pay(0.020, 0.040, 6.0, 1.0)  # +1 token for 20 ms: 117 tokens/s
+    assert not fresh_drafts_pay(0.001, 0.040, 6.0, 0.0)  # nothing to gain
