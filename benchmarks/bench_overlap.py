@@ -2,7 +2,8 @@
 and 32 concurrent greedy ngram streams through a real scorer and a real
 proposer that answers each Propose message ``--added-latency-ms`` later (0,
 5, 20 ms: a remote or model-based proposer), with the gateway's ``--overlap``
-off (lock-step), on (overlap while the cost model says it pays) and always.
+off (lock-step), on (two cohorts while the cost model says it pays), always
+(two cohorts) and ahead (the next round drafted during verification).
 
 One scorer, one proposer per latency and one gateway per (latency, mode),
 all started once; the rows of one latency run interleaved, ``--repeats``
@@ -11,7 +12,7 @@ lock-step row. The loss columns compare with the same mode at 0 ms and with
 lock-step at 0 ms. Prints a table with the CPU model and writes JSON.
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
-        [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96]
+        [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead]
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from bench_e2e import chat_ids  # noqa: E402
 STORY_PROMPTS = ["Once upon a time", "Tom saw a big dog. The dog was happy. Tom saw a big dog. The",
                  "Lily went to the park with her mom.", "The sun was hot. The sun was hot. The",
                  "Ben had a red ball. He liked to play with it every day."]
-MODES = ["off", "on", "always"]
+MODES = ["off", "on", "always", "ahead"]
 
 
 def cpu_model() -> str:
@@ -52,7 +53,7 @@ def prompt_ids(model: str) -> list[list[int]]:
     return [list(tokenizer(text)["input_ids"]) for text in STORY_PROMPTS]
 
 
-def start_services(stack: Stack, latencies: list[float]) -> dict[tuple[float, str], str]:
+def start_services(stack: Stack, latencies: list[float], modes: list[str]) -> dict[tuple[float, str], str]:
     """A proposer per latency and a gateway per (latency, mode) beside the
     stack's scorer; returns their gateway addresses."""
     scorer = stack.by_name("scorer")[0].addr
@@ -61,7 +62,7 @@ def start_services(stack: Stack, latencies: list[float]) -> dict[tuple[float, st
         proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", "ngram",
                                                              "--added-latency-ms", str(latency)], free_port())
         wait_serving(proposer.addr, proposer.proc, 300, proposer.name, None)
-        for mode in MODES:
+        for mode in modes:
             gateway = stack._spawn(f"gateway-{latency:g}ms-{mode}", [
                 "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"ngram={proposer.addr}",
                 "--default-method", "ngram", "--overlap", mode], free_port())
@@ -100,28 +101,35 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (EOS ignored)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="gateway --overlap values (off, the reference, among them)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     prompts = prompt_ids(args.model)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "off" not in modes:
+        ap.error(f"--modes: {'unknown ' + repr(unknown[0]) if unknown else 'off (lock-step) is missing'}; "
+                 f"choose from {','.join(MODES)}")
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "k": args.k, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
     print(f"CPU: {cpu}\nstarting the services on {args.model}; logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir) as stack:
-        gateways = start_services(stack, latencies)
+        gateways = start_services(stack, latencies, modes)
         for addr in set(gateways.values()):
             run(addr, prompts, 2, args.k, 8)  # warm up
         for latency in latencies:
             for n in streams:
-                samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
+                samples: dict[str, list[dict]] = {mode: [] for mode in modes}
                 for rep in range(args.repeats):
-                    for mode in MODES[rep % len(MODES):] + MODES[:rep % len(MODES)]:
+                    for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
                         samples[mode].append(run(gateways[latency, mode], prompts, n, args.k, args.max_tokens))
                 reference = samples["off"][0]["token_ids"]
-                for mode in MODES:
+                for mode in modes:
                     runs = samples[mode]
                     row = {"latency_ms": latency, "streams": n, "mode": mode,
                            "tok_s": statistics.median(r["tok_s"] for r in runs),
