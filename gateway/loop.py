@@ -16,14 +16,11 @@ sequence still goes propose → verify → commit in order, on its own tokens,
 so drafts are never built on guesses and nothing is thrown away: output,
 failure handling, releases and the draft plan are those of lock-step.
 
-Why cohorts and not drafting ahead (proposing round r+1 assuming round r's
-drafts are all accepted): the next round's context needs the target's own
-token after the accepted drafts, which only the verification gives, and
-proposers hold per-sequence state that would need rolling back whenever the
-guess is wrong — a protocol change for a gain that shrinks with the
-rejection rate. Why not one pipeline per sequence: every Verify would batch
-whatever happens to be ready, a batch size that drifts with timing; two
-cohorts keep the batches whole and the steps readable.
+Why cohorts: every sequence is verified on drafts made for its committed
+context, whatever the proposer is (sampled model drafts included). Why not
+one pipeline per sequence: every Verify would batch whatever happens to be
+ready, a batch size that drifts with timing; two cohorts keep the batches
+whole and the steps readable.
 
 The price: each Verify carries half the sequences. On a CPU scorer a Verify
 costs about in proportion to its rows, so two half calls cost one whole and
