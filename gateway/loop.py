@@ -262,13 +262,14 @@ class SpecLoop:
         draft ahead for the next round; then commits. True if any progressed."""
         clock = _RoundClock(len(live))
         drafts = {seq.seq_id: self._draft_from_ahead(seq) for seq in live}
-        missing = [s for s in live if not drafts[s.seq_id]]
-        wait = [s for s in missing if not s.may_draft_ahead]
-        optional = [s for s in missing if s.may_draft_ahead]
+        wait = [s for s in live if not drafts[s.seq_id] and not s.may_draft_ahead]
+        # those whose draft ahead was contradicted, or holds less than this round's budget
+        optional = [s for s in live if s.may_draft_ahead and len(drafts[s.seq_id]) < s.num_speculative_tokens()]
         if optional and self._fresh_drafts_pay(live, drafts, optional):
             wait += optional
         if wait:
-            drafts.update(await clock.timed("propose", self._propose(wait, ahead=True)))
+            fresh = await clock.timed("propose", self._propose(wait, ahead=True))
+            drafts.update((i, d) for i, d in fresh.items() if len(d) >= len(drafts[i]))  # the longer one
         waited = {s.seq_id for s in wait}
         ahead = [s for s in live if s.may_draft_ahead and s.seq_id not in waited]
         start = time.perf_counter()
@@ -301,13 +302,16 @@ class SpecLoop:
         return held
 
     def _fresh_drafts_pay(self, live: list[Sequence], drafts: dict[str, Draft], optional: list[Sequence]) -> bool:
-        """Whether waiting for fresh drafts for ``optional`` (sequences left
-        without a draft ahead) is expected to yield more tokens per second than
-        verifying at once (until both times are measured, it is tried)."""
+        """Whether waiting for fresh drafts for ``optional`` (sequences whose
+        draft ahead is missing or short of the budget) is expected to yield
+        more tokens per second than verifying at once (until both times are
+        measured, it is tried)."""
         if self._propose_s is None or self._verify_s is None:
             return True
-        base = sum(1.0 + sum(draft_gains(s, drafts[s.seq_id])) for s in live)
-        gain = sum(s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) for s in optional)
+        held = {s.seq_id: sum(draft_gains(s, drafts[s.seq_id])) for s in live}
+        base = sum(1.0 + h for h in held.values())
+        gain = sum(max(0.0, s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) - held[s.seq_id])
+                   for s in optional)
         return fresh_drafts_pay(self._propose_s, self._verify_s, base, gain)
 
     def _take_drafted(self, live: list[Sequence]) -> dict[str, Draft]:
