@@ -272,15 +272,16 @@ class SpecLoop:
             drafts.update((i, d) for i, d in fresh.items() if len(d) >= len(drafts[i]))  # the longer one
         waited = {s.seq_id for s in wait}
         ahead = [s for s in live if s.may_draft_ahead and s.seq_id not in waited]
-        start = time.perf_counter()
-        verify = self._timed_verify(clock, live, drafts, start)
-        verdicts, _ = await asyncio.gather(verify, clock.timed("propose_ahead", self._propose(ahead, ahead=True)))
+        verdicts, _ = await asyncio.gather(self._timed_verify(clock, live, drafts),
+                                           clock.timed("propose_ahead", self._propose(ahead, ahead=True)))
         progressed = self._commit(verdicts)
         clock.end()
         return progressed
 
-    async def _timed_verify(self, clock: "_RoundClock", live: list[Sequence], drafts: dict[str, Draft],
-                            start: float) -> list[Verdict]:
+    async def _timed_verify(self, clock: "_RoundClock", live: list[Sequence],
+                            drafts: dict[str, Draft]) -> list[Verdict]:
+        """The round's Verify calls, their wall time kept for ``_fresh_drafts_pay``."""
+        start = time.perf_counter()
         verdicts = await clock.timed("verify", self._verify(live, drafts))
         self._verify_s = _moving_average(self._verify_s, time.perf_counter() - start)
         return verdicts
