@@ -359,3 +359,19 @@ def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
     assert fresh_drafts_pay(0.005, 0.040, 6.0, 1.0)  # +1 token for 5 ms: 156 tokens/s
     assert not fresh_drafts_pay(0.020, 0.040, 6.0, 1.0)  # +1 token for 20 ms: 117 tokens/s
     assert not fresh_drafts_pay(0.001, 0.040, 6.0, 0.0)  # nothing to gain
+
+
+def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():
+    from specdec.gateway.wire import propose_request
+
+    def budget(k: int, strategy: int, ahead: bool = True) -> int:
+        params = _params([5, 7, 11], k, 40)
+        params.verify_strategy = strategy
+        seq = Sequence("r", params, _Tokenizer(), (), 512)
+        seq.proposer_len = len(seq.tokens)  # held by the proposer: its update travels as columns
+        return list(propose_request([seq], [], ahead).request.round.num_speculative_tokens)[0]
+
+    assert budget(3, GREEDY) == 7 and budget(3, pb.VERIFY_STRATEGY_TARGET_MATCH) == 7
+    assert budget(8, GREEDY) == 16  # 2k + 1 capped at MAX_SPECULATIVE_TOKENS
+    assert budget(3, pb.VERIFY_STRATEGY_REJECTION) == 3  # its sample depends on the drafts: lock-step
+    assert budget(3, GREEDY, ahead=False) == 3
