@@ -1,4 +1,5 @@
 """verify(): hand-written cases, seeded determinism, Triton kernels == torch reference."""
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec.kernels defines any @triton.jit
@@ -377,3 +378,48 @@ def test_triton_matches_reference_without_drafts():
     batch = random_batch(6, 100, 0, seed=12)
     assert batch[1].numel() == 0
     assert_backends_agree(batch)
+
+
+# ------------------------------------------------- greedy batches on the host
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_batches_on_the_host_equal_the_torch_reference(seed):
+    """verify() scans all-greedy CPU batches on the host; the tokens must be
+    the reference's: ties (few distinct logit values), out-of-range drafts,
+    sequences without drafts and drafts that are all right."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, num_seqs = 13, 9
+    draft_lists = []
+    for _ in range(num_seqs):
+        k = int(torch.randint(0, 7, (1,), generator=gen))
+        draft_lists.append(torch.randint(-1, vocab + 2, (k,), generator=gen).tolist())
+    drafts, cu = ragged(draft_lists)
+    rows = sum(len(d) + 1 for d in draft_lists)
+    logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()  # many ties
+    # the first two sequences' drafts are the argmaxes, so that long acceptances occur
+    for b in range(2):
+        start = sum(len(d) + 1 for d in draft_lists[:b])
+        for i in range(len(draft_lists[b])):
+            drafts[sum(len(d) for d in draft_lists[:b]) + i] = int(logits[start + i].argmax())
+    sampling = make_sampling(num_seqs, temperature=[0.0] * num_seqs, strategy=[GREEDY, REJECTION, TARGET_MATCH] * 3)
+    expected = verify_reference(logits, drafts, cu, sampling)
+    got = verify(logits, drafts, cu, sampling, use_triton=False)
+    assert got.output_token_ids.dtype == expected.output_token_ids.dtype == torch.int32
+    assert got.output_token_ids.tolist() == expected.output_token_ids.tolist()
+    assert got.num_accepted.tolist() == expected.num_accepted.tolist()
+    assert expected.num_accepted[:2].tolist() == [len(d) for d in draft_lists[:2]]
+
+
+def test_greedy_on_the_host_is_taken_only_when_every_sequence_is_greedy(monkeypatch):
+    verify_module = importlib.import_module("specdec.kernels.verify")  # the package exports the function
+    taken = []
+    real = verify_module._verify_greedy_on_host
+    monkeypatch.setattr(verify_module, "_verify_greedy_on_host", lambda *a: taken.append(1) or real(*a))
+    logits = peaked_logits([3, 1, 4] + [1, 5], vocab=7)
+    drafts, cu = ragged([[3, 1], [2]])
+    verify(logits, drafts, cu, make_sampling(2), use_triton=False)
+    assert taken == [1]
+    verify(logits, drafts, cu, make_sampling(2, temperature=[0.0, 1.0], strategy=REJECTION), use_triton=False)
+    verify(logits, drafts, cu, make_sampling(2, policy=[POLICY_NORMAL, POLICY_ACCEPT_ALL]), use_triton=False)
+    assert taken == [1]
