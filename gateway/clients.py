@@ -88,6 +88,7 @@ class Connections:
         self.tls = tls  # None: plaintext
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._streams: dict[str, ProposerStream] = {}
+        self._scorers: dict[str, pb_grpc.ScorerStub] = {}  # a stub builds a callable per rpc: once per channel
         self._down_until: dict[str, float] = {}
 
     def channel(self, addr: str) -> grpc.aio.Channel:
@@ -96,7 +97,9 @@ class Connections:
         return self._channels[addr]
 
     def scorer(self, addr: str) -> pb_grpc.ScorerStub:
-        return pb_grpc.ScorerStub(self.channel(addr))
+        if addr not in self._scorers:
+            self._scorers[addr] = pb_grpc.ScorerStub(self.channel(addr))
+        return self._scorers[addr]
 
     def proposer_stream(self, addr: str) -> ProposerStream:
         if addr not in self._streams:
@@ -121,6 +124,7 @@ class Connections:
         stream = self._streams.pop(addr, None)
         if stream is not None:
             stream.reset()
+        self._scorers.pop(addr, None)
         channel = self._channels.pop(addr, None)
         if channel is not None:
             await channel.close(grace_s)
