@@ -37,7 +37,8 @@ test is "equal to the target's token" (greedy, target-match sampling) starts
 from the step: its token decides the first draft (rejected: it is the
 output; accepted: the other drafts are verified from the next position). Any
 other Verify (rejection sampling with drafts, other sampling fields,
-features, another context length) rolls the step back first: the KV cache
+features, another context length; at temperature 0 the seed and filters do
+not matter) rolls the step back first: the KV cache
 goes back to ``context_len - 1`` tokens and the round runs as without
 decode-ahead. The token is computed by the same rows a Verify would run
 (the engine is row-count invariant), so the output is the same either way.
@@ -574,10 +575,15 @@ def _plain(spec: JobSpec) -> bool:
 
 def _same_draw(spec: JobSpec, ahead: JobSpec) -> bool:
     """Whether spec's next token is the one the decode-ahead step (run with
-    `ahead`'s sampling at `ahead.context_len`) drew."""
-    return (spec.context is None and spec.context_len == ahead.context_len
-            and (spec.temperature, spec.top_k, spec.top_p, spec.seed, spec.strategy, spec.accept_policy)
-            == (ahead.temperature, ahead.top_k, ahead.top_p, ahead.seed, ahead.strategy, ahead.accept_policy))
+    `ahead`'s sampling at `ahead.context_len`) drew. At temperature 0 every
+    strategy is an argmax that no seed or filter changes (a call without a
+    seed gets a fresh random one, and a greedy client need not send any)."""
+    if spec.context is not None or spec.context_len != ahead.context_len or spec.accept_policy != ahead.accept_policy:
+        return False
+    if not spec.temperature > 0 and not ahead.temperature > 0:  # effective_strategy: GREEDY
+        return True
+    return ((spec.temperature, spec.top_k, spec.top_p, spec.seed, spec.strategy)
+            == (ahead.temperature, ahead.top_k, ahead.top_p, ahead.seed, ahead.strategy))
 
 
 def _takes_ahead(spec: JobSpec, ahead: JobSpec) -> bool:

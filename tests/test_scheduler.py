@@ -13,7 +13,7 @@ from conftest import ENGINE, assert_features_match, bf16_values, hf_greedy, hf_l
 
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
-from specdec.kernels import GREEDY, POLICY_NORMAL
+from specdec.kernels import GREEDY, POLICY_NORMAL, TARGET_MATCH
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.scorer_svc.scheduler import OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
@@ -461,6 +461,36 @@ def test_decode_ahead_gives_plain_greedy_and_is_used(stories_path, engine):
     assert _ahead_count("used") - used >= 12
     assert _ahead_count("discarded") - discarded == 1  # the step ahead of the end, freed with the sequence
     assert engine.free_tokens() == free_at_start
+
+
+def test_decode_ahead_is_used_by_greedy_verifies_whatever_their_seed_and_filters(stories_path, engine):
+    """At temperature 0 the step ahead's token does not depend on the seed,
+    top-k or top-p: a greedy client that sends no seed (each call then gets
+    a random one) still takes it, and the tokens are plain greedy."""
+    from dataclasses import replace
+
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 16)
+    used, discarded = _ahead_count("used"), _ahead_count("discarded")
+
+    async def run():
+        sched = Scheduler(engine, decode_ahead=True)
+        tokens = list(prompt)
+        try:
+            for i in range(16):
+                job = spec("seedless", **({"context": tokens} if i == 0 else {"context_len": len(tokens)}))
+                job = replace(job, seed=1000 + i, top_k=i % 3, top_p=[1.0, 0.5][i % 2],
+                              strategy=[GREEDY, TARGET_MATCH][i % 2])
+                (r,), _, _ = await sched.verify([job])
+                assert r.status == OK, r.message
+                tokens += r.output_token_ids
+            return tokens[len(prompt):]
+        finally:
+            sched.stop()
+
+    assert asyncio.run(run()) == expected
+    assert _ahead_count("used") - used >= 8
+    assert _ahead_count("discarded") - discarded <= 1  # at most the step ahead of the end
 
 
 def _alternate_drafts(prompt, reference):
