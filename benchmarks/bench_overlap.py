@@ -88,6 +88,9 @@ def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: i
     rounds = sum(g.stats.rounds for g in gens)
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
             "mean_accepted_length": tokens / rounds,
+            "draft_tokens_per_round": sum(g.stats.draft_tokens for g in gens) / rounds,
+            "accepted_per_draft_token": (sum(g.stats.accepted_tokens for g in gens)
+                                         / max(1, sum(g.stats.draft_tokens for g in gens))),
             "propose_ms_per_round": 1000 * sum(g.stats.propose_s for g in gens) / rounds,
             "verify_ms_per_round": 1000 * sum(g.stats.verify_s for g in gens) / rounds,
             "token_ids": [g.token_ids for g in gens]}
@@ -135,7 +138,8 @@ def main() -> None:
                            "tok_s": statistics.median(r["tok_s"] for r in runs),
                            "tok_s_runs": [r["tok_s"] for r in runs],
                            "identical_to_lock_step": all(r["token_ids"] == reference for r in runs)}
-                    for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round"):
+                    for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
+                                "draft_tokens_per_round", "accepted_per_draft_token"):
                         row[key] = statistics.median(r[key] for r in runs)
                     result["rows"].append(row)
                     print(f"  {latency:g} ms, {n} streams, overlap {mode}: {row['tok_s']:.1f} tok/s",
@@ -145,7 +149,8 @@ def main() -> None:
     print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.max_tokens} tokens per "
           f"stream, median of {args.repeats}\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>8}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
-          f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'identical':>10}")
+          f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
+          f"{'identical':>10}")
     for r in result["rows"]:
         same0 = by[(latencies[0], r["streams"], r["mode"])]["tok_s"]
         off0 = by[(latencies[0], r["streams"], "off")]["tok_s"]
@@ -155,7 +160,8 @@ def main() -> None:
         print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>8}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
-              f"{r['mean_accepted_length']:>8.2f}{str(r['identical_to_lock_step']):>10}")
+              f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"
+              f"{str(r['identical_to_lock_step']):>10}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
