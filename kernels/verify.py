@@ -137,8 +137,8 @@ def _verify_groups(target_logits: torch.Tensor, draft_token_ids: torch.Tensor, c
 
 
 def _all_greedy(sampling: SamplingTensors) -> bool:
-    """Every sequence GREEDY (temperature 0) under the normal accept policy."""
-    greedy = ~(sampling.temperature > 0) & (sampling.accept_policy == POLICY_NORMAL)
+    """Every sequence verified GREEDY under the normal accept policy."""
+    greedy = (effective_strategy(sampling) == GREEDY) & (sampling.accept_policy == POLICY_NORMAL)
     return bool(greedy.all())  # host sync (deliberate): picks the path; CPU tensors here
 
 

@@ -423,3 +423,5 @@ def test_greedy_on_the_host_is_taken_only_when_every_sequence_is_greedy(monkeypa
     verify(logits, drafts, cu, make_sampling(2, temperature=[0.0, 1.0], strategy=REJECTION), use_triton=False)
     verify(logits, drafts, cu, make_sampling(2, policy=[POLICY_NORMAL, POLICY_ACCEPT_ALL]), use_triton=False)
     assert taken == [1]
+    verify(logits, drafts, cu, make_sampling(2, temperature=0.7, strategy=GREEDY), use_triton=False)
+    assert taken == [1, 1]  # the GREEDY strategy ignores the temperature
