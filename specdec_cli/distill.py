@@ -145,7 +145,7 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log) -> dict:
     The answers come from the serving engine (``teacher_engine``: the Llama
     runner where it runs the target), ``TEACHER_BATCH`` of them in flight:
     a finished answer's place goes to the next prompt at once. On 2 cores
-    that makes ~8x the tokens per minute of ``transformers.generate`` in
+    that makes ~4x the tokens per minute of ``transformers.generate`` in
     batches of 8, so the same minutes give the student far more text.
     Draws come from one generator seeded with cfg.seed, in a fixed order
     (the engine's rows do not depend on the batch), so a seed gives the
