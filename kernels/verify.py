@@ -86,13 +86,13 @@ def verify(target_logits: torch.Tensor,  # float32 [num_draft_tokens + B, V]
     Draft ids outside [0, V) are simply rejected. With Triton: one
     filter-statistics launch over the target rows (when any sequence
     samples), then one verification launch per strategy present. Without:
-    the torch reference, except that a batch where every sequence is greedy
-    is scanned on the host (``_verify_greedy_on_host``, same tokens).
+    the torch reference, except that a CPU batch where every sequence is
+    greedy is scanned on the host (``_verify_greedy_on_host``, same tokens).
     """
     if use_triton is None:
         use_triton = target_logits.is_cuda
     _check_inputs(target_logits, draft_token_ids, cu_num_draft_tokens, sampling, draft_probs)
-    if not use_triton and _all_greedy(sampling):
+    if not use_triton and target_logits.device.type == "cpu" and _all_greedy(sampling):
         return _verify_greedy_on_host(target_logits, draft_token_ids, cu_num_draft_tokens)
     return _verify_groups(target_logits, draft_token_ids, cu_num_draft_tokens, sampling, draft_probs, use_triton)
 
@@ -152,7 +152,7 @@ def _verify_greedy_on_host(target_logits: torch.Tensor,  # float32 [num_draft_to
     numpy's argmax takes the first of equal maxima, as torch's does, and
     reads a 49152-wide row in ~3 us where torch's takes ~45; with the
     reference's dozen small tensor ops a plain decoding step's verification
-    cost ~300 us, now ~10."""
+    cost ~0.3-1 ms, now ~30-70 us (``benchmarks/bench_kernels.py``)."""
     logits = target_logits.numpy()  # a view, no copy
     drafts = draft_token_ids.tolist()
     ends = cu_num_draft_tokens.tolist()
