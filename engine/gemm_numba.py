@@ -73,8 +73,9 @@ PREFETCH_AHEAD = 2048
 
 _FASTMATH = {"reassoc", "contract"}
 # numba's "workqueue" threading layer (where neither OpenMP nor TBB loads)
-# must not be entered by two threads at once; engines in one process take turns.
-_LAUNCH = threading.Lock()
+# must not be entered by two threads at once; engines in one process (and
+# gemm_simd's kernel) take turns.
+LAUNCH_LOCK = threading.Lock()
 
 
 @intrinsic
@@ -320,7 +321,7 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, path: str = "numba") ->
     if path not in GROUP_ROWS:
         raise ValueError(f"no numba GEMM kernel {path!r}; one of {sorted(GROUP_ROWS)}")
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
-    with _LAUNCH:
+    with LAUNCH_LOCK:
         if path == "numba6":
             _gemm6(x, weight, out, chunks)
         else:

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import gemm_numba
+from specdec.engine import gemm_numba, gemm_simd
 from specdec.engine.config import GEMM_PATH_NAMES
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 #: Distinct input rows whose one-row results every larger input is compared with.
 CHECK_BASE_ROWS = 32
 #: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
@@ -84,7 +84,8 @@ class GemmPath:
     """A way to compute x W^T + b on CPU.
 
     kind: "aten" (F.linear: MKL for float32) or "onednn" (weights prepacked
-      in oneDNN's blocked layout) or "numba" (engine.gemm_numba); min_rows:
+      in oneDNN's blocked layout) or "numba" (engine.gemm_numba) or "simd"
+      (engine.gemm_simd); min_rows:
       inputs with fewer rows are zero-padded to this many (a lone row or a
       short tail takes kernels that sum in another order on some CPUs); for
       "numba", the rows per kernel pass (gemm_numba.GROUP_ROWS)."""
@@ -103,10 +104,13 @@ class GemmPath:
 #: (it pads them itself). "numba1" is "numba" with a lone row through a
 #: one-row loop (no zero row: a faster decode step); it sums like the pairs
 #: only where the compiler vectorises both loops alike, and the check
-#: rejects it where it does not.
+#: rejects it where it does not. "simd" (engine.gemm_simd) writes its vector
+#: arithmetic out, so no compiler can reorder a sum: one row and six sum alike
+#: on every CPU, the fastest decode and verification steps measured so far.
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
-                                   *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()))}
+                                   *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
+                                   GemmPath("simd", "simd", gemm_simd.GROUP))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
@@ -127,13 +131,14 @@ class Linear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.onednn = path.kind == "onednn"
-        self.numba = path.kind == "numba"
+        self.numba = path.kind in ("numba", "simd")
         if self.numba:
             if weight.dtype != torch.float32 or weight.device.type != "cpu":
                 raise RuntimeError(f"the numba GEMM computes float32 on CPU only, not {weight.dtype}")
             self.threads = torch.get_num_threads()  # its output blocks split over as many threads
-            self._padded = gemm_numba.pad_weight(weight.numpy())  # the weight itself unless out needs padding
-            self.weight = torch.from_numpy(self._padded)[:self.out_features]
+            pad = gemm_simd.pad_weight if path.kind == "simd" else gemm_numba.pad_weight
+            self._padded = pad(weight.numpy())  # the weight itself unless its shape needs padding
+            self.weight = torch.from_numpy(self._padded)[:self.out_features, :self.in_features]
         else:
             # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
@@ -149,7 +154,10 @@ class Linear:
         return self._gemm(x.contiguous())
 
     def _numba(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.path.name))
+        if self.path.kind == "simd":
+            y = torch.from_numpy(gemm_simd.gemm(x.contiguous().numpy(), self._padded, self.threads))
+        else:
+            y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.path.name))
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias

@@ -31,12 +31,12 @@ verifying 6-, 17- or 421-row chunks give bitwise equal logits.
 
 GEMM paths (``gemm``), SmolLM2-135M on 2 cores of AMD EPYC
 (benchmarks/bench_forward.py): "auto" picks our own float32 kernel
-(``gemm_numba``: one dot-product loop per output, rows in pairs or, path
-"numba6", six at a time, or, path "numba1", a lone row through the one-row
-form of the pair loop where the check finds it sums alike; outputs split
-over the threads) in float32 and oneDNN prepacked in bfloat16 where
-the CPU computes it natively. A float32 decode step's GEMMs take ~29 ms
-there against ~45-50 ms through oneDNN (a decode step is a matrix-vector
+(``gemm_simd``: explicit 16-lane fused multiply-adds per output, rows six
+at a time or one alone, the same order either way; ``gemm_numba``'s
+compiler-vectorised loops are the other candidates; outputs split over the
+threads) in float32 and oneDNN prepacked in bfloat16 where
+the CPU computes it natively. A float32 decode step's GEMMs take ~16-21 ms
+there (six rows ~17-19 ms) against ~45-50 ms through oneDNN (a decode step is a matrix-vector
 product, bound by memory bandwidth, for which BLAS libraries are not
 tuned); bfloat16 through oneDNN about 28 ms. MKL float32 (``"aten"``)
 needs 12 rows for invariance, so even a decode step costs 90-100 ms. All

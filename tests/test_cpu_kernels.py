@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import cpu_ops, gemm_numba
+from specdec.engine import cpu_ops, gemm_numba, gemm_simd
 from specdec.engine.gemm_select import GEMM_PATHS, Linear, check_row_counts, path_failure
 from specdec.engine.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 
@@ -92,7 +92,75 @@ def test_numba_linear_keeps_one_copy_of_a_weight_that_needs_no_padding():
     assert padded._padded.shape == (8, 16) and padded.weight.shape == (6, 16)
 
 
-@pytest.mark.parametrize("path", NUMBA_PATHS)
+@pytest.mark.parametrize("out_features,in_features", [(12, 16), (13, 37), (96, 576), (5, 3), (10, 200), (8, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_simd_gemm_matches_torch_and_keeps_rows_invariant_by_construction(out_features, in_features, threads):
+    """13 rows: two groups of six and a lone row, and every prefix (left-overs
+    of 1 to 5 rows: the one-row kernel and the zero-padded group); in = 37,
+    5, 200 are padded to LANES. Invariant on every CPU: asserted, never
+    left to the selector."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(13, in_features, generator=gen)
+    torch.set_num_threads(threads)
+    try:
+        linear = Linear(w, b, GEMM_PATHS["simd"])
+        y = linear(x)
+        assert y.shape == (13, out_features) and linear.weight.shape == (out_features, in_features)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        rows_alone_equal_rows_together(linear, x)
+    finally:
+        torch.set_num_threads(2)
+
+
+def _fma32(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """float32 a * b + acc rounded once: the product is exact in float64 and
+    the sum in 80-bit long double, then one rounding to float32."""
+    return (a.astype(np.longdouble) * b.astype(np.longdouble) + acc.astype(np.longdouble)).astype(np.float32)
+
+
+def stated_order(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """gemm_simd's module doc, written with numpy: per output, LANES lane
+    accumulators over in (zero-padded) in steps of LANES, then the lanes'
+    halves added pairwise in float32. x [R, in], w [out, in] -> [R, out]."""
+    lanes = gemm_simd.LANES
+    width = gemm_simd.padded_in(x.shape[1])
+    xp = np.zeros((x.shape[0], width), np.float32)
+    xp[:, :x.shape[1]] = x
+    wp = np.zeros((w.shape[0], width), np.float32)
+    wp[:, :w.shape[1]] = w
+    acc = np.zeros((x.shape[0], w.shape[0], lanes), np.float32)
+    for k in range(0, width, lanes):
+        acc = _fma32(acc, xp[:, None, k:k + lanes], wp[None, :, k:k + lanes])
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
+@pytest.mark.parametrize("rows", [1, 6, 7, 9])
+def test_simd_gemm_sums_in_the_order_its_doc_states(rows):
+    """The summation order is the kernel's contract (what makes it row-count
+    invariant on every CPU): bitwise equal to the order written with numpy."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((24, 200)).astype(np.float32)
+    x = rng.standard_normal((rows, 200)).astype(np.float32)
+    got = gemm_simd.gemm(x, gemm_simd.pad_weight(w), 2)[:, :24]
+    assert np.array_equal(got, stated_order(x, w))
+    assert not np.array_equal(got, (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))  # an order shows
+
+
+def test_simd_gemm_splits_outputs_not_dot_products():
+    w = gemm_simd.pad_weight(np.random.default_rng(0).standard_normal((50, 300)).astype(np.float32))
+    x = np.random.default_rng(1).standard_normal((8, 300)).astype(np.float32)
+    assert w.shape == (56, 304) and not w[50:].any() and not w[:, 300:].any()
+    for rows in (x, x[:1]):
+        outs = [gemm_simd.gemm(rows, w, chunks) for chunks in (1, 2, 3)]
+        assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("path", [*NUMBA_PATHS, "simd"])
 def test_numba_gemm_refuses_bfloat16_by_saying_so(path):
     with pytest.raises(RuntimeError, match="float32 on CPU only"):
         Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS[path])
