@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--eagle3", default=None, help="an EAGLE-3 head directory for the target: adds eagle3 rows")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--streams", type=int, default=8, help="concurrent streams (0: single stream only)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
                                                         "draft-model speculation (target given as --vllm-target)")
@@ -197,7 +197,7 @@ def main() -> None:
                 r["prompt_tokens"] = sum(map(len, prompts.values()))
                 results["single"][f"{wl}/{r['method']}"] = r
                 print(f"  {wl}/{r['method']}: {r['tok_s']:.1f} tok/s", flush=True)
-            for method in concurrent:
+            for method in concurrent if args.streams > 0 else ():
                 r = run_concurrent(stack.gateway_addr, list(prompts.values()), args.streams, method, args.k,
                                    args.max_tokens)
                 results["concurrent"][f"{wl}/{method}"] = {k: v for k, v in r.items() if k != "token_ids"}
@@ -235,7 +235,8 @@ def report(results: dict) -> None:
     print("\nboth workloads together (mixed set):")
     for method, r in results["mixed"].items():
         print(f"  {method:24} {r['tok_s']:7.1f} tok/s")
-    print(f"\n{results['streams']} concurrent streams:")
+    if results["concurrent"]:
+        print(f"\n{results['streams']} concurrent streams:")
     for key, r in results["concurrent"].items():
         print(f"  {key:24} {r['tok_s']:7.1f} tok/s  mean acc len {r['mean_accepted_length']:.2f}")
     for name, r in {**results.get("hf", {}), **results.get("vllm", {})}.items():

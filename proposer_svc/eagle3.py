@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.engine.gemm_select import select
 from specdec.engine.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, rope_parameters
 
 EAGLE3 = "eagle3"
@@ -57,6 +58,9 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 #: optional biases (Qwen2-style q/k/v, attention_bias configs)
 ATTENTION_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                     "self_attn.o_proj.bias")
+#: Most rows a head's projections are checked on when their GEMM path is
+#: chosen (a draft step feeds one row per sequence; more is correct anyway).
+HEAD_CHECK_ROWS = 16
 
 
 def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
@@ -141,6 +145,7 @@ class FeatureHead:
         self.draft_to_target = draft_to_target
         self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # float32 [D / 2]
         self.scale = spec.head_dim ** -0.5
+        self.proj = _projections(weights)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -154,7 +159,7 @@ class FeatureHead:
         """Target features as the layer reads them: float32 [T, feature_dim]
         -> [T, hidden] (eagle3: fc; MTP: the target's final norm)."""
         if self.spec.kind == EAGLE3:
-            return F.linear(rows, self.w["fc"])
+            return self.proj["fc"](rows)
         return rms_norm(rows, self.w["target_norm"], self.spec.rms_norm_eps)
 
     @torch.inference_mode()
@@ -173,7 +178,7 @@ class FeatureHead:
         out = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.spec.rms_norm_eps))
         normed = rms_norm(out, self.w["final_norm"], self.spec.rms_norm_eps)  # [T, hidden]
         last = torch.cumsum(torch.tensor([len(it.token_ids) for it in items]), 0) - 1  # [len(items)]
-        logits = F.linear(normed[last], self.w["lm_head"])  # [len(items), draft_vocab]
+        logits = self.proj["lm_head"](normed[last])  # [len(items), draft_vocab]
         return (normed if self.spec.kind == MIMO_MTP else out), logits
 
     def _layer_input(self, e: torch.Tensor, g: torch.Tensor,
@@ -187,17 +192,16 @@ class FeatureHead:
             return x, (gn if self.spec.norm_before_residual else g)
         e = e.masked_fill((positions == 0)[:, None], 0.0)
         en, gn = rms_norm(e, w["token_norm"], eps), rms_norm(g, w["feature_norm"], eps)
-        fused = F.linear(torch.cat([en, gn] if self.spec.kind == DEEPSEEK_MTP else [gn, en], dim=-1), w["input_proj"])
+        fused = self.proj["input_proj"](torch.cat([en, gn] if self.spec.kind == DEEPSEEK_MTP else [gn, en], dim=-1))
         return rms_norm(fused, w["input_layernorm.weight"], eps), fused
 
     def _attention(self, x: torch.Tensor, positions: torch.Tensor, items: list[HeadItem]) -> torch.Tensor:
         """Causal attention of every item's rows over its cache and its own
         earlier rows (the new rows are cached first); x: [T, in] -> [T, hidden]."""
-        s, w = self.spec, self.w
+        s = self.spec
         T, H, Hkv, D = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
-        q = F.linear(x, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias")).view(T, H, D)
-        k = F.linear(x, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias")).view(T, Hkv, D)
-        v = F.linear(x, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")).view(T, Hkv, D)
+        q, k, v = self.proj["qkv"](x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :])  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = torch.empty(T, H, D)
@@ -213,12 +217,29 @@ class FeatureHead:
                                                  attn_mask=mask, scale=self.scale)  # [H, m, D]
             out[row:row + m] = att.transpose(0, 1)
             row += m
-        return F.linear(out.view(T, H * D), w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias"))
+        return self.proj["o"](out.view(T, H * D))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.w
-        return F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]),
-                        w["mlp.down_proj.weight"])
+        gate, up = self.proj["gate_up"](x).chunk(2, dim=-1)
+        return self.proj["down"](F.silu(gate) * up)
+
+
+def _projections(w: dict[str, torch.Tensor]) -> dict:
+    """The head's projections (q/k/v and gate/up fused) as callables [T, in]
+    -> [T, out] through the GEMM path the engine would take on this CPU
+    (gemm_select: checked, timed once, cached): a draft step is a few
+    one-row products, where MKL (F.linear) is several times slower."""
+    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    qkv_w = [w[f"{n}.weight"] for n in qkv]
+    qkv_b = [w.get(f"{n}.bias") for n in qkv]
+    roles = [("qkv", torch.cat(qkv_w), None if all(b is None for b in qkv_b) else
+              torch.cat([b if b is not None else torch.zeros(len(t)) for b, t in zip(qkv_b, qkv_w)])),
+             ("o", w["self_attn.o_proj.weight"], w.get("self_attn.o_proj.bias")),
+             ("gate_up", torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), None),
+             ("down", w["mlp.down_proj.weight"], None), ("lm_head", w["lm_head"], None),
+             *((name, w[name], None) for name in ("fc", "input_proj") if name in w)]
+    chosen = select(roles, torch.float32, torch.get_num_threads(), max_rows=HEAD_CHECK_ROWS)
+    return {role: linear for (role, _, _), linear in zip(roles, chosen.linears)}
 
 
 # ---- checkpoints -------------------------------------------------------------------

@@ -133,3 +133,24 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
     assert "eagle3" in copy_methods and draft_methods == ["draft"]
     assert with_draft._draft_proposer_args(draft_methods).count("--target-model") == 1
     assert build_parser().parse_args(["serve", "--eagle3", "/heads/h"]).eagle3 == "/heads/h"
+
+
+def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, stories_path):
+    """q/k/v and gate/up run fused through the engine's GEMM path on this
+    CPU: each slice equals F.linear with the checkpoint's own weight."""
+    import torch
+    import torch.nn.functional as F
+
+    head = load_eagle3(str(head_dir), stories_path)
+    w = head.w
+    x2 = torch.randn(3, w["self_attn.q_proj.weight"].shape[1], generator=torch.Generator().manual_seed(0))
+    parts = [w[f"self_attn.{n}_proj.weight"] for n in "qkv"]
+    want = torch.cat([F.linear(x2, p) for p in parts], dim=-1)
+    torch.testing.assert_close(head.proj["qkv"](x2), want, rtol=1e-5, atol=1e-5)
+    x = torch.randn(3, w["mlp.gate_proj.weight"].shape[1], generator=torch.Generator().manual_seed(1))
+    want = torch.cat([F.linear(x, w["mlp.gate_proj.weight"]), F.linear(x, w["mlp.up_proj.weight"])], dim=-1)
+    torch.testing.assert_close(head.proj["gate_up"](x), want, rtol=1e-5, atol=1e-5)
+    for role in ("o", "down", "lm_head", "fc"):
+        weight = w[{"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}.get(role, role)]
+        xr = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(2))
+        torch.testing.assert_close(head.proj[role](xr), F.linear(xr, weight), rtol=1e-5, atol=1e-5)
