@@ -1,5 +1,7 @@
 """Every server speaks grpc.health.v1 and server reflection and serves
 Prometheus metrics (checked on a real proposer process)."""
+import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -39,3 +41,30 @@ def test_health_reflection_and_metrics_on_a_real_server():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def _openmp_env_of(command: str, preset: dict[str, str]) -> dict:
+    """What ``specdec <command> --help`` leaves in OMP_WAIT_POLICY, run as a
+    process's entry point with `preset` in its environment, and whether torch
+    was loaded before (OpenMP reads the variable when torch loads it)."""
+    script = ("import json, os, sys\n"
+              "from specdec.cli import main\n"
+              "sys.argv = ['specdec', sys.argv[1], '--help']\n"
+              "torch_before = 'torch' in sys.modules\n"
+              "try:\n    main()\nexcept SystemExit:\n    pass\n"
+              "print(json.dumps({'policy': os.environ.get('OMP_WAIT_POLICY'), 'torch_before': torch_before}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | preset
+    out = subprocess.run([sys.executable, "-c", script, command], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_proposer_process_lets_its_openmp_threads_sleep_unless_told_otherwise():
+    """PROPOSER_OPENMP_ENV: set before torch loads, for proposers only; a
+    value in the environment wins."""
+    from specdec.cli import PROPOSER_OPENMP_ENV
+
+    assert PROPOSER_OPENMP_ENV == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert _openmp_env_of("proposer", {}) == {"policy": "PASSIVE", "torch_before": False}
+    assert _openmp_env_of("proposer", {"OMP_WAIT_POLICY": "ACTIVE"})["policy"] == "ACTIVE"
+    assert _openmp_env_of("scorer", {})["policy"] is None
