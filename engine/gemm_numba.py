@@ -328,9 +328,3 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, path: str = "numba") ->
             _gemm(x, weight, out, chunks, path == "numba1")
     return out
 
-
-def warm_up() -> None:
-    """Compiles (or loads from numba's cache) the kernel for the argument
-    types ``gemm`` passes, so the first forward pass does not wait."""
-    for path in GROUP_ROWS:
-        gemm(np.zeros((1, 8), np.float32), np.zeros((OUT_BLOCK, 8), np.float32), 1, path)
