@@ -64,12 +64,37 @@ TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "
           "a train journey", "saving money", "a haunted house", "playing chess", "the first day of spring",
           "a lighthouse keeper", "recycling", "a lost puppy", "healthy breakfast", "a dragon", "the internet",
           "a picnic", "writing a letter", "an island", "a football match", "time management", "a snowman",
-          "the solar system", "a kind neighbour", "camping in the woods"]
+          "the solar system", "a kind neighbour", "camping in the woods",
+          # everyday life, work, science and places: the instructions below turn each into many requests
+          "drinking enough water", "a job interview", "moving to a new town", "learning a language",
+          "riding a bicycle", "a birthday gift", "public transport", "a rainy weekend at home", "cleaning the kitchen",
+          "a first day at work", "electric cars", "the water cycle", "photosynthesis", "earthquakes",
+          "how airplanes fly", "dinosaurs", "the human heart", "vaccines", "clouds", "magnets", "rainbows",
+          "the history of paper", "ancient Egypt", "the printing press", "computers", "smartphones",
+          "video games", "social media", "a team project", "a difficult decision", "running a marathon",
+          "yoga", "a farmers market", "coffee", "tea", "chocolate", "a vegetable garden", "a wedding",
+          "a museum visit", "a road trip", "a broken phone", "an old photograph", "a lazy cat", "a brave knight",
+          "a space station", "a pirate ship", "a talking tree", "a secret door", "a village festival",
+          "the northern lights", "penguins", "elephants", "owls", "forests", "deserts at night", "a waterfall",
+          "a quiet morning", "making friends", "being patient", "saying sorry", "public speaking",
+          "studying for exams", "budgeting for a holiday", "a small business", "customer service",
+          "climate change", "solar power", "a new hobby", "painting", "playing the guitar", "reading books"]
 HELD_OUT_TOPICS = ["a quiet library", "volcanoes", "a birthday party", "the desert"]
 INSTRUCTIONS = ["Write a short story about {}.", "Explain {} to a child.", "Give three tips about {}.",
-                "Write a poem about {}.", "Describe {} in a few sentences."]
+                "Write a poem about {}.", "Describe {} in a few sentences.",
+                "What should I know about {}?", "Write a short letter to a friend about {}.",
+                "List five facts about {}.", "Why do people care about {}?",
+                "Write a short conversation between two people about {}.",
+                "How would you explain {} step by step?", "Summarize {} in one paragraph.",
+                "Write a diary entry about {}.", "What are the good and bad sides of {}?",
+                "Give me some advice about {}."]
 STORY_OPENINGS = ["Once upon a time, there was {}.", "One day, a girl found {}.", "Tom liked {}.",
                   "The little dog saw {}.", "Lily and her mom talked about {}."]
+#: the recipe's prompts are asked in this seeded order (not cfg.seed: the data set is the recipe's), so that
+#: any number of samples spreads over topics and instructions
+PROMPT_ORDER_SEED = 1234
+#: held-out prompts of the final acceptance measurement (spread over the held-out topics and instructions)
+HELD_OUT_PROMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -93,14 +118,24 @@ class DistillConfig:
 
 
 def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
-    """The recipe's prompts as token ids: chat instructions when the tokenizer
-    has a chat template, story openings otherwise."""
+    """The recipe's prompts for ``topics`` as token ids, in the recipe's
+    seeded order: chat instructions when the tokenizer has a chat template,
+    story openings otherwise."""
     if getattr(tokenizer, "chat_template", None):
         texts = [i.format(t) for t in topics for i in INSTRUCTIONS]
         rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=False) for t in texts]
-        return [list(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rendered]  # as the gateway does
-    return [list(tokenizer(o.format(t))["input_ids"]) for t in topics for o in STORY_OPENINGS]
+        encoded = [list(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rendered]  # as the gateway
+    else:
+        encoded = [list(tokenizer(o.format(t))["input_ids"]) for t in topics for o in STORY_OPENINGS]
+    order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(PROMPT_ORDER_SEED))
+    return [encoded[i] for i in order.tolist()]
+
+
+def held_out_prompts(tokenizer) -> list[list[int]]:
+    """The final acceptance measurement's prompts: ``HELD_OUT_PROMPTS`` of the
+    held-out topics' (no training prompt names those topics)."""
+    return prompts(tokenizer, HELD_OUT_TOPICS)[:HELD_OUT_PROMPTS]
 
 
 def student_from_target(target, layers: int):
@@ -134,13 +169,17 @@ def trainable(student) -> list[torch.nn.Parameter]:
 
 
 @torch.inference_mode()
-def teacher_data(target, tokenizer, cfg: DistillConfig, log) -> dict:
+def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tuple[int, ...] = ()) -> dict:
     """Target answers to the recipe's prompts and the target's top-K
     next-token distribution (its logits as it generated, before temperature)
     at every answer position: row ``j`` of top_ids/top_logp predicts token
     ``start + j + 1``.
     Returns {"tokens": [list[int]], "start": [int] (last prompt position),
-    "top_ids": [int32 [m, K]], "top_logp": [float32 [m, K]]}.
+    "top_ids": [int32 [m, K]], "top_logp": [float32 [m, K]]}, and with
+    feature_layers "features": [bfloat16 [len(tokens) - 1, len(feature_layers)
+    * hidden]], the target's hidden states after those layers at every
+    position but the last, from the same forwards (as the scorer computes
+    and sends them: no second pass over the data).
 
     The answers come from the serving engine (``teacher_engine``: the Llama
     runner where it runs the target), ``TEACHER_BATCH`` of them in flight:
@@ -161,15 +200,22 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed)
     eos = tokenizer.eos_token_id
     data: dict = {"tokens": [], "start": [], "top_ids": [], "top_logp": []}
-    live: dict[str, dict] = {}  # seq id -> {"prompt", "answer", "ids", "logp", "feed"}, in admission order
+    if feature_layers:
+        data["features"] = []
+    live: dict[str, dict] = {}  # seq id -> {"prompt", "answer", "ids", "logp", "feed", "feats"}, admission order
     admitted, started, reported = 0, time.monotonic(), time.monotonic()
     while admitted < len(todo) or live:
         while len(live) < width and admitted < len(todo):
             seq_id, prompt = f"teacher-{admitted}", todo[admitted]
             engine.ensure_capacity(seq_id, len(prompt) + cfg.max_new_tokens)
-            live[seq_id] = {"prompt": prompt, "answer": [], "ids": [], "logp": [], "feed": prompt}
+            live[seq_id] = {"prompt": prompt, "answer": [], "ids": [], "logp": [], "feed": prompt, "feats": []}
             admitted += 1
-        out = engine.forward([ForwardItem(i, np.asarray(s["feed"], np.int32), 1) for i, s in live.items()])
+        out = engine.forward([ForwardItem(i, np.asarray(s["feed"], np.int32), 1) for i, s in live.items()],
+                             feature_layers=feature_layers)
+        if feature_layers:  # out.features: [fed tokens of all items, in item order, width]
+            fed = np.cumsum([0] + [len(s["feed"]) for s in live.values()])
+            for j, s in enumerate(live.values()):
+                s["feats"].append(out.features[fed[j]:fed[j + 1]].to(torch.bfloat16))
         logits = out.logits.float()  # [len(live), V], one row per sequence, admission order
         top = torch.log_softmax(logits, -1).topk(TEACHER_TOP_K, dim=-1)  # [B, K]
         drawn = torch.multinomial(torch.softmax(logits / TEACHER_TEMPERATURE, -1), 1, generator=gen)[:, 0]
@@ -186,6 +232,8 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log) -> dict:
                 data["start"].append(len(s["prompt"]) - 1)
                 data["top_ids"].append(torch.stack(s["ids"]))
                 data["top_logp"].append(torch.stack(s["logp"]))
+                if feature_layers:  # every position but the last answer token (never fed)
+                    data["features"].append(torch.cat(s["feats"]))
         if time.monotonic() - reported >= 10 or (admitted == len(todo) and not live):
             reported = time.monotonic()
             elapsed = reported - started
@@ -243,7 +291,7 @@ def mean_accepted_length(target, student, tokenizer, k: int = ACCEPTANCE_K, max_
     answer, plus one target token."""
     suppress = None if head_ids is None else sorted(set(range(len(tokenizer))) - set(head_ids))
     lengths = []
-    for p in prompts(tokenizer, HELD_OUT_TOPICS)[::3]:
+    for p in held_out_prompts(tokenizer):
         ids = torch.tensor([p])
         answer = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)[0, len(p):]
@@ -296,7 +344,7 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         data, data_s = state["data"], state["data_s"]
     else:
         data_started = time.monotonic()
-        data = teacher_data(target, tokenizer, cfg, log)
+        data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target))
         data_s = time.monotonic() - data_started
     student, loss_of = _student(cfg, target, data)
     optimizer = torch.optim.AdamW(trainable(student), lr=cfg.lr)
@@ -334,7 +382,7 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         from specdec.distill_eagle3 import eagle3_accepted_length
 
         student.save(out)
-        held_out = prompts(tokenizer, HELD_OUT_TOPICS)[::3]
+        held_out = held_out_prompts(tokenizer)
         accepted = eagle3_accepted_length(target, out, cfg.target, held_out, ACCEPTANCE_K,
                                           min(cfg.max_new_tokens, 64))
         shape = {"feature_layers": list(student.layers), "draft_vocab_size": len(student.hot)}
@@ -356,17 +404,26 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     return card
 
 
+def _feature_layers(cfg: DistillConfig, target) -> tuple[int, ...]:
+    """The target layers whose hidden states the student reads (none for a draft model)."""
+    if cfg.kind == "draft":
+        return ()
+    from specdec.distill_eagle3 import eagle3_layers
+
+    return eagle3_layers(target)
+
+
 def _student(cfg: DistillConfig, target, data: dict):
     """The student of cfg.kind and its loss (student, data, rows) -> (mean
-    loss, positions); eagle3 adds the target's features to data (kept in
-    the checkpoint)."""
+    loss, positions); eagle3 reads data["features"] (teacher_data's)."""
     if cfg.kind == "draft":
         return student_from_target(target, cfg.layers), distill_loss
-    from specdec.distill_eagle3 import Eagle3Student, add_features, eagle3_layers, eagle3_loss, hot_tokens
+    from specdec.distill_eagle3 import Eagle3Student, eagle3_loss, hot_tokens
 
-    layers = eagle3_layers(target)
+    layers = _feature_layers(cfg, target)
     if "features" not in data:
-        add_features(target, data, layers)
+        raise SystemExit("--resume: the checkpoint's data has no target features (an older specdec made it); "
+                         "run again without --resume")
     hot = hot_tokens(data, target.config.vocab_size, cfg.draft_vocab or DEFAULT_DRAFT_VOCAB)
     student = Eagle3Student(target, layers, hot).train()
     t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)

@@ -176,11 +176,6 @@ class Eagle3Student(torch.nn.Module):
         (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
-def add_features(target, data: dict, layers: tuple[int, ...]) -> None:
-    """data["features"]: bfloat16 [n, feature_dim] per sequence."""
-    data["features"] = [hidden_features(target, seq, layers).to(torch.bfloat16) for seq in data["tokens"]]
-
-
 def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: torch.Tensor,
                 steps: int = TTT_STEPS) -> tuple[torch.Tensor, int]:
     """Cross-entropy of every chained step against the teacher's top-K

@@ -110,3 +110,44 @@ def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path):
     distill(config(tmp_path / "two", 2), log=lambda *_: None)
     two = load_file(tmp_path / "two" / "model.safetensors")  # two steps short: the tolerance tells it apart
     assert not all(torch.allclose(a[k], two[k], rtol=0, atol=1e-5) for k in a)
+
+
+def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
+    """teacher_data takes the eagle3 features from its own forwards: row i of
+    a sequence's features is the target's state at position i (the prompt's
+    rows from the first pass, then one row per generated token)."""
+    from specdec.distill import teacher_data
+    from specdec.distill_eagle3 import hidden_features
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    target, tokenizer = load_hf_model(stories_path), load_tokenizer(resolve_model(stories_path))
+    layers = (0, 2, 5)
+    data = teacher_data(target, tokenizer, _config(stories_path, "unused", steps=1), lambda *_: None, layers)
+    assert len(data["features"]) == len(data["tokens"]) == 8
+    for seq, feats in zip(data["tokens"], data["features"]):
+        assert feats.dtype == torch.bfloat16 and feats.shape == (len(seq) - 1, 3 * target.config.hidden_size)
+        expected = hidden_features(target, seq, layers)[:len(seq) - 1]  # transformers, one pass over the sequence
+        # one bfloat16 rounding apart at most (different kernels); a row off by one position is far from it
+        assert torch.allclose(feats.float(), expected, rtol=2e-2, atol=2e-2)
+        assert not torch.allclose(feats.float()[1:], expected[:-1], rtol=2e-2, atol=2e-2)
+    assert "features" not in teacher_data(target, tokenizer, _config(stories_path, "unused", steps=1),
+                                          lambda *_: None)
+
+
+def test_the_recipes_prompts_spread_over_topics_and_instructions_in_a_fixed_order(smollm_path):
+    """Any number of samples takes prompts of many topics and instruction
+    kinds (the order is seeded), and no held-out topic is trained on."""
+    from specdec.distill import HELD_OUT_TOPICS, INSTRUCTIONS, TOPICS, held_out_prompts, prompts
+    from specdec.models import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(smollm_path))  # has a chat template: instructions
+    texts = [tokenizer.decode(p) for p in prompts(tokenizer, TOPICS)]
+    assert len(set(texts)) == len(TOPICS) * len(INSTRUCTIONS) and texts == [tokenizer.decode(p)
+                                                                            for p in prompts(tokenizer, TOPICS)]
+    first = texts[:100]
+    assert len({t for t in TOPICS if any(f" {t}" in x for x in first)}) >= 50
+    assert len({i for i in INSTRUCTIONS if any(i.split("{}")[0] in x for x in first)}) == len(INSTRUCTIONS)
+    assert not any(h in x for h in HELD_OUT_TOPICS for x in texts)
+    held_out = [tokenizer.decode(p) for p in held_out_prompts(tokenizer)]
+    assert len(held_out) == 8 and all(any(h in x for h in HELD_OUT_TOPICS) for x in held_out)
