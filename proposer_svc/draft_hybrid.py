@@ -7,6 +7,12 @@ draft's is the sum of its cumulative draft probabilities (``ScoredDraft``),
 the suffix draft's the same under its trie's frequencies, an n-gram draft's
 ``q + q^2 + ... + q^n`` (see ``hybrid``). Long verbatim copies win on copy
 work (rewrite, extract, edit), the model elsewhere. Ties go to the model.
+
+A copy draft that fills the sequence's whole budget (k tokens of verbatim
+continuation) is kept without running the model for that sequence: the model
+could at most match it, and its k steps (a forward each) would sit on the
+round's critical path for nothing. On copy work that is most rounds; the
+model's cache catches up in one forward when it drafts again.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ class DraftHybridProposer(Proposer):
         self.ngram = NgramProposer()
         self.suffix = SuffixProposer(config.suffix)
         self._parts: tuple[Proposer, ...] = (self.model, self.ngram, self.suffix)
+        self.model_skipped = 0  # sequence-rounds answered by a full-budget copy without the model
 
     def start(self, seq_id, context, options):
         for part in self._parts:
@@ -38,15 +45,18 @@ class DraftHybridProposer(Proposer):
             part.extend(seq_id, token_ids)
 
     def propose(self, requests):
-        model = self.model.propose_scored(requests)
         ngram = self.ngram.propose(requests)
         suffix = self.suffix.propose_scored(requests)
         q = self.config.ngram_token_prob
-        out = []
-        for m, n, (s_draft, s_score) in zip(model, ngram, suffix):
-            scored: list[tuple[float, Draft]] = [
-                (m.score, m.draft), (s_score, s_draft), (ngram_score(len(n.token_ids), q), n)]
-            out.append(max(scored, key=lambda c: c[0])[1])  # max keeps the first of equals
+        copies: list[tuple[float, Draft]] = [  # the better copy draft; ties go to the suffix draft
+            max((s_score, s_draft), (ngram_score(len(n.token_ids), q), n), key=lambda c: c[0])
+            for n, (s_draft, s_score) in zip(ngram, suffix)]
+        asked = [i for i, ((_, k), (_, copy)) in enumerate(zip(requests, copies)) if len(copy.token_ids) < k]
+        self.model_skipped += len(requests) - len(asked)
+        out = [copy for _, copy in copies]
+        for i, m in zip(asked, self.model.propose_scored([requests[i] for i in asked])):
+            if m.score >= copies[i][0]:  # ties go to the model
+                out[i] = m.draft
         return out
 
     def stop(self, seq_id, completed):
@@ -63,4 +73,4 @@ class DraftHybridProposer(Proposer):
     def stats(self):
         model, ngram, suffix = self.model.stats(), self.ngram.stats(), self.suffix.stats()
         return {**model, **suffix, "memory_bytes": model["memory_bytes"] + ngram["memory_bytes"]
-                + suffix["memory_bytes"]}
+                + suffix["memory_bytes"], "model_skipped": self.model_skipped}

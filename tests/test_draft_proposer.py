@@ -173,3 +173,35 @@ def test_draft_threads_flag_reaches_the_draft_engine():
     assert settings().draft.engine.num_threads is None  # the engine decides
     with pytest.raises(ValueError, match="--draft-threads"):
         settings("--draft-threads", "0").draft.engine.check()  # (checked when the engine is built)
+
+
+def test_draft_hybrid_runs_the_model_only_where_no_copy_fills_the_budget(engine):
+    """A sequence whose n-gram copy fills its k drafts gets that copy and no
+    model forward; one without gets the model's draft (the same as draft's),
+    from a cache that catches up over the rounds it was skipped."""
+    from specdec.proposer_svc.draft_hybrid import DraftHybridProposer
+    from specdec.proposer_svc.hybrid import HybridConfig
+
+    hybrid = DraftHybridProposer(_proposer(engine), HybridConfig())
+    alone = _proposer(engine)
+    repeated = np.concatenate([PROMPT, PROMPT[:3]]).astype(np.int32)  # the copy continues with PROMPT[3:7]
+    hybrid.start("copy", repeated, NO_CUT)
+    hybrid.start("fresh", PROMPT, NO_CUT)
+    alone.start("fresh", PROMPT, NO_CUT)
+    copy, fresh = hybrid.propose([("copy", 4), ("fresh", 4)])
+    assert copy.token_ids.tolist() == PROMPT[3:7].tolist() and hybrid.model_skipped == 1
+    assert engine.cached_len("copy") == 0  # the model never ran for it
+    assert fresh.token_ids.tolist() == alone.propose([("fresh", 4)])[0].token_ids.tolist()
+    assert len(fresh.token_ids) and hybrid.stats()["model_skipped"] == 1
+    # the copy runs out (a token that breaks it): the model drafts from the whole context
+    hybrid.extend("copy", np.array([PROMPT[3], 77], dtype=np.int32))
+    context = np.concatenate([repeated, [PROMPT[3], 77]]).astype(np.int32)
+    alone.start("whole", context, NO_CUT)
+    got = hybrid.propose([("copy", 4)])[0].token_ids
+    assert hybrid.model_skipped == 1 and len(got)
+    assert got.tolist() == alone.propose([("whole", 4)])[0].token_ids.tolist()
+    assert engine.cached_len("copy") == len(context) + len(got) - 1
+    for seq_id in ("copy", "fresh"):
+        hybrid.stop(seq_id, completed=False)
+    for seq_id in ("fresh", "whole"):
+        alone.stop(seq_id, completed=False)
