@@ -35,10 +35,13 @@ running) instead of starting a forward pass, so the network hop and the
 gateway's work overlap the forward. A Verify with drafts whose acceptance
 test is "equal to the target's token" (greedy, target-match sampling) starts
 from the step: its token decides the first draft (rejected: it is the
-output; accepted: the other drafts are verified from the next position). Any
-other Verify (rejection sampling with drafts, other sampling fields,
-features, another context length; at temperature 0 the seed and filters do
-not matter) rolls the step back first: the KV cache
+output; accepted: the other drafts are verified from the next position). A
+job naming feature_layers takes part too (EAGLE-3 / MTP rounds that drafted
+nothing): the step keeps the pending position's feature row, which leads the
+answer as a Verify's own pass would have computed it. Any
+other Verify (rejection sampling with drafts, other sampling fields, other
+feature layers, hidden states, another context length; at temperature 0 the
+seed and filters do not matter) rolls the step back first: the KV cache
 goes back to ``context_len - 1`` tokens and the round runs as without
 decode-ahead. The token is computed by the same rows a Verify would run
 (the engine is row-count invariant), so the output is the same either way.
@@ -162,6 +165,7 @@ class _Job:
     features: list[torch.Tensor] = field(default_factory=list)  # bfloat16 [rows, dim] chunks from feature_start on
     ahead: bool = False  # a decode-ahead job
     prefix: list[int] = field(default_factory=list)  # drafts a decode-ahead step accepted: output's start
+    prefix_features: int = 0  # feature rows of that step, already in features (the pending position's)
 
 
 @dataclass
@@ -359,7 +363,8 @@ class Scheduler:
                 DECODE_AHEAD.labels("used").inc()
                 return result
             if _extends_ahead(spec, state.ahead_spec):  # the step decides the first draft
-                token = state.ahead.output_token_ids[-1]
+                step = state.ahead
+                token = step.output_token_ids[-1]
                 state.ahead = state.ahead_spec = None
                 state.context_len += 1
                 state.pending = token
@@ -368,11 +373,14 @@ class Scheduler:
                 if int(spec.draft_token_ids[0]) != token:  # rejected: the step's token is the output
                     state.last_used = time.monotonic()
                     DRAFT_TOKENS.inc(k)
-                    return JobResult(OK, [token], 0)
+                    return JobResult(OK, [token], 0, features=step.features)
                 # accepted: the other drafts are verified from the next position
                 spec = job.spec = replace(spec, context_len=spec.context_len + 1,
                                           draft_token_ids=spec.draft_token_ids[1:])
                 job.prefix = [token]
+                if step.features is not None:  # the step's row (the old pending position) leads the job's
+                    job.features.append(_bfloat16_rows(step.features))
+                    job.prefix_features = 1
                 k -= 1
             else:
                 self.engine.truncate(spec.seq_id, state.context_len - 1)  # roll the step back
@@ -396,6 +404,7 @@ class Scheduler:
             job.feed = np.concatenate([[state.pending], spec.draft_token_ids]).astype(np.int32)
             job.context_len_before = state.context_len
             job.feed_start = job.feature_start = state.context_len - 1
+            job.feature_start -= job.prefix_features
         try:  # KV holds context_len - 1 tokens, the feed adds k + 1
             self.engine.ensure_capacity(spec.seq_id, job.context_len_before + k)
         except (PoolExhausted, ValueError) as e:  # ValueError: beyond the model's context
@@ -568,9 +577,10 @@ class Scheduler:
 
 
 def _plain(spec: JobSpec) -> bool:
-    """A draft-less job asking for nothing but the next token."""
-    return (not len(spec.draft_token_ids) and not spec.return_hidden_states and not spec.feature_layers
-            and not spec.draft_probs)
+    """A draft-less job asking for nothing but the next token (and the
+    pending token's feature row, if it names feature_layers: the step ahead
+    computes that row too)."""
+    return not len(spec.draft_token_ids) and not spec.return_hidden_states and not spec.draft_probs
 
 
 def _same_draw(spec: JobSpec, ahead: JobSpec) -> bool:
@@ -588,7 +598,7 @@ def _same_draw(spec: JobSpec, ahead: JobSpec) -> bool:
 
 def _takes_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
     """Whether a Verify job (spec) is answered by the decode-ahead step."""
-    return _plain(spec) and _same_draw(spec, ahead)
+    return _plain(spec) and spec.feature_layers == ahead.feature_layers and _same_draw(spec, ahead)
 
 
 def _extends_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
@@ -597,8 +607,8 @@ def _extends_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
     position (greedy, or target-match sampling keyed by seed and position),
     the step's token decides the first draft, and verifying the rest from the
     next position gives the same tokens as verifying them all."""
-    return (len(spec.draft_token_ids) > 0 and not spec.return_hidden_states and not spec.feature_layers
-            and not spec.draft_probs and spec.strategy in (GREEDY, TARGET_MATCH)
+    return (len(spec.draft_token_ids) > 0 and not spec.return_hidden_states
+            and spec.feature_layers == ahead.feature_layers and not spec.draft_probs and spec.strategy in (GREEDY, TARGET_MATCH)
             and spec.accept_policy == POLICY_NORMAL and _same_draw(spec, ahead))
 
 
@@ -646,6 +656,11 @@ def _feature_rows(job: _Job, new_context_len: int) -> FeatureRows:
     (the ones now context; later drafts were rejected)."""
     rows = torch.cat(job.features)[:new_context_len - 1 - job.feature_start]
     return FeatureRows(job.feature_start, rows.contiguous().view(torch.int16).cpu().numpy().view(np.uint16))
+
+
+def _bfloat16_rows(features: FeatureRows) -> torch.Tensor:
+    """A result's feature rows back as a bfloat16 tensor [rows, width]."""
+    return torch.from_numpy(features.bits.view(np.int16).copy()).view(torch.bfloat16)
 
 
 def _sparse_draft_probs(specs: list[JobSpec]) -> SparseDraftProbs | None:

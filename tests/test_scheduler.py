@@ -578,3 +578,39 @@ def test_decode_ahead_draws_the_same_sampled_tokens(stories_path, engine, temper
     without, with_ahead = asyncio.run(run(False)), asyncio.run(run(True))
     assert with_ahead == without
     assert without[0] != without[1]  # the seeds matter: the test compares real draws
+
+
+def test_decode_ahead_serves_feature_rounds_with_the_same_tokens_and_feature_rows(stories_path, engine):
+    """EAGLE-3/MTP rounds (feature_layers named) alternating draft-less,
+    right and wrong drafts: with decode-ahead the steps run ahead are used
+    (never discarded) and every answer carries the same tokens and the same
+    feature rows, bit for bit, as without it."""
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 30)
+    layers = (1, 3, 5)
+
+    def drafts_fn(tokens, i):  # round i: none, right, none, wrong, ...
+        right = expected[len(tokens) - len(prompt):][:3]
+        return [[], right, [], [(t + 1) % 512 for t in right]][i % 4]
+
+    async def run(ahead: bool):
+        sched = Scheduler(engine, decode_ahead=ahead)
+        tokens, answers = list(prompt), []
+        try:
+            job = spec(f"feat{ahead}", context=tokens, drafts=drafts_fn(tokens, 0), layers=layers)
+            while len(tokens) - len(prompt) < 30:
+                (r,), _, _ = await sched.verify([job])
+                assert r.status == OK, r.message
+                answers.append((r.output_token_ids, r.features.start, r.features.bits.tobytes()))
+                tokens += r.output_token_ids
+                job = spec(f"feat{ahead}", context_len=len(tokens), drafts=drafts_fn(tokens, len(answers)),
+                           layers=layers)
+            return tokens[len(prompt):len(prompt) + 30], answers
+        finally:
+            sched.stop()
+
+    without = asyncio.run(run(False))
+    used, discarded = _ahead_count("used"), _ahead_count("discarded")
+    with_ahead = asyncio.run(run(True))
+    assert without[0] == expected and with_ahead == without
+    assert _ahead_count("used") - used >= 4 and _ahead_count("discarded") - discarded <= 1
