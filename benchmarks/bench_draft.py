@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams (0: single stream only)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
+    ap.add_argument("--decode-ahead", choices=["on", "off"], default="on",
+                    help="the scorer's decode-ahead (specdec scorer --decode-ahead)")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
                                                         "draft-model speculation (target given as --vllm-target)")
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
@@ -177,6 +179,7 @@ def main() -> None:
     workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
     results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
+                     "decode_ahead": args.decode_ahead,
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
           f"{args.max_tokens} tokens", flush=True)
@@ -185,6 +188,7 @@ def main() -> None:
     # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
                extra_proposer_args=["--max-cached-requests", "0"],
+               extra_scorer_args=["--decode-ahead", args.decode_ahead],
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         for wl, prompts in workloads.items():
             plain = None
