@@ -20,7 +20,9 @@ Stack: the same greedy decoding through the whole local stack (scorer,
 proposer and gateway processes, gRPC, method "none": plain decoding) against
 the engine alone in this process, same dtype, prompt and token count, when
 the scorer would run on as many threads as --threads (its default); goal:
-within 5%.
+within 5%. With it, the CPU ms each process spent per token (client,
+gateway, proposer, scorer; psutil) beside the engine alone's: on a 2-core
+machine every ms of glue outside the forward is taken from the GEMM threads.
 
 Also printed: the CPU model, the measured bandwidth, and for each engine the
 GEMM path the selector chose (engine.gemm_select: one path for every
@@ -139,8 +141,21 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 
 def best_rate(fn, reps: int) -> tuple[float, list[int]]:
     """(tokens/s of the fastest of reps runs, the tokens)."""
+    rate, tokens, _ = best_run(fn, reps)
+    return rate, tokens
+
+
+def best_run(fn, reps: int) -> tuple[float, list[int], float]:
+    """(tokens/s of the fastest of reps runs, the tokens, this process's CPU
+    ms per token over all reps)."""
     tokens = fn()  # warm-up
-    return max(len(tokens) / timed(fn)[0] for _ in range(reps)), tokens
+    runs = [timed(fn) for _ in range(reps)]
+    return len(tokens) / min(w for w, _ in runs), tokens, 1e3 * sum(c for _, c in runs) / (reps * len(tokens))
+
+
+def process_cpu_s(procs: dict) -> dict[str, float]:
+    """User + system CPU seconds so far of each psutil process (its threads included)."""
+    return {name: sum(proc.cpu_times()[:2]) for name, proc in procs.items()}
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
@@ -150,6 +165,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     alone) beside the engine alone (engine_row); with the gateway's per-round
     split of the fastest run: scorer compute, and the rest of the round.
     decode_ahead: the scorer's --decode-ahead."""
+    import psutil
+
     stats = []
     with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
                extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead]) as stack:
@@ -160,7 +177,13 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
             stats.append(gen.stats)
             return list(gen.token_ids)
 
-        rate, tokens = best_rate(once, reps)
+        procs = {"client": psutil.Process(), **{s.name: psutil.Process(s.proc.pid) for s in stack.services}}
+        once()  # warm-up, not counted below
+        before = process_cpu_s(procs)
+        rate, tokens, _ = best_run(once, reps)
+        after = process_cpu_s(procs)
+    counted = (reps + 1) * len(tokens)  # best_run's own warm-up included
+    cpu = {name: 1e3 * (after[name] - before[name]) / counted for name in procs}
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
@@ -169,7 +192,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
             "agree_with_engine": agree, "threads": threads,
             "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
-            "network_ms_per_round": 1000 * best.network_s / rounds}
+            "network_ms_per_round": 1000 * best.network_s / rounds,
+            "cpu_ms_per_token": cpu, "engine_alone_cpu_ms_per_token": engine_row["cpu_ms_per_token"]}
 
 
 def print_forward(label: str, rows: list[dict]) -> None:
@@ -203,7 +227,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
           f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "
           f"selection {report.get('select_s', 0.0):.1f} s (0: cached)\n   {summary(report)}")
-    rate, tokens = best_rate(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
+    rate, tokens, cpu_ms = best_run(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
     agree = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), len(tokens))
     limit = bandwidth * 1e9 / decode_weight_bytes(engine)
     rows = [r for b in batches for r in bench_forward(engine, b, queries, args.reps, seed=b)]
@@ -214,7 +238,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), tokens=len(tokens),
                   tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
                   pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
-                  gemm_report=report, engine_tokens=tokens)
+                  gemm_report=report, engine_tokens=tokens, cpu_ms_per_token=cpu_ms)
     return decode, rows
 
 
@@ -227,7 +251,9 @@ def print_decode(rows: list[dict], n: int, reps: int) -> None:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f}   "
                   f"{r['vs_engine_alone']:.3f} x the engine alone (goal >= 0.95); tokens equal to the engine's: "
                   f"{r['agree_with_engine']}/{r['tokens']}; per round {r['ms_per_round']:.1f} ms, of which "
-                  f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}")
+                  f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}; "
+                  f"CPU ms per token: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_token"].items())
+                  + f" (the engine alone: {r['engine_alone_cpu_ms_per_token']:.1f})")
             continue
         if "refused" in r:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} refused: {r['refused']}")
