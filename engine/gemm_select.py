@@ -28,10 +28,11 @@ busy (``machine_busy``), are cached as JSON under
 ``~/.cache/specdec/gemm``), keyed by CPU model, torch version, dtype, thread
 count, shapes and row counts, so a second start costs a file read.
 
-bfloat16 runs at the speed of a float32 GEMM or worse on a CPU without
-native bfloat16 (``native_bf16``: the avx512_bf16 or amx_bf16 flag); the
-engine says so in a warning, and the benchmark only times bfloat16 where it
-is native.
+bfloat16 through oneDNN or MKL runs at the speed of a float32 GEMM or worse
+on a CPU without native bfloat16 (``native_bf16``: the avx512_bf16 or
+amx_bf16 flag); "simd" reads bfloat16 weights as they are (half the bytes of
+float32) and widens them in registers, which any CPU does at full speed. The
+engine warns when bfloat16 takes another path on such a CPU.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 #: Distinct input rows whose one-row results every larger input is compared with.
 CHECK_BASE_ROWS = 32
 #: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
@@ -106,7 +108,8 @@ class GemmPath:
 #: only where the compiler vectorises both loops alike, and the check
 #: rejects it where it does not. "simd" (engine.gemm_simd) writes its vector
 #: arithmetic out, so no compiler can reorder a sum: one row and six sum alike
-#: on every CPU, the fastest decode and verification steps measured so far.
+#: on every CPU, the fastest decode and verification steps measured so far;
+#: it alone also takes bfloat16 weights (float32 arithmetic, bfloat16 out).
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
@@ -133,12 +136,19 @@ class Linear:
         self.onednn = path.kind == "onednn"
         self.numba = path.kind in ("numba", "simd")
         if self.numba:
-            if weight.dtype != torch.float32 or weight.device.type != "cpu":
-                raise RuntimeError(f"the numba GEMM computes float32 on CPU only, not {weight.dtype}")
+            # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
+            dtypes = (torch.float32, torch.bfloat16) if path.kind == "simd" else (torch.float32,)
+            if weight.dtype not in dtypes or weight.device.type != "cpu":
+                raise RuntimeError(f"the {path.kind} GEMM takes {' or '.join(map(str, dtypes))} weights on CPU "
+                                   f"only, not {weight.dtype} on {weight.device.type}")
             self.threads = torch.get_num_threads()  # its output blocks split over as many threads
             pad = gemm_simd.pad_weight if path.kind == "simd" else gemm_numba.pad_weight
-            self._padded = pad(weight.numpy())  # the weight itself unless its shape needs padding
-            self.weight = torch.from_numpy(self._padded)[:self.out_features, :self.in_features]
+            bf16 = weight.dtype == torch.bfloat16
+            raw = weight.view(torch.int16).numpy().view(np.uint16) if bf16 else weight.numpy()
+            self._padded = pad(raw)  # the weight itself unless its shape needs padding
+            padded = torch.from_numpy(self._padded.view(np.int16)).view(torch.bfloat16) if bf16 else \
+                torch.from_numpy(self._padded)
+            self.weight = padded[:self.out_features, :self.in_features]
         else:
             # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
@@ -154,8 +164,10 @@ class Linear:
         return self._gemm(x.contiguous())
 
     def _numba(self, x: torch.Tensor) -> torch.Tensor:
-        if self.path.kind == "simd":
-            y = torch.from_numpy(gemm_simd.gemm(x.contiguous().numpy(), self._padded, self.threads))
+        if self.path.kind == "simd":  # bfloat16 inputs widen exactly; the output is rounded back to their dtype
+            y = torch.from_numpy(gemm_simd.gemm(x.float().contiguous().numpy(), self._padded, self.threads))
+            if x.dtype != torch.float32:
+                y = y.to(x.dtype)
         else:
             y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.path.name))
         if y.shape[1] != self.out_features:

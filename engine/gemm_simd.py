@@ -28,7 +28,12 @@ projections at 6 rows went from ~26 ms (numba6, prefetching into L1) to
 costs about one decode step (``python benchmarks/bench_forward.py`` prints
 the selector's timings on the machine it runs on).
 
-Layout: weights [out, in] float32, out padded to OUT_BLOCK and in to LANES
+bfloat16 weights (uint16 bit patterns) are read as such and widened to
+float32 in registers (a shift: exact), so a step reads half the bytes; the
+arithmetic and its order are the float32 kernel's. This needs no native
+bfloat16 instruction: it runs alike on every x86 CPU numba targets.
+
+Layout: weights [out, in] float32 or bfloat16 bits, out padded to OUT_BLOCK and in to LANES
 (``pad_weight``). Rows go six at a time (``_rows6``: 6 rows x 4 outputs, 24
 accumulators); one left-over row takes ``_rows1`` (1 x 4), more left-over
 rows a zero-padded group of six. Threads (numba ``prange``) split the output
@@ -56,6 +61,8 @@ OUTS = 4
 
 _VECTOR = ir.VectorType(ir.FloatType(), LANES)
 _I32 = ir.IntType(32)
+_BF16_BITS = ir.VectorType(ir.IntType(16), LANES)
+_WIDE_BITS = ir.VectorType(_I32, LANES)
 
 
 class _Lanes(types.Type):
@@ -89,10 +96,19 @@ def zeros(typingctx):
 
 @intrinsic
 def load(typingctx, array, index):
-    """The flat float32 elements index .. index + LANES - 1 of a C-contiguous array."""
+    """The flat elements index .. index + LANES - 1 of a C-contiguous array as
+    float32 lanes: float32 as they are; uint16 read as bfloat16 bit patterns
+    and widened exactly (the 16 bits become the high half of a float32)."""
+    if array.dtype not in (types.float32, types.uint16):
+        return None
+
     def codegen(context, builder, signature, args):
         pointer = _element(context, builder, signature.args[0], args[0], args[1])
-        return builder.load(builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
+        if signature.args[0].dtype == types.float32:
+            return builder.load(builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
+        bits = builder.load(builder.bitcast(pointer, _BF16_BITS.as_pointer()), align=2)
+        wide = builder.shl(builder.zext(bits, _WIDE_BITS), ir.Constant(_WIDE_BITS, [16] * LANES))
+        return builder.bitcast(wide, _VECTOR)
     return lanes(array, index), codegen
 
 
@@ -236,23 +252,27 @@ def padded_in(in_features: int) -> int:
 
 
 def pad_weight(weight: np.ndarray) -> np.ndarray:
-    """float32 [out, in] -> contiguous [out rounded up to OUT_BLOCK, in rounded
-    up to LANES], zeros added; the weight itself (no copy) when it already is."""
+    """float32 (or bfloat16 bits as uint16) [out, in] -> contiguous [out
+    rounded up to OUT_BLOCK, in rounded up to LANES], zeros added; the weight
+    itself (no copy) when it already is."""
     out = -(-weight.shape[0] // OUT_BLOCK) * OUT_BLOCK
     width = padded_in(weight.shape[1])
     if (out, width) == weight.shape and weight.flags.c_contiguous:
         return weight
-    padded = np.zeros((out, width), np.float32)
+    padded = np.zeros((out, width), weight.dtype)
     padded[:weight.shape[0], :weight.shape[1]] = weight
     return padded
 
 
 def gemm(x: np.ndarray, weight: np.ndarray, chunks: int) -> np.ndarray:
-    """x float32 [R, in] @ the padded weight's transpose -> float32 [R, padded out]."""
+    """x float32 [R, in] @ the padded weight's transpose -> float32 [R, padded
+    out]. weight: float32, or uint16 holding bfloat16 bit patterns (half the
+    bytes to read; each value widened to float32 exactly, then summed as a
+    float32 weight would be: same order, so just as row-count invariant)."""
     if x.shape[1] != weight.shape[1]:
         x = np.pad(x, ((0, 0), (0, weight.shape[1] - x.shape[1])))
     x = np.ascontiguousarray(x, dtype=np.float32)
-    assert weight.dtype == np.float32 and weight.flags.c_contiguous and weight.shape[1] % LANES == 0
+    assert weight.dtype in (np.float32, np.uint16) and weight.flags.c_contiguous and weight.shape[1] % LANES == 0
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
         _gemm(x, weight, out, chunks)

@@ -336,11 +336,12 @@ class LlamaEngine(Engine):
         self.gemm_report = None  # off CPU: no choice made (Engine.gemm_report)
         if on_cpu:
             torch.set_num_threads(num_threads)
-            if self.dtype == torch.bfloat16 and not native_bf16():
-                log.warning("LlamaEngine: bfloat16 on a CPU without native bfloat16 (no avx512_bf16 / "
-                            "amx_bf16): expect float32 speed or worse")
             selection = select(projections, self.dtype, num_threads, gemm)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
+            if self.dtype == torch.bfloat16 and not native_bf16() and self.gemm != "simd":
+                log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "
+                            "amx_bf16): expect float32 speed or worse (simd widens bfloat16 weights on any CPU)",
+                            self.gemm)
         else:
             linears, self.gemm = [Linear(w, b, GemmPath("aten", "aten", 1)) for _, w, b in projections], "aten"
         self.lm_head = linears[-1]

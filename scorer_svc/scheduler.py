@@ -608,7 +608,8 @@ def _extends_ahead(spec: JobSpec, ahead: JobSpec) -> bool:
     the step's token decides the first draft, and verifying the rest from the
     next position gives the same tokens as verifying them all."""
     return (len(spec.draft_token_ids) > 0 and not spec.return_hidden_states
-            and spec.feature_layers == ahead.feature_layers and not spec.draft_probs and spec.strategy in (GREEDY, TARGET_MATCH)
+            and spec.feature_layers == ahead.feature_layers and not spec.draft_probs
+            and spec.strategy in (GREEDY, TARGET_MATCH)
             and spec.accept_policy == POLICY_NORMAL and _same_draw(spec, ahead))
 
 

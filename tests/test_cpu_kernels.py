@@ -160,10 +160,15 @@ def test_simd_gemm_splits_outputs_not_dot_products():
         assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("path", [*NUMBA_PATHS, "simd"])
+@pytest.mark.parametrize("path", NUMBA_PATHS)
 def test_numba_gemm_refuses_bfloat16_by_saying_so(path):
-    with pytest.raises(RuntimeError, match="float32 on CPU only"):
+    with pytest.raises(RuntimeError, match="takes torch.float32 weights on CPU only"):
         Linear(torch.zeros(4, 4, dtype=torch.bfloat16), None, GEMM_PATHS[path])
+
+
+def test_simd_gemm_refuses_other_weight_dtypes_by_saying_so():
+    with pytest.raises(RuntimeError, match="takes torch.float32 or torch.bfloat16 weights on CPU only"):
+        Linear(torch.zeros(4, 4, dtype=torch.float16), None, GEMM_PATHS["simd"])
 
 
 
@@ -215,3 +220,31 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
                                          rotate, scale, np.zeros_like(key_cache), np.zeros_like(value_cache),
                                          slot_block[t:t + 1], slot_offset[t:t + 1])
         assert torch.equal(alone[0], q[t])
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13])
+def test_simd_gemm_reads_bfloat16_weights_as_the_float32_kernel_reads_their_values(rows):
+    """bfloat16 bit patterns widened in registers: bitwise the float32
+    kernel on the same (bfloat16-rounded) values, hence the same stated order."""
+    rng = np.random.default_rng(rows)
+    w = torch.from_numpy(rng.standard_normal((40, 203)).astype(np.float32)).to(torch.bfloat16)
+    x = rng.standard_normal((rows, 203)).astype(np.float32)
+    bits = gemm_simd.pad_weight(w.view(torch.int16).numpy().view(np.uint16))
+    assert bits.dtype == np.uint16 and bits.shape == (40, 208) and not bits[:, 203:].any()
+    got = gemm_simd.gemm(x, bits, 2)[:, :40]
+    assert np.array_equal(got, gemm_simd.gemm(x, gemm_simd.pad_weight(w.float().numpy()), 2)[:, :40])
+    assert np.array_equal(got, stated_order(x, w.float().numpy()))
+
+
+def test_the_simd_path_serves_bfloat16_linears_row_invariantly():
+    """A bfloat16 Linear through simd: bfloat16 in and out, the weight kept as
+    bfloat16 (half the bytes), each row bitwise the same alone or among 13."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(50, 37, generator=gen).to(torch.bfloat16)
+    b = torch.randn(50, generator=gen).to(torch.bfloat16)
+    x = torch.randn(13, 37, generator=gen).to(torch.bfloat16)
+    linear = Linear(w, b, GEMM_PATHS["simd"])
+    y = linear(x)
+    assert y.dtype == torch.bfloat16 and linear.weight.dtype == torch.bfloat16 and linear._padded.dtype == np.uint16
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+    rows_alone_equal_rows_together(linear, x)
