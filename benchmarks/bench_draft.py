@@ -160,6 +160,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams (0: single stream only)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="the draft model's dtype and the eagle3 head's projection weights (default: float32)")
     ap.add_argument("--decode-ahead", choices=["on", "off"], default="on",
                     help="the scorer's decode-ahead (specdec scorer --decode-ahead)")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
@@ -179,7 +181,7 @@ def main() -> None:
     workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
     results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
-                     "decode_ahead": args.decode_ahead,
+                     "decode_ahead": args.decode_ahead, "draft_dtype": args.draft_dtype or "float32",
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
           f"{args.max_tokens} tokens", flush=True)
@@ -187,6 +189,7 @@ def main() -> None:
     # no global cache of finished outputs: every variant runs the same prompts, and the suffix-family ones after
     # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
+               draft_dtype=args.draft_dtype,
                extra_proposer_args=["--max-cached-requests", "0"],
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.engine.gemm_select import select
+from specdec.engine.gemm_select import GEMM_PATHS, Linear, select
 from specdec.engine.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, rope_parameters
 
 EAGLE3 = "eagle3"
@@ -136,16 +136,19 @@ class HeadItem:
 class FeatureHead:
     """The head's forward over a ragged batch of ``HeadItem``s (module doc)."""
 
-    def __init__(self, spec: HeadSpec, weights: dict[str, torch.Tensor], draft_to_target: torch.Tensor) -> None:
+    def __init__(self, spec: HeadSpec, weights: dict[str, torch.Tensor], draft_to_target: torch.Tensor,
+                 projection_dtype: torch.dtype = torch.float32) -> None:
         """weights: float32 tensors by role (``LAYER_TENSORS`` names plus
         embed, final_norm, lm_head and the kind's input tensors);
-        draft_to_target: int64 [draft_vocab] target id of each logits column."""
+        draft_to_target: int64 [draft_vocab] target id of each logits column;
+        projection_dtype: bfloat16 keeps the projections' weights in bfloat16
+        (half the bytes a draft step reads; ``_projections``)."""
         self.spec = spec
         self.w = weights
         self.draft_to_target = draft_to_target
         self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # float32 [D / 2]
         self.scale = spec.head_dim ** -0.5
-        self.proj = _projections(weights)
+        self.proj = _projections(weights, projection_dtype)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -224,11 +227,15 @@ class FeatureHead:
         return self.proj["down"](F.silu(gate) * up)
 
 
-def _projections(w: dict[str, torch.Tensor]) -> dict:
+def _projections(w: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict:
     """The head's projections (q/k/v and gate/up fused) as callables [T, in]
-    -> [T, out] through the GEMM path the engine would take on this CPU
-    (gemm_select: checked, timed once, cached): a draft step is a few
-    one-row products, where MKL (F.linear) is several times slower."""
+    -> [T, out] (float32 in and out) through the GEMM path the engine would
+    take on this CPU (gemm_select: checked, timed once, cached): a draft step
+    is a few one-row products, where MKL (F.linear) is several times slower.
+    dtype bfloat16: the weights rounded to bfloat16 and read as such by the
+    simd path (the one that widens bfloat16 weights in registers; a step is
+    bound by the bytes it reads, so about half the time). Drafts may differ
+    slightly, never the output: verification decides."""
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     qkv_w = [w[f"{n}.weight"] for n in qkv]
     qkv_b = [w.get(f"{n}.bias") for n in qkv]
@@ -238,6 +245,10 @@ def _projections(w: dict[str, torch.Tensor]) -> dict:
              ("gate_up", torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), None),
              ("down", w["mlp.down_proj.weight"], None), ("lm_head", w["lm_head"], None),
              *((name, w[name], None) for name in ("fc", "input_proj") if name in w)]
+    if dtype == torch.bfloat16:
+        return {role: Linear(weight.to(torch.bfloat16), bias, GEMM_PATHS["simd"]) for role, weight, bias in roles}
+    if dtype != torch.float32:
+        raise ValueError(f"head projections: float32 or bfloat16, not {dtype}")
     chosen = select(roles, torch.float32, torch.get_num_threads(), max_rows=HEAD_CHECK_ROWS)
     return {role: linear for (role, _, _), linear in zip(roles, chosen.linears)}
 
@@ -315,7 +326,7 @@ def eagle3_layer_ids(config: dict, target_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def load_eagle3(head_dir: str, target: str) -> FeatureHead:
+def load_eagle3(head_dir: str, target: str, projection_dtype: torch.dtype = torch.float32) -> FeatureHead:
     """An EAGLE-3 head in the public layout (config.json + model.safetensors
     or pytorch_model.bin: fc, midlayer.*, norm, lm_head, d2t, t2d, optional
     embed_tokens) for ``target``, whose embeddings it shares when it has
@@ -357,7 +368,7 @@ def load_eagle3(head_dir: str, target: str) -> FeatureHead:
     if w["fc"].shape != (spec.hidden_size, spec.feature_dim):
         raise ValueError(f"{head_dir}: fc.weight {tuple(w['fc'].shape)}, expected "
                          f"{(spec.hidden_size, spec.feature_dim)}")
-    return FeatureHead(spec, w, draft_ids_to_target(d2t, vocab, head_dir))
+    return FeatureHead(spec, w, draft_ids_to_target(d2t, vocab, head_dir), projection_dtype)
 
 
 def _eagle3_name(name: str) -> str:
@@ -375,7 +386,7 @@ def draft_ids_to_target(d2t: torch.Tensor, vocab: int, where: str) -> torch.Tens
     return ids
 
 
-def load_mtp(target: str) -> FeatureHead:
+def load_mtp(target: str, projection_dtype: torch.dtype = torch.float32) -> FeatureHead:
     """The first next-token-prediction layer a target checkpoint carries:
     DeepSeek naming (``model.layers.{num_hidden_layers}.{enorm, hnorm,
     eh_proj, shared_head.*}``, ``num_nextn_predict_layers``) or MiMo naming
@@ -408,7 +419,7 @@ def load_mtp(target: str) -> FeatureHead:
     w["lm_head"], w["target_norm"] = head.float(), raw["model.norm.weight"].float()
     spec = _spec(kind, tcfg, (L,), tcfg.hidden_size, tcfg.vocab_size)
     _check_shapes(spec, w, target, attention_in=spec.hidden_size)
-    return FeatureHead(spec, w, torch.arange(w["lm_head"].shape[0]))
+    return FeatureHead(spec, w, torch.arange(w["lm_head"].shape[0]), projection_dtype)
 
 
 def _check_shapes(spec: HeadSpec, w: dict[str, torch.Tensor], where: str, attention_in: int) -> None:

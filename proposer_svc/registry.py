@@ -36,6 +36,7 @@ class FeatureHeadSettings:
     target_model: str  # the scorer's model: shared embeddings (eagle3), the MTP layers' checkpoint (mtp)
     eagle3: str | None = None  # EAGLE-3 head directory (public layout)
     head: HeadConfig = field(default_factory=HeadConfig)
+    projection_dtype: str = "float32"  # the head's projection weights: "float32" or "bfloat16" (FeatureHead)
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,11 @@ def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
     heads = settings.heads
     if heads is None:
         raise ValueError(f"{method}: needs the target model (--target-model)")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[heads.projection_dtype]
     if method == "mtp":
-        head = load_mtp(heads.target_model)
+        head = load_mtp(heads.target_model, dtype)
     elif heads.eagle3:
-        head = load_eagle3(heads.eagle3, heads.target_model)
+        head = load_eagle3(heads.eagle3, heads.target_model, dtype)
     else:
         raise ValueError("eagle3: needs an EAGLE-3 head (--eagle3 DIR)")
     if head.weight_bytes() < MULTITHREAD_MIN_LAYER_BYTES:

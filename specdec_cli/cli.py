@@ -56,7 +56,9 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3: an EAGLE-3 head for --target-model in the public layout (config.json + "
                         "model.safetensors or pytorch_model.bin, as vLLM/SGLang load it)")
     p.add_argument("--draft-device", "--device", dest="draft_device", default="cpu", choices=list(DEVICES))
-    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default="float32", choices=list(DTYPE_NAMES))
+    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default="float32", choices=list(DTYPE_NAMES),
+                   help="the draft model's dtype; eagle3/mtp: the head's projection weights (bfloat16: half the "
+                        "bytes a draft step reads, float32 arithmetic; drafts may differ slightly, output never)")
     p.add_argument("--draft-kv-tokens", type=int, default=None, help="draft model's KV pool size in tokens")
     p.add_argument("--draft-threads", type=int, default=None,
                    help="CPU threads of the draft model's GEMMs and attention (default: as the scorer's --threads: "
@@ -83,7 +85,8 @@ def replica_settings(args):
             EngineConfig(args.draft_model, dtype=args.draft_dtype, device=args.draft_device,
                          kv_capacity_tokens=args.draft_kv_tokens, num_threads=args.draft_threads),
             target_model=args.target_model, draft=DraftConfig(top_k=args.draft_top_k, max_batch=args.draft_max_batch))
-    heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch))
+    heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch),
+                                args.draft_dtype)
     return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests, cache_between_messages=True),
                            draft, heads)
 

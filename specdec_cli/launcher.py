@@ -218,6 +218,7 @@ class Stack:
     # (registry.MODEL_METHODS) with this draft LM; the other proposers the rest
     draft_model: str | None = None
     eagle3: str | None = None  # the copying proposers also serve eagle3 with this EAGLE-3 head directory
+    draft_dtype: str | None = None  # the draft model's dtype and the heads' projection weights (None: dtype)
     extra_proposer_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # children's output goes to files here, else inherited
     metrics: bool = False  # give every service a Prometheus port (Service.metrics())
@@ -307,13 +308,13 @@ class Stack:
         if self.eagle3 and "eagle3" in methods:
             args += ["--eagle3", self.eagle3]
         if "eagle3" in methods or "mtp" in methods:  # feature heads read the target's embeddings
-            args += ["--target-model", self.model]
+            args += ["--target-model", self.model, "--draft-dtype", self.draft_dtype or "float32"]
         return args
 
     def _draft_proposer_args(self, methods: list[str]) -> list[str]:
         assert self.draft_model is not None
         return [*self._proposer_args(methods), "--draft-model", self.draft_model, "--target-model", self.model,
-                "--draft-dtype", self.dtype]
+                "--draft-dtype", self.draft_dtype or self.dtype]
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
         try:

@@ -133,6 +133,14 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
     assert "eagle3" in copy_methods and draft_methods == ["draft"]
     assert with_draft._draft_proposer_args(draft_methods).count("--target-model") == 1
     assert build_parser().parse_args(["serve", "--eagle3", "/heads/h"]).eagle3 == "/heads/h"
+    # draft_dtype reaches the heads and the draft model; the draft model follows dtype without it
+    bf16 = Stack(model="M", methods="ngram,draft,eagle3", eagle3="/heads/h", draft_model="D", dtype="float32",
+                 draft_dtype="bfloat16")
+    for args in (proposer_args(bf16), bf16._draft_proposer_args(["draft"])):
+        parsed = build_parser().parse_args(args)
+        assert parsed.draft_dtype == "bfloat16"
+    assert build_parser().parse_args(with_draft._draft_proposer_args(["draft"])).draft_dtype == "float32"
+    assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "float32"
 
 
 def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, stories_path):
@@ -154,3 +162,36 @@ def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, s
         weight = w[{"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}.get(role, role)]
         xr = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(2))
         torch.testing.assert_close(head.proj[role](xr), F.linear(xr, weight), rtol=1e-5, atol=1e-5)
+
+
+
+def test_bfloat16_projections_keep_half_the_bytes_and_stay_close(head_dir, stories_path):
+    """`specdec proposer --methods eagle3 --draft-dtype bfloat16`: every
+    projection's weight is kept as bfloat16 (read by the simd path) and
+    computes the checkpoint's linear on those rounded values, float32 in and
+    out; the served proposer is built with it."""
+    import torch
+    import torch.nn.functional as F
+
+    from specdec.cli import build_parser, replica_settings
+    from specdec.proposer_svc.registry import build_proposers
+
+    args = build_parser().parse_args(["proposer", "--methods", "eagle3", "--eagle3", str(head_dir),
+                                      "--target-model", stories_path, "--draft-dtype", "bfloat16"])
+    settings = replica_settings(args)
+    assert settings.heads.projection_dtype == "bfloat16"
+    threads = torch.get_num_threads()
+    try:
+        head = build_proposers(["eagle3"], settings)["eagle3"].head
+    finally:
+        torch.set_num_threads(threads)  # a small head sets the process to one thread, as a server would
+    w = head.w
+    for role, name in (("o", "self_attn.o_proj.weight"), ("down", "mlp.down_proj.weight"), ("lm_head", "lm_head"),
+                       ("fc", "fc")):
+        linear = head.proj[role]
+        assert linear.weight.dtype == torch.bfloat16 and linear.path.name == "simd"
+        x = torch.randn(3, w[name].shape[1], generator=torch.Generator().manual_seed(3))
+        y = linear(x)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, F.linear(x, w[name].to(torch.bfloat16).float()), rtol=1e-5, atol=1e-5)
+    assert load_eagle3(str(head_dir), stories_path).proj["o"].weight.dtype == torch.float32  # the default
