@@ -92,7 +92,7 @@ def replica_settings(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, ENGINE_KINDS, GEMM_CHOICES
+    from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, DTYPE_NAMES, ENGINE_KINDS, GEMM_CHOICES
     from specdec.gateway.admission import AdmissionConfig
     from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
     from specdec.models import default_model
@@ -210,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "LM (shares the model's tokenizer)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="also serve eagle3 with this EAGLE-3 head for the model (public layout)")
+    p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_NAMES),
+                   help="the draft model's dtype (default: --dtype) and the eagle3 head's projection weights "
+                        "(default: float32); bfloat16 halves the bytes a draft step reads")
     p.add_argument("--default-method", default="ngram")
     p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
     p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS))

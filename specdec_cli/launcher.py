@@ -380,7 +380,7 @@ def serve_command(args) -> int:
                   http_port=args.http_port,
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
-                  draft_model=args.draft_model, eagle3=args.eagle3)
+                  draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype)
     stopping = False
 
     def on_signal(signum, frame):

@@ -141,6 +141,7 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
         assert parsed.draft_dtype == "bfloat16"
     assert build_parser().parse_args(with_draft._draft_proposer_args(["draft"])).draft_dtype == "float32"
     assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "float32"
+    assert build_parser().parse_args(["serve", "--draft-dtype", "bfloat16"]).draft_dtype == "bfloat16"
 
 
 def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, stories_path):
