@@ -74,6 +74,7 @@ def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
     checkpoint's MTP layers); ValueError saying what is missing."""
     import torch
 
+    from specdec.engine.checkpoint import torch_dtype
     from specdec.engine.llama import MULTITHREAD_MIN_LAYER_BYTES
     from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp
     from specdec.proposer_svc.feature_draft import FeatureDraftProposer
@@ -81,7 +82,7 @@ def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
     heads = settings.heads
     if heads is None:
         raise ValueError(f"{method}: needs the target model (--target-model)")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[heads.projection_dtype]
+    dtype = torch_dtype(heads.projection_dtype)  # ValueError naming the choices
     if method == "mtp":
         head = load_mtp(heads.target_model, dtype)
     elif heads.eagle3:
