@@ -166,6 +166,34 @@ def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, s
 
 
 
+def test_one_row_chain_steps_attend_as_a_whole_chunk_does(head_dir, stories_path):
+    """A chain step (one row) takes the head's one-query attention (query
+    heads grouped over their kv head, no mask); the same rows fed as one
+    chunk take the general masked form: every row's output and the logits
+    agree, so the one-row form attends to exactly the rows it should."""
+    import torch
+
+    from specdec.proposer_svc.eagle3 import HeadCache, HeadItem
+
+    head = load_eagle3(str(head_dir), stories_path)
+    s = head.spec
+    assert s.num_heads != s.num_kv_heads  # grouped-query attention: the grouping is exercised
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.tensor(CONTEXT[:7])
+    feats = torch.randn(len(tokens), s.hidden_size, generator=gen)
+    whole_cache, step_cache = HeadCache(s.num_kv_heads, s.head_dim), HeadCache(s.num_kv_heads, s.head_dim)
+    whole_out, whole_logits = head.forward([HeadItem(whole_cache, tokens, feats)])
+    steps = [head.forward([HeadItem(step_cache, tokens[i:i + 1], feats[i:i + 1])]) for i in range(len(tokens))]
+    torch.testing.assert_close(torch.cat([o for o, _ in steps]), whole_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(steps[-1][1], whole_logits, rtol=1e-5, atol=1e-5)
+    # a second item in the same forward keeps its own rows
+    other = HeadCache(s.num_kv_heads, s.head_dim)
+    both, _ = head.forward([HeadItem(other, tokens[:1], feats[:1]),
+                            HeadItem(HeadCache(s.num_kv_heads, s.head_dim), tokens[:1], -feats[:1])])
+    torch.testing.assert_close(both[:1], steps[0][0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(both[1:], both[:1])
+
+
 def test_bfloat16_projections_keep_half_the_bytes_and_stay_close(head_dir, stories_path):
     """`specdec proposer --methods eagle3 --draft-dtype bfloat16`: every
     projection's weight is kept as bfloat16 (read by the simd path) and
