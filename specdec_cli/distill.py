@@ -5,7 +5,8 @@ Recipe (all offline; nothing but the target and this package is needed):
 
 1. data: prompts the recipe generates from fixed word lists (instructions
    for a chat model, story openings otherwise), answered by the *target
-   itself* (sampled at ``TEACHER_TEMPERATURE``, seeded), ``TEACHER_BATCH``
+   itself* (sampled at ``--teacher-temperature``, seeded; 0 = its greedy
+   answers, the text greedy serving drafts for), ``TEACHER_BATCH``
    answers at a time through the serving engine; the target's top-``TEACHER_TOP_K``
    next-token distribution at every answer position is kept;
 2. student: the target's embeddings, final norm and LM head plus ``--layers``
@@ -115,6 +116,7 @@ class DistillConfig:
     # draft: > 0 reduces the draft's head to this many target ids (draft_vocab.json), 0 keeps the full head;
     # eagle3: the head's draft vocabulary (0: DEFAULT_DRAFT_VOCAB)
     draft_vocab: int = 0
+    teacher_temperature: float = TEACHER_TEMPERATURE  # the target's answers; 0: greedy (argmax)
 
 
 def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
@@ -218,7 +220,10 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
                 s["feats"].append(out.features[fed[j]:fed[j + 1]].to(torch.bfloat16))
         logits = out.logits.float()  # [len(live), V], one row per sequence, admission order
         top = torch.log_softmax(logits, -1).topk(TEACHER_TOP_K, dim=-1)  # [B, K]
-        drawn = torch.multinomial(torch.softmax(logits / TEACHER_TEMPERATURE, -1), 1, generator=gen)[:, 0]
+        if cfg.teacher_temperature > 0:
+            drawn = torch.multinomial(torch.softmax(logits / cfg.teacher_temperature, -1), 1, generator=gen)[:, 0]
+        else:  # greedy answers: the text a greedy request's drafts are checked against
+            drawn = logits.argmax(-1)
         for row, (seq_id, s) in enumerate(list(live.items())):
             token = int(drawn[row])
             s["answer"].append(token)
@@ -445,7 +450,8 @@ def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
         "--target", cfg.target, "--out", cfg.out, *shape, "--minutes", str(cfg.minutes),
         "--steps", str(cfg.steps), "--samples", str(cfg.samples), "--max-new-tokens", str(cfg.max_new_tokens),
         "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr), "--seed", str(cfg.seed),
-        "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab)])
+        "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab),
+        "--teacher-temperature", str(cfg.teacher_temperature)])
     if cfg.kind == "draft":
         title = "Draft model"
         student = (f"the target's embeddings, final norm and LM head and {card['num_layers']} of its decoder "
@@ -459,6 +465,8 @@ def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
                    f"eagle_aux_hidden_state_layer_ids this way, SGLang adds 1), in the public layout vLLM and "
                    f"SGLang load; token embeddings shared with the target")
         head = f"a draft vocabulary of {card['draft_vocab_size']} target tokens (d2t)"
+    answers = (f"sampled at temperature {cfg.teacher_temperature}, seed {cfg.seed}" if cfg.teacher_temperature > 0
+               else "greedy")
     (out / "README.md").write_text(f"""# {title} for {cfg.target}
 
 Made by `specdec distill` (specdec_cli/distill.py):
@@ -466,10 +474,10 @@ Made by `specdec distill` (specdec_cli/distill.py):
     {command}
 
 - Student: {student}; trained for {card['steps']} steps ({card['train_minutes']} min).
-- Training data: {card['examples']} answers of the target itself (sampled at temperature
-  {TEACHER_TEMPERATURE}, seed {cfg.seed}) to prompts the recipe generates from its fixed word lists (chat
-  instructions or story openings); no other data. Loss: cross-entropy against the target's
-  renormalised top-{TEACHER_TOP_K} next-token distribution at every answer position.
+- Training data: {card['examples']} answers of the target itself ({answers}) to prompts the
+  recipe generates from its fixed word lists (chat instructions or story openings); no other data.
+  Loss: cross-entropy against the target's renormalised top-{TEACHER_TOP_K} next-token distribution
+  at every answer position.
 - Draft head: {head}.
 - Mean accepted length at k={ACCEPTANCE_K} (greedy, held-out prompts): {card['mean_accepted_length_k5']}.
 
@@ -503,15 +511,20 @@ def add_parser(sub) -> None:
                    help="draft: > 0 keeps this many target ids in the draft's head (written to draft_vocab.json; "
                         "a draft step then computes a smaller head), 0 the full vocabulary; eagle3: the head's "
                         f"draft vocabulary, the most frequent target tokens in the data (0: {DEFAULT_DRAFT_VOCAB})")
+    p.add_argument("--teacher-temperature", type=float, default=TEACHER_TEMPERATURE,
+                   help="temperature of the target's training answers; 0: its greedy answers (the text greedy "
+                        "requests are served, so drafts for greedy serving learn exactly it)")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 
 def distill_command(args) -> int:
     cfg = DistillConfig(args.target, args.out, args.layers, args.minutes, args.steps, args.samples,
                         args.max_new_tokens, args.batch_size, args.lr, args.seed, args.device, args.threads,
-                        args.kind, args.draft_vocab)
+                        args.kind, args.draft_vocab, args.teacher_temperature)
     if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 1 or cfg.draft_vocab < 0:
         raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 1, --draft-vocab >= 0")
+    if not math.isfinite(cfg.teacher_temperature) or cfg.teacher_temperature < 0:
+        raise SystemExit(f"--teacher-temperature must be >= 0 (0: greedy answers), got {cfg.teacher_temperature}")
     card = distill(cfg, resume=args.resume)
     print(json.dumps(card))
     return 0

@@ -135,6 +135,40 @@ def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_th
                                           lambda *_: None)
 
 
+def test_teacher_temperature_zero_answers_with_the_targets_greedy_text(stories_path):
+    """--teacher-temperature 0: every answer token is the target's argmax at
+    its position (the teacher's own top-1), i.e. the text greedy serving
+    checks drafts against; the default temperature samples other tokens."""
+    import dataclasses
+
+    from specdec.distill import teacher_data
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    target, tokenizer = load_hf_model(stories_path), load_tokenizer(resolve_model(stories_path))
+
+    def off_argmax(temperature: float) -> tuple[int, int]:
+        cfg = dataclasses.replace(_config(stories_path, "unused", steps=1), teacher_temperature=temperature)
+        data = teacher_data(target, tokenizer, cfg, lambda *_: None)
+        off = total = 0
+        for seq, start, top in zip(data["tokens"], data["start"], data["top_ids"]):
+            answer = torch.tensor(seq[start + 1:])
+            off += int((top[:, 0].long() != answer).sum())
+            total += len(answer)
+        return off, total
+
+    off, total = off_argmax(0.0)
+    assert total > 50 and off == 0
+    assert off_argmax(DistillConfig.teacher_temperature)[0] > 0
+
+
+def test_distill_refuses_a_negative_teacher_temperature(stories_path, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
+                           "--out", str(tmp_path / "d"), "--teacher-temperature", "-1", *SMALL],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "--teacher-temperature must be >= 0" in done.stderr
+
+
 def test_the_recipes_prompts_spread_over_topics_and_instructions_in_a_fixed_order(smollm_path):
     """Any number of samples takes prompts of many topics and instruction
     kinds (the order is seeded), and no held-out topic is trained on."""
