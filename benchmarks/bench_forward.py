@@ -160,17 +160,28 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
-              threads: int, decode_ahead: str = "on") -> dict:
+              threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
     alone) beside the engine alone (engine_row); with the gateway's per-round
     split of the fastest run: scorer compute, and the rest of the round.
-    decode_ahead: the scorer's --decode-ahead."""
+    decode_ahead: the scorer's --decode-ahead; env: variables the stack's
+    processes start with (e.g. OpenMP's), this process's own unchanged."""
     import psutil
 
     stats = []
-    with Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
-               extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead]) as stack:
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        stack = Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
+                      extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead]).start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
         def once() -> list[int]:
             request = make_request(prompt, max_tokens=n, method="none")
             request.ignore_eos = True
@@ -183,12 +194,15 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
         before = process_cpu_s(procs)
         rate, tokens, _ = best_run(once, reps)
         after = process_cpu_s(procs)
+    finally:
+        stack.stop()
     counted = (reps + 1) * len(tokens)  # best_run's own warm-up included
     cpu = {name: 1e3 * (after[name] - before[name]) / counted for name in procs}
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
-    return {"engine": f"stack, ahead {decode_ahead}", "decode_ahead": decode_ahead, "dtype": dtype,
+    label = f"stack, ahead {decode_ahead}" + "".join(f", {k}={v}" for k, v in (env or {}).items())
+    return {"engine": label, "decode_ahead": decode_ahead, "env": env or {}, "dtype": dtype,
             "gemm": engine_row["gemm"], "tokens": len(tokens),
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
             "agree_with_engine": agree, "threads": threads,
@@ -282,6 +296,9 @@ def main() -> None:
                     help="skip plain decoding through the whole local stack")
     ap.add_argument("--stack-decode-ahead", default="on,off",
                     help="the whole-stack row's scorer --decode-ahead values, one row each")
+    ap.add_argument("--stack-env", default="",
+                    help="';'-separated environments for more whole-stack rows, each 'K=V,K=V' (e.g. "
+                         "'GOMP_SPINCOUNT=20000;GOMP_SPINCOUNT=2000'); the stack's own defaults always run")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
@@ -321,9 +338,11 @@ def main() -> None:
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
             if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
-                for ahead in args.stack_decode_ahead.split(","):
-                    results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
-                                                       args.decode_reps, decode, args.threads, ahead))
+                envs = [{}] + [dict(kv.split("=", 1) for kv in e.split(",")) for e in args.stack_env.split(";") if e]
+                for env in envs:
+                    for ahead in args.stack_decode_ahead.split(","):
+                        results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
+                                                           args.decode_reps, decode, args.threads, ahead, env))
     results["load_average_end"] = os.getloadavg()
     print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
           f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
