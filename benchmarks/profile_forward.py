@@ -4,6 +4,7 @@ RoPE, attention, the KV write, Python).
 
     python benchmarks/profile_forward.py                    # the engine as it runs
     python benchmarks/profile_forward.py --gemm onednn --torch-ops   # the engine before its CPU kernels
+    python benchmarks/profile_forward.py --dtype bfloat16
 
 Prints the CPU model, ms per decode step (fastest and median of --steps),
 ms of the step's projections alone (every GEMM of a step on a random row,
@@ -34,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=default_model())
     ap.add_argument("--gemm", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--torch-ops", action="store_true", help="the small steps as torch ops (before engine.cpu_ops)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--context", type=int, default=64, help="cached tokens before the profiled steps")
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/profile_forward.json")
     args = ap.parse_args()
 
-    engine = LlamaEngine(Checkpoint.load(args.model), "float32", kv_capacity_tokens=4096, gemm=args.gemm,
+    engine = LlamaEngine(Checkpoint.load(args.model), args.dtype, kv_capacity_tokens=4096, gemm=args.gemm,
                          num_threads=args.threads)
     if args.torch_ops:
         engine.fused = False
@@ -61,7 +63,7 @@ def main() -> None:
         walls.append((time.perf_counter() - t0) * 1e3)
     linears = [engine.lm_head] + [lin for layer in engine.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                                               layer.down)]
-    xs = {d: torch.randn(args.rows, d) for d in {lin.in_features for lin in linears}}
+    xs = {d: torch.randn(args.rows, d).to(engine.dtype) for d in {lin.in_features for lin in linears}}
     gemm_ms = []
     for _ in range(10):
         t0 = time.perf_counter()
@@ -75,7 +77,7 @@ def main() -> None:
     torch_ms = sum(e.self_cpu_time_total for e in ops) / 1e3 / args.steps
 
     label = f"gemm {engine.gemm}, {'torch ops' if not engine.fused else 'cpu_ops kernels'}"
-    print(f"CPU: {cpu_model()}; {args.threads} threads; {label}; {args.rows} row(s) per step after "
+    print(f"CPU: {cpu_model()}; {args.threads} threads; {args.dtype}; {label}; {args.rows} row(s) per step after "
           f"{args.context} cached tokens")
     print(f"step: {min(walls):.1f} ms fastest, {statistics.median(walls):.1f} ms median of {args.steps}")
     print(f"the step's GEMMs alone: {min(gemm_ms):.1f} ms; torch ops (self CPU, all threads) per step: "
@@ -84,7 +86,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "cpu": cpu_model(), "threads": args.threads, "gemm": engine.gemm, "fused": engine.fused, "rows": args.rows,
+        "cpu": cpu_model(), "threads": args.threads, "dtype": args.dtype, "gemm": engine.gemm,
+        "fused": engine.fused, "rows": args.rows,
         "step_ms_min": min(walls), "step_ms_median": statistics.median(walls), "gemm_ms": min(gemm_ms),
         "torch_ops_ms_per_step": torch_ms,
         "ops": [{"name": e.key, "calls_per_step": e.count / args.steps,
