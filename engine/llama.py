@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -286,7 +286,10 @@ class LlamaEngine(Engine):
     forward pass and a paged KV pool.
 
     dtype: weights and activations ("float32" | "bfloat16"); attention, the
-      KV cache and returned logits / hidden states are float32.
+      KV cache and returned logits / hidden states are float32. bfloat16
+      through the simd GEMM path keeps the weights in bfloat16 and the
+      activations in float32 (``act_dtype``: simd computes in float32, and
+      the small steps then run as the float32 numba kernels).
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
     gemm: "auto" (on CPU the fastest path that keeps rows row-count
@@ -353,11 +356,20 @@ class LlamaEngine(Engine):
         cos, sin = rope_tables(rope_inv_freq(spec.rope, spec.head_dim), self.max_model_len)
         self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.scale = spec.head_dim ** -0.5
-        # float32 on CPU with paged attention: the small steps run as numba calls (cpu_ops)
-        self.fused = on_cpu and self.dtype == torch.float32 and attention == "paged"
+        # on CPU with paged attention the small steps run as numba calls (cpu_ops), on float32
+        # activations: float32 models, and bfloat16 weights read by simd (its arithmetic is float32
+        # anyway, so a bfloat16 stream between the steps would only add a cast per step)
+        self.fused = on_cpu and attention == "paged" and (self.dtype == torch.float32 or self.gemm == "simd")
+        self.act_dtype = torch.float32 if self.fused else self.dtype  # the residual stream's dtype
         if self.fused:
             self._cos_np, self._sin_np = self.cos.numpy(), self.sin.numpy()
             cpu_ops.warm_up()
+            if self.dtype != torch.float32:  # the numba steps take float32 norm weights (exact copies)
+                self.layers = [replace(layer, input_norm=layer.input_norm.float(), post_norm=layer.post_norm.float(),
+                                       q_norm=None if layer.q_norm is None else layer.q_norm.float(),
+                                       k_norm=None if layer.k_norm is None else layer.k_norm.float())
+                               for layer in self.layers]
+                self.final_norm = self.final_norm.float()
 
         if kv_memory_fraction is not None:
             per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
@@ -419,7 +431,7 @@ class LlamaEngine(Engine):
             logits = torch.empty(0, self.facts.vocab_size, device=self.device)
         self.pool.commit(seq_ids, counts)
         return ForwardOutput(logits, normed.float() if return_hidden_states else None,
-                             torch.cat(states, dim=1) if feature_layers else None)
+                             torch.cat(states, dim=1).to(self.dtype) if feature_layers else None)
 
     # ---- the model ---------------------------------------------------------------
 
@@ -448,7 +460,7 @@ class LlamaEngine(Engine):
         reference to it is keeping its value."""
         eps = self.spec.rms_norm_eps
         norm = cpu_ops.rms_norm if self.fused else rms_norm
-        h = F.embedding(tokens, self.embed)
+        h = F.embedding(tokens, self.embed).to(self.act_dtype)
         kept = {0: h} if 0 in feature_layers else {}
         cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
@@ -480,7 +492,7 @@ class LlamaEngine(Engine):
         self.pool.write(i, k, v.float(), batch)
         attend = self.pool.attend if self.attention == "paged" else self.pool.attend_sdpa
         out = attend(i, (q * self.scale).contiguous(), batch, layer.window)  # float32 [T, H, D]
-        return layer.o(out.view(T, H * D).to(self.dtype))
+        return layer.o(out.view(T, H * D).to(self.act_dtype))
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU: down(silu(gate x) * up x); x: [T, hidden] normed."""

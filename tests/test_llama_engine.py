@@ -122,6 +122,30 @@ def test_bfloat16_is_close_to_float32(stories_path, stories):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+def test_bfloat16_through_simd_is_the_float32_pipeline_on_bfloat16_weights(stories):
+    """bfloat16 through simd keeps the projection weights in bfloat16 and
+    runs the float32 kernels between them (act_dtype float32): its logits
+    are bitwise those of a float32 engine on the weights rounded to
+    bfloat16, prefill and decode; features still come out in bfloat16."""
+    import copy
+
+    model, prompt = stories
+    bf16 = engine_of(model, "bfloat16", gemm="simd")
+    assert bf16.fused and bf16.act_dtype == torch.float32
+    assert bf16.layers[0].qkv.weight.dtype == torch.bfloat16 and bf16.lm_head.weight.dtype == torch.bfloat16
+    f32 = engine_of(copy.deepcopy(model).to(torch.bfloat16).float(), "float32", gemm="simd")
+    for engine in (bf16, f32):
+        engine.ensure_capacity("s", len(prompt) + 1)
+    outs = [e.forward([ForwardItem("s", as_ids(prompt), 2)], feature_layers=(1, 3)) for e in (bf16, f32)]
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert outs[0].features.dtype == torch.bfloat16
+    assert torch.equal(outs[0].features, outs[1].features.to(torch.bfloat16))
+    step = [feed(e, [("s", [int(outs[1].logits[-1].argmax())], 1)])[0] for e in (bf16, f32)]
+    assert torch.equal(step[0], step[1])
+    # without the numba steps (torch's attention here) the stream stays bfloat16
+    assert engine_of(model, "bfloat16", gemm="simd", attention="sdpa").act_dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("gemm", ["auto", *GEMM_PATHS])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_row_count_invariance(stories, dtype, gemm):
