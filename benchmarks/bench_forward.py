@@ -302,6 +302,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
+    stack_envs = [e.split(",") for e in args.stack_env.split(";") if e]
+    if any("=" not in kv or not kv.partition("=")[0] for env in stack_envs for kv in env):
+        ap.error(f"--stack-env: each environment is 'K=V,K=V', environments separated by ';' (got {args.stack_env!r})")
     if any(extra not in ("", "torch-ops") for _, _, extra in configs):
         ap.error("--configs: each entry is dtype:gemm or dtype:gemm:torch-ops")
     torch.set_num_threads(args.threads)  # transformers runs on as many threads as the engines
@@ -338,8 +341,7 @@ def main() -> None:
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
             if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
-                envs = [{}] + [dict(kv.split("=", 1) for kv in e.split(",")) for e in args.stack_env.split(";") if e]
-                for env in envs:
+                for env in [{}] + [dict(kv.split("=", 1) for kv in e) for e in stack_envs]:
                     for ahead in args.stack_decode_ahead.split(","):
                         results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
                                                            args.decode_reps, decode, args.threads, ahead, env))

@@ -214,7 +214,8 @@ class FeatureHead:
             c.append(k[row:row + m].transpose(0, 1), v[row:row + m].transpose(0, 1))
             n = c.length
             if m == 1:  # a chain step: its one query sees every cached row (no mask), query heads grouped
-                # over their kv head in place (no repeated cache): ~80 us against ~240 for the general form
+                # over their kv head in place (no repeated cache): ~50 us against ~160 for the general form
+                # (SmolLM2's head, 256 cached rows, 1 thread)
                 scores = torch.matmul(q[row].view(Hkv, H // Hkv, D), c.k[:, :n].transpose(1, 2)) * self.scale
                 out[row] = torch.matmul(torch.softmax(scores, dim=-1), c.v[:, :n]).view(H, D)
                 row += 1
