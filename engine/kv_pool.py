@@ -3,11 +3,15 @@ per-sequence block tables, rollback by length, and attention over the pages.
 
 Layout (one tensor pair for all layers, zero-filled, float32 on CPU):
 
-    key_cache, value_cache  [layers, num_blocks, kv_heads, block_size, head_dim]
+    key_cache    [layers, num_blocks, kv_heads, head_dim, block_size]
+    value_cache  [layers, num_blocks, kv_heads, block_size, head_dim]
 
 Token ``t`` of a sequence lives in block ``table[t // block_size]`` at offset
-``t % block_size``; each token's head vector is contiguous, so a score is one
-vectorised dot product and a weighted value one vectorised FMA row.
+``t % block_size``. Keys are stored transposed inside a block: one dimension
+of 16 consecutive tokens' keys is one vector, so the scores of 16 keys are
+16 lanes of head_dim multiply-adds (no horizontal sums; the block size is a
+multiple of ``simd.LANES`` on CPU). Each token's value vector is contiguous,
+so a weighted value is one vectorised FMA row.
 
 Why paged: sequences grow by a few tokens per round and shrink on rollback;
 fixed-size blocks make both O(1) bookkeeping, never move cached data, and let
@@ -26,13 +30,13 @@ sequences) share the pass. ``_paged_attention`` guarantees it by
 construction: one serial routine computes each (row, kv head) from the row's
 visible keys only, in ascending position order, with loops whose trip counts
 depend on the row's position alone, so the compiled code takes the same path
-(vector body and remainder alike) whatever else is in the batch. Threads only
-split the (row, kv head) units between them.
+(vector body and remainder alike) whatever else is in the batch; the scores
+are explicit vectors (``_block_scores``, no fast-math), one fixed order for
+every key. Threads only split the (row, kv head) units between them.
 """
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numba
@@ -42,10 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine.base import PoolExhausted
+from specdec.engine.gemm_numba import LAUNCH_LOCK
+from specdec.engine.simd import LANES, add, fma, load, mul, pow2, splat, store, zeros
 
 #: Below this many (query row, head, visible key) triples the attention runs
-#: on the calling thread only; a thread hand-off costs more than it saves.
-PARALLEL_MIN_WORK = 1 << 16
+#: on the calling thread only; a launch of numba's threads costs more than it
+#: saves (SmolLM2's shapes, 2 threads, AMD EPYC: even at ~600, 1.6x faster at 4600).
+PARALLEL_MIN_WORK = 1 << 10
 
 # Reassociation lets LLVM vectorize the dot products and sums; every loop a
 # row's result depends on has the same trip count for that row in any batch,
@@ -74,18 +81,20 @@ class KVPool:
                  block_size: int = 16, device: str = "cpu", num_threads: int = 1) -> None:
         if capacity_tokens < block_size:
             raise ValueError(f"KV capacity {capacity_tokens} is below one block ({block_size} tokens)")
+        if torch.device(device).type == "cpu" and block_size % LANES:
+            raise ValueError(f"block_size {block_size}: on CPU a multiple of {LANES} (the attention's vector width)")
         self.block_size = block_size
         self.num_blocks = capacity_tokens // block_size
         self.capacity_tokens = self.num_blocks * block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        shape = (num_layers, self.num_blocks, num_kv_heads, block_size, head_dim)
-        self.key_cache = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.value_cache = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.key_cache = torch.zeros(num_layers, self.num_blocks, num_kv_heads, head_dim, block_size,
+                                     dtype=torch.float32, device=device)  # keys transposed per block
+        self.value_cache = torch.zeros(num_layers, self.num_blocks, num_kv_heads, block_size, head_dim,
+                                       dtype=torch.float32, device=device)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # popped from the end
         self._tables: dict[str, list[int]] = {}  # seq_id -> its blocks, in token order
         self._lengths: dict[str, int] = {}  # seq_id -> tokens cached
-        self._workers = ThreadPoolExecutor(num_threads - 1) if num_threads > 1 else None
         self._num_threads = num_threads
         if self.key_cache.device.type == "cpu":
             self._layer_arrays = [(self.key_cache[i].numpy(), self.value_cache[i].numpy()) for i in range(num_layers)]
@@ -204,7 +213,7 @@ class KVPool:
             _write_rows(self.key_cache[layer].numpy(), self.value_cache[layer].numpy(), key.numpy(), value.numpy(),
                         batch.slot_block.numpy(), batch.slot_offset.numpy())
             return
-        self.key_cache[layer, batch.slot_block, :, batch.slot_offset] = key
+        self.key_cache[layer, batch.slot_block, :, :, batch.slot_offset] = key
         self.value_cache[layer, batch.slot_block, :, batch.slot_offset] = value
 
     def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch, window: int = 0) -> torch.Tensor:
@@ -217,17 +226,12 @@ class KVPool:
         assert query.dtype == torch.float32 and query.is_contiguous() and query.device.type == "cpu"
         assert query.shape[1] % self.num_kv_heads == 0 and query.shape[2] == self.head_dim
         out = torch.empty_like(query)
-        args = (query.numpy(), self.key_cache[layer].numpy(), self.value_cache[layer].numpy(),
-                batch.block_tables, batch.row_seq, batch.row_pos, window)
-        work = batch.attention_work * query.shape[1]
-        if self._workers is None or work < PARALLEL_MIN_WORK:
+        args = (query.numpy(), *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window)
+        if self._num_threads == 1 or batch.attention_work * query.shape[1] < PARALLEL_MIN_WORK:
             _paged_attention(*args, 0, 1, out.numpy())
         else:
-            n = self._num_threads
-            jobs = [self._workers.submit(_paged_attention, *args, i, n, out.numpy()) for i in range(1, n)]
-            _paged_attention(*args, 0, n, out.numpy())
-            for job in jobs:
-                job.result()
+            with LAUNCH_LOCK:
+                _paged_attention_parallel(*args, self._num_threads, out.numpy())
         return out
 
     def attend_sdpa(self, layer: int, query: torch.Tensor, batch: PagedBatch, window: int = 0) -> torch.Tensor:
@@ -240,8 +244,8 @@ class KVPool:
         tables = torch.from_numpy(batch.block_tables).to(dev).long()
         B, nblk = tables.shape
         L = nblk * self.block_size
-        keys, values = (cache[layer][tables].transpose(1, 2).reshape(B, self.num_kv_heads, L, D)
-                        for cache in (self.key_cache, self.value_cache))
+        keys = self.key_cache[layer][tables].permute(0, 2, 1, 4, 3).reshape(B, self.num_kv_heads, L, D)
+        values = self.value_cache[layer][tables].transpose(1, 2).reshape(B, self.num_kv_heads, L, D)
         row_seq = torch.from_numpy(batch.row_seq).to(dev).long()
         row_pos = torch.from_numpy(batch.row_pos).to(dev).long()
         counts = torch.bincount(row_seq, minlength=B)
@@ -269,28 +273,28 @@ def _warm_up() -> None:
     """Compiles (or loads from numba's cache) the attention kernel for the
     argument types ``attend`` passes, so the first request does not wait."""
     one = np.zeros((1, 1, 1), np.float32)
-    _paged_attention(one, np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1, 1), np.float32),
+    _paged_attention(one, np.zeros((1, 1, 1, LANES), np.float32), np.zeros((1, 1, LANES, 1), np.float32),
                      np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0, 0, 1, one)
 
 
 # e^x for x <= 0 as 2^k * e^r, k = round(x / ln 2), |r| <= ln(2) / 2: r by
 # Cody-Waite reduction, e^r by its degree-7 Taylor polynomial (error < 1e-8),
-# 2^k from a table, so that a loop of them vectorises (libm's expf does not).
+# 2^k from its exponent bits, so that a loop of them vectorises (libm's expf does not).
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693145751953125)  # ln 2 = _LN2_HI + _LN2_LO; _LN2_HI * k is exact
 _LN2_LO = np.float32(1.428606765330187e-06)
-_POW2 = np.array([2.0 ** k for k in range(-127, 1)], dtype=np.float32)  # 2^-127 .. 2^0
 
 
 @numba.njit(nogil=True, cache=True)
 def _write_rows(key_cache, value_cache, key, value, slot_block, slot_offset):
-    """key_cache[slot_block[t], :, slot_offset[t]] = key[t] (and values) for
-    every row t; caches [blocks, kv_heads, block_size, head_dim], key and
-    value [T, kv_heads, head_dim] (any strides)."""
+    """key_cache[slot_block[t], :, :, slot_offset[t]] = key[t] and
+    value_cache[slot_block[t], :, slot_offset[t]] = value[t] for every row
+    t; caches as the pool's layers hold them, key and value [T, kv_heads,
+    head_dim] (any strides)."""
     for t in range(key.shape[0]):
         b, o = slot_block[t], slot_offset[t]
         for h in range(key.shape[1]):
-            key_cache[b, h, o, :] = key[t, h, :]
+            key_cache[b, h, :, o] = key[t, h, :]
             value_cache[b, h, o, :] = value[t, h, :]
 
 
@@ -302,65 +306,129 @@ def exp_nonpositive(x):
     p = np.float32(1.0 / 5040)
     for c in (1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0):
         p = p * r + np.float32(c)
-    return p * _POW2[np.int32(k) + 127]
+    return p * pow2(np.int32(k))  # k >= -126: 2^k is a normal float32
 
 
-@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
+@numba.njit(nogil=True, cache=True)
+def _block_scores(q, key_cache, block, g, scores, column):
+    """scores[column:column + bs] = q's scores against the bs keys of one
+    block, kv head g.
+
+    q [D]; key_cache [blocks, kv_heads, D, bs] (keys transposed), C-contiguous;
+    scores float32. Each score is the sum over d of q[d] * key[d] in four
+    partial sums (d mod 4) added as (0 + 1) + (2 + 3): explicit vectors
+    without fast-math (engine.simd), so the order is this one for every key,
+    row and batch."""
+    D = q.shape[0]
+    bs = key_cache.shape[3]
+    base = (block * key_cache.shape[1] + g) * D * bs
+    whole = D - D % 4
+    for lane0 in range(0, bs, LANES):
+        a0 = a1 = a2 = a3 = zeros()
+        for d in range(0, whole, 4):
+            at = base + d * bs + lane0
+            a0 = fma(a0, splat(q[d]), load(key_cache, at))
+            a1 = fma(a1, splat(q[d + 1]), load(key_cache, at + bs))
+            a2 = fma(a2, splat(q[d + 2]), load(key_cache, at + 2 * bs))
+            a3 = fma(a3, splat(q[d + 3]), load(key_cache, at + 3 * bs))
+        for d in range(whole, D):
+            a0 = fma(a0, splat(q[d]), load(key_cache, base + d * bs + lane0))
+        store(scores, column + lane0, add(add(a0, a1), add(a2, a3)))
+
+
+@numba.njit(nogil=True, cache=True)
+def _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head):
+    """out[row, head] = inv * sum over i < n of weights[i] * the value at flat
+    offset key_rows[i] of value_cache (C-contiguous; D a multiple of LANES).
+
+    Per LANES dimensions, four partial sums (i mod 4), each in key order,
+    added as (0 + 1) + (2 + 3): explicit vectors without fast-math, one
+    order for every row and batch."""
+    D = out.shape[2]
+    at = (row * out.shape[1] + head) * D
+    whole = n - n % 4
+    scale = splat(inv)
+    for c in range(0, D, LANES):
+        a0 = a1 = a2 = a3 = zeros()
+        for i in range(0, whole, 4):
+            a0 = fma(a0, splat(weights[i]), load(value_cache, key_rows[i] + c))
+            a1 = fma(a1, splat(weights[i + 1]), load(value_cache, key_rows[i + 1] + c))
+            a2 = fma(a2, splat(weights[i + 2]), load(value_cache, key_rows[i + 2] + c))
+            a3 = fma(a3, splat(weights[i + 3]), load(value_cache, key_rows[i + 3] + c))
+        for i in range(whole, n):
+            a0 = fma(a0, splat(weights[i]), load(value_cache, key_rows[i] + c))
+        store(out, at + c, mul(add(add(a0, a1), add(a2, a3)), scale))
+
+
+@numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
 def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window,
                      unit_begin, unit_step, out):
-    """Softmax attention for the (row, kv head) units unit_begin,
-    unit_begin + unit_step, ...; unit u is row u // kv_heads, kv head
-    u % kv_heads with its `group` query heads.
+    """Softmax attention for the (row, query head) units unit_begin,
+    unit_begin + unit_step, ...; unit u is row u // H, head u % H (kv head
+    head // (H / kv_heads)).
 
-    query [T, H, D] float32 (pre-scaled); key_cache, value_cache
-    [num_blocks, kv_heads, bs, D]; block_tables int32 [B, max_blocks];
-    row_seq, row_pos int32 [T]; out [T, H, D] float32.
+    query [T, H, D] float32 (pre-scaled); key_cache [num_blocks, kv_heads,
+    D, bs], value_cache [num_blocks, kv_heads, bs, D]; block_tables int32
+    [B, max_blocks]; row_seq, row_pos int32 [T]; out [T, H, D] float32.
 
-    Per unit, over the n visible keys first..pos: all G x n scores, then per
-    head the max, the weights e^(s - max) and their sum, then the weighted
-    sum of the values, each loop in position order."""
+    Per unit, over the n visible keys first..pos: the scores of the whole
+    blocks holding them (``_block_scores``), their max, the weights
+    e^(s - max) and their sum, then the weighted sum of the values
+    (``_weighted_values`` when D is a multiple of LANES), each loop in
+    position order."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
-    bs = key_cache.shape[2]
+    bs = key_cache.shape[3]
     group = H // kv_heads
-    scores = np.empty((group, row_pos.max() + 1), np.float32)
+    scores = np.empty((row_pos.max() // bs + 1) * bs, np.float32)
+    key_rows = np.empty(row_pos.max() + 1, np.int64)  # flat offset of each visible key's value
     acc = np.empty(D, np.float32)
-    for unit in range(unit_begin, T * kv_heads, unit_step):
-        row = unit // kv_heads
-        g = unit % kv_heads
+    vector_values = D % LANES == 0
+    for unit in range(unit_begin, T * H, unit_step):
+        row = unit // H
+        head = unit % H
+        g = head // group
         pos = row_pos[row]
         first = max(0, pos - window + 1) if window > 0 else 0
         n = pos + 1 - first
         table = block_tables[row_seq[row]]
-        q = query[row, g * group:(g + 1) * group]  # [group, D]
-        for blk_i in range(first // bs, pos // bs + 1):
-            keys = key_cache[table[blk_i], g]  # [bs, D]
+        first_blk = first // bs
+        for blk_i in range(first_blk, pos // bs + 1):
+            _block_scores(query[row, head], key_cache, table[blk_i], g, scores, (blk_i - first_blk) * bs)
+        skip = first - first_blk * bs  # scores[skip + i] is key first + i's
+        weights = scores[skip:skip + n]
+        m = weights[0]
+        for i in range(1, n):
+            m = max(m, weights[i])
+        total = np.float32(0.0)
+        for i in range(n):
+            weights[i] = exp_nonpositive(weights[i] - m)
+            total += weights[i]
+        inv = np.float32(1.0) / total
+        if vector_values:
+            for blk_i in range(first_blk, pos // bs + 1):
+                base = blk_i * bs - first  # key first + i is at offset i - base of this block
+                start = (table[blk_i] * kv_heads + g) * bs * D
+                for j in range(max(-base, 0), min(n - base, bs)):
+                    key_rows[base + j] = start + j * D
+            _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head)
+            continue
+        acc[:] = 0.0
+        for blk_i in range(first_blk, pos // bs + 1):
+            values = value_cache[table[blk_i], g]  # [bs, D]
             base = blk_i * bs - first
             for j in range(max(-base, 0), min(n - base, bs)):
-                key = keys[j]
-                for h in range(group):
-                    s = np.float32(0.0)
-                    for d in range(D):
-                        s += q[h, d] * key[d]
-                    scores[h, base + j] = s
-        for h in range(group):
-            weights = scores[h]
-            m = weights[0]
-            for i in range(1, n):
-                m = max(m, weights[i])
-            total = np.float32(0.0)
-            for i in range(n):
-                weights[i] = exp_nonpositive(weights[i] - m)
-                total += weights[i]
-            acc[:] = 0.0
-            for blk_i in range(first // bs, pos // bs + 1):
-                values = value_cache[table[blk_i], g]  # [bs, D]
-                base = blk_i * bs - first
-                for j in range(max(-base, 0), min(n - base, bs)):
-                    w = weights[base + j]
-                    value = values[j]
-                    for d in range(D):
-                        acc[d] += w * value[d]
-            inv = np.float32(1.0) / total
-            for d in range(D):
-                out[row, g * group + h, d] = acc[d] * inv
+                w = weights[base + j]
+                value = values[j]
+                for d in range(D):
+                    acc[d] += w * value[d]
+        for d in range(D):
+            out[row, head, d] = acc[d] * inv
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, chunks, out):
+    """``_paged_attention`` of every unit, the units dealt round-robin to
+    `chunks` parallel calls (numba threads)."""
+    for c in numba.prange(chunks):
+        _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, c, chunks, out)

@@ -200,8 +200,8 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
     pos = np.array([3, 17, 18, 40, 41], np.int32)
     slot_block = np.array([0, 2, 2, 3, 1], np.int64)
     slot_offset = np.array([3, 1, 2, 0, 7], np.int64)
-    key_cache = np.zeros((blocks, kv_heads, block_size, dim), np.float32)
-    value_cache = np.zeros_like(key_cache)
+    key_cache = np.zeros((blocks, kv_heads, dim, block_size), np.float32)  # kv_pool's layouts
+    value_cache = np.zeros((blocks, kv_heads, block_size, dim), np.float32)
     scale = dim ** -0.5
     q = cpu_ops.rope_scale_write(qkv, heads, kv_heads, cos.numpy(), sin.numpy(), pos, rotate, scale,
                                  key_cache, value_cache, slot_block, slot_offset)
@@ -209,12 +209,13 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
     rotated = apply_rope(qk, cos[torch.from_numpy(pos).long()], sin[torch.from_numpy(pos).long()]) if rotate else qk
     torch.testing.assert_close(q, rotated[:, :heads] * scale, rtol=1e-6, atol=1e-6)
     for t in range(5):
-        keys = torch.from_numpy(key_cache[slot_block[t], :, slot_offset[t]])
+        keys = torch.from_numpy(key_cache[slot_block[t], :, :, slot_offset[t]])
         torch.testing.assert_close(keys, rotated[t, heads:], rtol=1e-6, atol=1e-6)
         assert torch.equal(torch.from_numpy(value_cache[slot_block[t], :, slot_offset[t]]), qkv[t, heads + kv_heads:])
     untouched = np.ones((blocks, block_size), bool)
     untouched[slot_block, slot_offset] = False
-    assert not key_cache.transpose(0, 2, 1, 3)[untouched].any()
+    assert not key_cache.transpose(0, 3, 1, 2)[untouched].any()
+    assert not value_cache.transpose(0, 2, 1, 3)[untouched].any()
     for t in range(5):  # one row alone gives the same bits as the batch
         alone = cpu_ops.rope_scale_write(qkv[t:t + 1], heads, kv_heads, cos.numpy(), sin.numpy(), pos[t:t + 1],
                                          rotate, scale, np.zeros_like(key_cache), np.zeros_like(value_cache),

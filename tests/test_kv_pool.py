@@ -13,7 +13,7 @@ import torch
 from specdec.engine.base import PoolExhausted
 from specdec.engine.kv_pool import PARALLEL_MIN_WORK, KVPool
 
-LAYERS, KV_HEADS, HEAD_DIM, BS = 2, 2, 8, 4
+LAYERS, KV_HEADS, HEAD_DIM, BS = 2, 2, 8, 16
 
 
 def make_pool(capacity_tokens: int = 64, num_threads: int = 1, head_dim: int = HEAD_DIM) -> KVPool:
@@ -29,81 +29,87 @@ def snapshot(pool: KVPool) -> tuple:
 
 
 def test_ensure_capacity_reserves_whole_blocks():
-    pool = make_pool(64)
-    assert pool.free_tokens() == 64
-    pool.ensure_capacity("a", 5)  # 2 blocks of 4
-    assert pool.cached_len("a") == 0 and pool.reserved_len("a") == 8
-    assert pool.free_tokens() == 56
-    pool.ensure_capacity("a", 8)  # already covered
-    assert pool.free_tokens() == 56
-    pool.ensure_capacity("a", 9)
-    assert pool.reserved_len("a") == 12 and pool.free_tokens() == 52
+    pool = make_pool(256)
+    assert pool.free_tokens() == 256
+    pool.ensure_capacity("a", 17)  # 2 blocks of 16
+    assert pool.cached_len("a") == 0 and pool.reserved_len("a") == 32
+    assert pool.free_tokens() == 224
+    pool.ensure_capacity("a", 32)  # already covered
+    assert pool.free_tokens() == 224
+    pool.ensure_capacity("a", 33)
+    assert pool.reserved_len("a") == 48 and pool.free_tokens() == 208
     assert pool.cached_len("unknown") == 0 and pool.reserved_len("unknown") == 0
 
 
+def test_cpu_block_size_is_a_multiple_of_the_attention_vector():
+    with pytest.raises(ValueError, match="block_size 8"):
+        KVPool(LAYERS, KV_HEADS, HEAD_DIM, 64, block_size=8)
+    assert KVPool(LAYERS, KV_HEADS, HEAD_DIM, 64, block_size=32).num_blocks == 2
+
+
 def test_exhaustion_raises_and_changes_nothing():
-    pool = make_pool(16)  # 4 blocks
-    pool.ensure_capacity("a", 8)
-    pool.ensure_capacity("b", 4)
+    pool = make_pool(64)  # 4 blocks
+    pool.ensure_capacity("a", 32)
+    pool.ensure_capacity("b", 16)
     before = snapshot(pool)
     with pytest.raises(PoolExhausted):
-        pool.ensure_capacity("new", 5)  # needs 2 blocks, 1 free
+        pool.ensure_capacity("new", 17)  # needs 2 blocks, 1 free
     with pytest.raises(PoolExhausted):
-        pool.ensure_capacity("a", 20)  # growing a live sequence past the pool
+        pool.ensure_capacity("a", 80)  # growing a live sequence past the pool
     assert snapshot(pool) == before
     assert pool.reserved_len("new") == 0 and pool.num_sequences() == 2
-    pool.ensure_capacity("new", 4)  # what does fit still works
+    pool.ensure_capacity("new", 16)  # what does fit still works
     assert pool.free_tokens() == 0
 
 
 def test_release_frees_capacity_for_reuse():
-    pool = make_pool(16)
-    pool.ensure_capacity("a", 16)
+    pool = make_pool(64)
+    pool.ensure_capacity("a", 64)
     with pytest.raises(PoolExhausted):
         pool.ensure_capacity("b", 1)
     assert pool.release("a") is True
     assert pool.release("a") is False
-    assert pool.free_tokens() == 16 and pool.cached_len("a") == 0
-    pool.ensure_capacity("b", 16)
-    assert pool.reserved_len("b") == 16
+    assert pool.free_tokens() == 64 and pool.cached_len("a") == 0
+    pool.ensure_capacity("b", 64)
+    assert pool.reserved_len("b") == 64
 
 
 def test_truncate_frees_blocks_past_the_kept_length():
-    pool = make_pool(64)
-    pool.ensure_capacity("a", 11)
-    pool.plan(["a"], [11])
-    pool.commit(["a"], [11])
-    assert pool.cached_len("a") == 11
-    pool.truncate("a", 5)  # keeps 2 blocks
-    assert pool.cached_len("a") == 5 and pool.reserved_len("a") == 8
-    assert pool.free_tokens() == 56
-    pool.truncate("a", 5)  # no-op
+    pool = make_pool(256)
+    pool.ensure_capacity("a", 44)
+    pool.plan(["a"], [44])
+    pool.commit(["a"], [44])
+    assert pool.cached_len("a") == 44
+    pool.truncate("a", 20)  # keeps 2 blocks
+    assert pool.cached_len("a") == 20 and pool.reserved_len("a") == 32
+    assert pool.free_tokens() == 224
+    pool.truncate("a", 20)  # no-op
     with pytest.raises(ValueError):
-        pool.truncate("a", 6)  # cannot grow by truncation
+        pool.truncate("a", 21)  # cannot grow by truncation
     with pytest.raises(KeyError):
         pool.truncate("zzz", 0)
     pool.truncate("a", 0)
-    assert pool.cached_len("a") == 0 and pool.free_tokens() == 64 and pool.num_sequences() == 1
+    assert pool.cached_len("a") == 0 and pool.free_tokens() == 256 and pool.num_sequences() == 1
 
 
 def test_plan_places_ragged_rows_after_each_prefix():
-    pool = make_pool(64)
-    for seq, n in (("a", 3), ("b", 9)):
+    pool = make_pool(256)
+    for seq, n in (("a", 15), ("b", 33)):
         pool.ensure_capacity(seq, n)
         pool.plan([seq], [n])
         pool.commit([seq], [n])
-    pool.ensure_capacity("a", 5)
-    pool.ensure_capacity("b", 10)
+    pool.ensure_capacity("a", 17)
+    pool.ensure_capacity("b", 34)
     batch = pool.plan(["a", "b"], [2, 1])
     assert batch.row_seq.tolist() == [0, 0, 1]
-    assert batch.row_pos.tolist() == [3, 4, 9]
+    assert batch.row_pos.tolist() == [15, 16, 33]
     ta, tb = pool._tables["a"], pool._tables["b"]
     assert batch.slot_block.tolist() == [ta[0], ta[1], tb[2]]
-    assert batch.slot_offset.tolist() == [3, 0, 1]
+    assert batch.slot_offset.tolist() == [15, 0, 1]
     assert batch.block_tables[0, :2].tolist() == ta and batch.block_tables[1, :3].tolist() == tb
-    assert pool.cached_len("a") == 3  # plan changes nothing
+    assert pool.cached_len("a") == 15  # plan changes nothing
     with pytest.raises(ValueError, match="capacity"):
-        pool.plan(["a"], [6])  # 3 + 6 > 8 reserved
+        pool.plan(["a"], [18])  # 15 + 18 > 32 reserved
 
 
 def test_memory_fraction_sizing(monkeypatch):
@@ -172,13 +178,16 @@ def reference_attention(seq: Sequence, layer: int, q: torch.Tensor, pos: int, wi
     return torch.einsum("ht,htd->hd", scores.softmax(-1), values).float()
 
 
-@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("window", [0, 5, 20])
 @pytest.mark.parametrize("sdpa", [False, True], ids=["paged", "sdpa"])
-def test_attention_matches_softmax_reference(window, sdpa):
+@pytest.mark.parametrize("head_dim", [8, 64])  # values summed as scalars / as explicit vectors (16 lanes)
+def test_attention_matches_softmax_reference(window, sdpa, head_dim):
     heads = 6  # 3 query heads per kv head
-    pool = make_pool(128)
-    seqs = random_sequences({"a": 1, "b": 13, "c": 8}, heads)
-    rows = {"a": (0, 1), "b": (7, 13), "c": (0, 8)}  # a lone first token, a verify chunk, a prefill
+    pool = make_pool(256, head_dim=head_dim)
+    seqs = random_sequences({"a": 1, "b": 13, "c": 8, "d": 45}, heads, head_dim=head_dim)
+    # a lone first token, a verify chunk, a prefill, and rows whose keys span three blocks (a window
+    # of 20 starts inside the first or the second)
+    rows = {"a": (0, 1), "b": (7, 13), "c": (0, 8), "d": (28, 45)}
     batch, q = feed(pool, seqs, rows)
     names = list(rows)
     for layer in range(LAYERS):
