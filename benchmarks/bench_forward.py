@@ -232,12 +232,11 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     decode: dict = {"engine": "LlamaEngine", "dtype": dtype, "gemm": gemm}
     t0 = time.perf_counter()
     try:
-        engine = LlamaEngine(checkpoint, dtype, kv_capacity_tokens=capacity, gemm=gemm, num_threads=args.threads)
+        engine = LlamaEngine(checkpoint, dtype, kv_capacity_tokens=capacity, gemm=gemm, num_threads=args.threads,
+                             fuse_small_steps=not torch_ops)
     except GemmRefused as e:
         print(f"\n== {dtype} / {gemm}: refused: {e}")
         return {**decode, "refused": str(e)}, []
-    if torch_ops:
-        engine.fused = False
     report = engine.gemm_report or {}
     print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
           f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "

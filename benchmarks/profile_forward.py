@@ -45,9 +45,7 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = LlamaEngine(Checkpoint.load(args.model), args.dtype, kv_capacity_tokens=4096, gemm=args.gemm,
-                         num_threads=args.threads)
-    if args.torch_ops:
-        engine.fused = False
+                         num_threads=args.threads, fuse_small_steps=not args.torch_ops)
     engine.ensure_capacity("s", args.context + (args.steps * 3 + 20) * args.rows)
     engine.forward([ForwardItem("s", list(range(100, 100 + args.context)), 1)])
 

@@ -300,13 +300,17 @@ class LlamaEngine(Engine):
       row-invariant) | "sdpa" (torch, any device, not row-invariant).
     num_threads: torch and attention threads (process-wide for torch);
       default: the CPU cores this process may use, or 1 for small models
-      (MULTITHREAD_MIN_LAYER_BYTES)."""
+      (MULTITHREAD_MIN_LAYER_BYTES).
+    fuse_small_steps: on CPU with paged attention, run the small steps (RMSNorm,
+      RoPE and the KV write, SiLU) as engine.cpu_ops's numba kernels; False
+      runs them as torch ops in the weights' dtype, as the engine did before
+      those kernels (benchmarks compare the two)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
-                 head_token_ids: tuple[int, ...] | None = None) -> None:
+                 head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True) -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
@@ -359,7 +363,8 @@ class LlamaEngine(Engine):
         # on CPU with paged attention the small steps run as numba calls (cpu_ops), on float32
         # activations: float32 models, and bfloat16 weights read by simd (its arithmetic is float32
         # anyway, so a bfloat16 stream between the steps would only add a cast per step)
-        self.fused = on_cpu and attention == "paged" and (self.dtype == torch.float32 or self.gemm == "simd")
+        self.fused = (fuse_small_steps and on_cpu and attention == "paged"
+                      and (self.dtype == torch.float32 or self.gemm == "simd"))
         self.act_dtype = torch.float32 if self.fused else self.dtype  # the residual stream's dtype
         if self.fused:
             self._cos_np, self._sin_np = self.cos.numpy(), self.sin.numpy()

@@ -122,6 +122,22 @@ def test_bfloat16_is_close_to_float32(stories_path, stories):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+def test_unfused_small_steps_run_the_small_steps_as_torch_ops_in_the_weights_dtype(stories):
+    """fuse_small_steps=False (the benchmarks' "before the numba steps" engine):
+    bfloat16 through simd then keeps a bfloat16 stream between torch ops,
+    and computes the same model as the fused engine, up to bfloat16's
+    rounding of the activations."""
+    model, prompt = stories
+    fused = engine_of(model, "bfloat16", gemm="simd")
+    plain = engine_of(model, "bfloat16", gemm="simd", fuse_small_steps=False)
+    assert not plain.fused and plain.act_dtype == torch.bfloat16 and plain.gemm == "simd"
+    got = feed(plain, [("s", prompt, len(prompt))])[0]
+    want = feed(fused, [("s", prompt, len(prompt))])[0]
+    assert not torch.equal(got, want)  # really another pipeline
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert (got - want).abs().max() < 0.5
+
+
 def test_bfloat16_through_simd_is_the_float32_pipeline_on_bfloat16_weights(stories):
     """bfloat16 through simd keeps the projection weights in bfloat16 and
     runs the float32 kernels between them (act_dtype float32): its logits
