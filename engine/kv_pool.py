@@ -27,12 +27,13 @@ Row invariance (what keeps speculation lossless): the attention output of a
 query row depends only on its query vector, its position and its sequence's
 cached keys and values, never on how many other rows (drafts, other
 sequences) share the pass. ``_paged_attention`` guarantees it by
-construction: one serial routine computes each (row, kv head) from the row's
-visible keys only, in ascending position order, with loops whose trip counts
-depend on the row's position alone, so the compiled code takes the same path
-(vector body and remainder alike) whatever else is in the batch; the scores
-are explicit vectors (``_block_scores``, no fast-math), one fixed order for
-every key. Threads only split the (row, kv head) units between them.
+construction: one serial routine computes each (row, query head) from the
+row's visible keys only, in ascending position order, with loops whose trip
+counts depend on the row's position alone, so the compiled code takes the
+same path (vector body and remainder alike) whatever else is in the batch;
+the scores and the weighted values are explicit vectors (``_block_scores``,
+``_weighted_values``: engine.simd, no fast-math), one fixed order for every
+key. Threads only split the (row, query head) units between them.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ from specdec.engine.simd import LANES, add, fma, load, mul, pow2, splat, store, 
 
 #: Below this many (query row, head, visible key) triples the attention runs
 #: on the calling thread only; a launch of numba's threads costs more than it
-#: saves (SmolLM2's shapes, 2 threads, AMD EPYC: even at ~600, 1.6x faster at 4600).
+#: saves (SmolLM2's shapes on 2 threads of an AMD EPYC: no faster at ~600
+#: triples, 1.45x faster at ~4600, a decode row after 512 tokens).
 PARALLEL_MIN_WORK = 1 << 10
 
 # Reassociation lets LLVM vectorize the dot products and sums; every loop a
@@ -273,8 +275,11 @@ def _warm_up() -> None:
     """Compiles (or loads from numba's cache) the attention kernel for the
     argument types ``attend`` passes, so the first request does not wait."""
     one = np.zeros((1, 1, 1), np.float32)
-    _paged_attention(one, np.zeros((1, 1, 1, LANES), np.float32), np.zeros((1, 1, LANES, 1), np.float32),
-                     np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0, 0, 1, one)
+    args = (one, np.zeros((1, 1, 1, LANES), np.float32), np.zeros((1, 1, LANES, 1), np.float32),
+            np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
+    _paged_attention(*args, 0, 1, one)
+    with LAUNCH_LOCK:
+        _paged_attention_parallel(*args, 1, one)
 
 
 # e^x for x <= 0 as 2^k * e^r, k = round(x / ln 2), |r| <= ln(2) / 2: r by
