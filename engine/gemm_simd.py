@@ -6,8 +6,8 @@ Why another kernel. ``gemm_numba``'s loops are vectorised by LLVM under
 fast-math (reassociation): each output's summation order is whatever vector
 width and interleave LLVM picks for that loop, so a one-row loop and a
 six-row loop may sum differently (the selector checks, and refuses "numba1"
-where they do). Here the vector arithmetic is explicit and no fast-math flag
-is set, so LLVM may not reorder it:
+where they do). Here the vector arithmetic is explicit (``engine.simd``'s
+intrinsics) and no fast-math flag is set, so LLVM may not reorder it:
 
     acc = 0 (LANES float32 lanes)
     for k in 0, LANES, 2 LANES, ... < in:    acc = fma(x[k:k+LANES], w[o, k:k+LANES], acc)
