@@ -10,7 +10,7 @@ speculative output is checked token for token against plain decoding.
 Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR [--eagle3 HEAD] \\
-        [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--vllm-python PY] \\
+        [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--overlap ahead] [--vllm-python PY] \\
         [--out bench_results/draft.json]
 
 The draft must share the target's tokenizer (e.g. made by `specdec distill`).
@@ -164,6 +164,8 @@ def main() -> None:
                     help="the draft model's dtype and the eagle3 head's projection weights (default: float32)")
     ap.add_argument("--decode-ahead", choices=["on", "off"], default="on",
                     help="the scorer's decode-ahead (specdec scorer --decode-ahead)")
+    ap.add_argument("--overlap", choices=["off", "on", "always", "ahead"], default="on",
+                    help="the gateway's overlapped rounds (specdec gateway --overlap; ahead: drafting ahead)")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
                                                         "draft-model speculation (target given as --vllm-target)")
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
@@ -181,7 +183,8 @@ def main() -> None:
     workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
     results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
-                     "decode_ahead": args.decode_ahead, "draft_dtype": args.draft_dtype or "float32",
+                     "decode_ahead": args.decode_ahead, "overlap": args.overlap,
+                     "draft_dtype": args.draft_dtype or "float32",
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
           f"{args.max_tokens} tokens", flush=True)
@@ -192,6 +195,7 @@ def main() -> None:
                draft_dtype=args.draft_dtype,
                extra_proposer_args=["--max-cached-requests", "0"],
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
+               extra_gateway_args=["--overlap", args.overlap],
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         for wl, prompts in workloads.items():
             plain = None

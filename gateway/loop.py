@@ -52,9 +52,12 @@ tokens per second (``costs.fresh_drafts_pay``: expected accepted drafts
 gained against the proposer's time). Proposers keep no state that a wrong
 guess would need undone: they are only ever sent committed tokens. Only
 sequences whose output cannot depend on the drafts draft ahead
-(``Sequence.may_draft_ahead``: greedy and target-match verification, no
-target features), so timing never changes a token, seeded sampling included;
-the others are proposed lock-step within the same rounds.
+(``Sequence.may_draft_ahead``: greedy and target-match verification), so
+timing never changes a token, seeded sampling included; the others are
+proposed lock-step within the same rounds. Feature methods (eagle3, mtp)
+draft ahead like the others: the proposer drafts from the committed
+context, whose features it holds, and extends its own chain past this
+round's drafts.
 
 A proposer that is slow, down or wrong only costs drafts (the round goes on
 with zero drafts); a lost scorer replica costs a re-prefill on another one.

@@ -294,11 +294,12 @@ class Sequence:
         (drafting ahead, gateway/loop.py): only where the output cannot depend
         on which drafts were verified — greedy or target-match verification
         with the normal accept policy (rejection sampling's result depends on
-        the drafts, and a seeded request must come out the same every time)
-        — and the proposer drafts from tokens alone (no target features)."""
+        the drafts, and a seeded request must come out the same every time).
+        Feature methods draft ahead too: a draft ahead is proposed from the
+        committed context, whose target features (all but the newest
+        token's) the proposer already holds, exactly as a lock-step one."""
         p = self.params
-        return (p.verify_strategy in _DRAFT_INDEPENDENT and p.accept_policy == pb.ACCEPT_POLICY_NORMAL
-                and not self.features.layers)
+        return p.verify_strategy in _DRAFT_INDEPENDENT and p.accept_policy == pb.ACCEPT_POLICY_NORMAL
 
     def propose_budget(self, ahead: bool) -> int:
         """Draft tokens to ask the proposer for: this round's budget, or when

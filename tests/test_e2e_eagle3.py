@@ -1,8 +1,10 @@
 """EAGLE-3 and MTP drafting end to end on stories260K, real processes over
-gRPC (gateway + scorer + feature-head proposer): greedy output is plain
-greedy at every k, concurrent streams equal solo runs, a proposer killed
-mid-run changes nothing, and a head distilled inside the test accepts more
-than the n-gram method on prompts that do not copy.
+gRPC (gateway + scorer + feature-head proposer), with the gateway's rounds
+overlapped as by default and drafting ahead: greedy output is plain greedy
+at every k, concurrent streams equal solo runs, a proposer killed mid-run
+changes nothing; a head distilled inside the test accepts more than the
+n-gram method on prompts that do not copy, and its drafts proposed ahead
+are used.
 
 These need the scorer to return target features and the gateway to relay
 them (the eagle3-relay work); until the gateway does, the module is skipped.
@@ -47,25 +49,32 @@ def _ids(path: str, text: str) -> list[int]:
     return list(hf_model(path)[1](text)["input_ids"])
 
 
-@pytest.fixture(scope="module")
-def heads_stack(stories_path, tmp_path_factory):
+@pytest.fixture(scope="module", params=["on", "ahead"])
+def heads_stack(request, stories_path, tmp_path_factory):
     """Scorer + one proposer serving eagle3 (a random head in the public
     layout) and mtp (a random MTP layer in a copy of the target) + gateway,
-    two proposer replicas so that one can be killed."""
+    two proposer replicas so that one can be killed; the gateway's rounds
+    overlapped as by default, or drafting ahead (features relayed with the
+    proposals that run beside each Verify)."""
     root = tmp_path_factory.mktemp("e2e-heads")
     head = write_eagle3_head(root / "eagle3", Path(stories_path), [1, 3, 4])
     target = write_mtp_target(root / "target-mtp", Path(stories_path))
-    stack = start_stack(str(target), tmp_path_factory, "heads", methods="eagle3,mtp,ngram", num_proposers=2,
-                        eagle3=str(head), default_method="eagle3", metrics=True,
-                        extra_gateway_args=["--propose-timeout-ms", "2000"])
+    stack = start_stack(str(target), tmp_path_factory, f"heads-{request.param}", methods="eagle3,mtp,ngram",
+                        num_proposers=2, eagle3=str(head), default_method="eagle3", metrics=True,
+                        extra_gateway_args=["--propose-timeout-ms", "2000", "--overlap", request.param])
+    stack.overlap = request.param
     yield stack
     stack.stop()
+
+
+def _feature_bytes(stack, method: str) -> float:
+    return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_feature_bytes_total{{method="{method}"}}', 0.0)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp"])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_output_is_plain_greedy(heads_stack, stories_path, method, k):
-    drafted = 0
+    drafted, relayed = 0, _feature_bytes(heads_stack, method)
     for text in PROMPTS:
         ids = _ids(stories_path, text)
         gen = stream(heads_stack.gateway_addr, make_request(ids, max_tokens=MAX_TOKENS, method=method, k=k,
@@ -73,7 +82,11 @@ def test_greedy_output_is_plain_greedy(heads_stack, stories_path, method, k):
         assert gen.token_ids == hf_greedy(stories_path, tuple(ids), MAX_TOKENS)[:len(gen.token_ids)]
         assert len(gen.token_ids) > 5
         drafted += gen.stats.draft_tokens
-    assert drafted > 0  # the head did draft (features reached it)
+    assert _feature_bytes(heads_stack, method) > relayed + 1000  # features reached the proposer every round
+    if heads_stack.overlap == "on":
+        assert drafted > 0  # the head did draft from them
+    # drafting ahead, a random head's drafts ahead are contradicted and fresh ones never pay (it accepts
+    # nothing), so rounds go on without: test_a_distilled_head_drafts_ahead_while_the_target_verifies
 
 
 def test_concurrent_streams_equal_solo_runs(heads_stack, stories_path):
@@ -99,15 +112,21 @@ def test_killing_an_eagle3_proposer_mid_run_changes_nothing(heads_stack):
     assert disturbed == undisturbed
 
 
-@pytest.mark.slow  # a quality figure (trains a head for a minute); the invariant tests above stay in the default run
-def test_a_distilled_head_accepts_more_than_ngram_on_fresh_prompts(stories_path, tmp_path_factory):
+@pytest.fixture(scope="module")
+def distilled_head(stories_path, tmp_path_factory) -> str:
+    """An eagle3 head distilled for stories260K inside the test (about a minute)."""
     out = tmp_path_factory.mktemp("distilled") / "head"
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--kind", "eagle3", "--target",
                            stories_path, "--out", str(out), "--steps", "120", "--samples", "48",
                            "--max-new-tokens", "64", "--batch-size", "8", "--lr", "2e-3", "--draft-vocab", "512"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    stack = start_stack(stories_path, tmp_path_factory, "distilled", methods="eagle3,ngram", eagle3=str(out))
+    return str(out)
+
+
+@pytest.mark.slow  # a quality figure (trains a head for a minute); the invariant tests above stay in the default run
+def test_a_distilled_head_accepts_more_than_ngram_on_fresh_prompts(stories_path, tmp_path_factory, distilled_head):
+    stack = start_stack(stories_path, tmp_path_factory, "distilled", methods="eagle3,ngram", eagle3=distilled_head)
     try:
         mean = {}
         for method in ("eagle3", "ngram"):
@@ -120,5 +139,26 @@ def test_a_distilled_head_accepts_more_than_ngram_on_fresh_prompts(stories_path,
                 accepted, rounds = accepted + gen.stats.accepted_tokens, rounds + gen.stats.rounds
             mean[method] = (accepted + rounds) / rounds
         assert mean["eagle3"] > mean["ngram"], mean
+    finally:
+        stack.stop()
+
+
+@pytest.mark.slow  # needs a head that drafts well (the random ones above rarely see a draft ahead hold)
+def test_a_distilled_head_drafts_ahead_while_the_target_verifies(stories_path, tmp_path_factory, distilled_head):
+    """With --overlap ahead the head drafts the next round from the
+    committed context and its features while the scorer verifies this one;
+    where the round confirms it, the next round verifies that draft without
+    waiting. Output stays plain greedy."""
+    stack = start_stack(stories_path, tmp_path_factory, "distilled-ahead", methods="eagle3", eagle3=distilled_head,
+                        default_method="eagle3",
+                        metrics=True, extra_gateway_args=["--overlap", "ahead"])
+    try:
+        for text in FRESH_PROMPTS:
+            ids = _ids(stories_path, text)
+            gen = stream(stack.gateway_addr, make_request(ids, max_tokens=MAX_TOKENS, method="eagle3", k=2,
+                                                          **FULL_DRAFTS))
+            assert gen.token_ids == hf_greedy(stories_path, tuple(ids), MAX_TOKENS)[:len(gen.token_ids)]
+        samples = stack.by_name("gateway")[0].metrics()
+        assert samples.get('specdec_gateway_ahead_drafts_total{method="eagle3"}', 0.0) > 0
     finally:
         stack.stop()

@@ -364,14 +364,20 @@ def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
 def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():
     from specdec.gateway.wire import propose_request
 
-    def budget(k: int, strategy: int, ahead: bool = True) -> int:
+    def budget(k: int, strategy: int, ahead: bool = True, features: tuple[int, ...] = ()) -> int:
         params = _params([5, 7, 11], k, 40)
         params.verify_strategy = strategy
         seq = Sequence("r", params, _Tokenizer(), (), 512)
         seq.proposer_len = len(seq.tokens)  # held by the proposer: its update travels as columns
-        return list(propose_request([seq], [], ahead).request.round.num_speculative_tokens)[0]
+        if features:  # an eagle3/mtp proposer opened it, holding the features of all but the newest token
+            seq.proposer_opened(features, len(seq.tokens) - 1)
+        message = propose_request([seq], [], ahead).request
+        if message.sequences:  # methods with features travel as one update each
+            return message.sequences[0].num_speculative_tokens
+        return list(message.round.num_speculative_tokens)[0]
 
     assert budget(3, GREEDY) == 7 and budget(3, pb.VERIFY_STRATEGY_TARGET_MATCH) == 7
+    assert budget(3, GREEDY, features=(1, 3, 4)) == 7  # feature methods draft ahead too
     assert budget(8, GREEDY) == 16  # 2k + 1 capped at MAX_SPECULATIVE_TOKENS
     assert budget(3, pb.VERIFY_STRATEGY_REJECTION) == 3  # its sample depends on the drafts: lock-step
     assert budget(3, GREEDY, ahead=False) == 3
