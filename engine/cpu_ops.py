@@ -4,7 +4,10 @@ A decode step of a small model runs each of these 30-60 times on one row,
 where torch spends more on dispatch than on arithmetic: the RMSNorm of
 ``llama.rms_norm`` is eight torch ops (~40 us a call on one row, 2.5 ms per
 SmolLM2 decode step), RoPE, the softmax scale and the KV write about ten.
-Here each is one call of a few microseconds.
+Here each is one call of a few microseconds. They take and return numpy
+arrays: the engine keeps its fused path's stream in numpy between numba
+calls (``LlamaEngine._decoder_arrays``), where each torch op or tensor/array
+conversion would add a microsecond of dispatch.
 
 Row invariance (llama's module doc): every loop a row's result depends on
 runs over that row alone with a trip count set by the model's widths, so
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-import torch
 
 from specdec.engine.kv_pool import exp_nonpositive
 
@@ -37,11 +39,10 @@ def _rms_norm(x, weight, eps, out):
             out[r, k] = weight[k] * (row[k] * inv)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of float32 [T, n] rows (llama.rms_norm in one call)."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _rms_norm(x.numpy(), weight.numpy(), np.float32(eps), out.numpy())
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm of float32 [T, n] rows (llama.rms_norm in one call); weight float32 [n]."""
+    out = np.empty_like(x)
+    _rms_norm(x, weight, np.float32(eps), out)
     return out
 
 
@@ -84,16 +85,15 @@ def _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, scale,
                 dst[d] = x[d]
 
 
-def rope_scale_write(qkv: torch.Tensor, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
+def rope_scale_write(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
                      row_pos: np.ndarray, rotate: bool, scale: float, key_cache: np.ndarray,
-                     value_cache: np.ndarray, slot_block: np.ndarray, slot_offset: np.ndarray) -> torch.Tensor:
+                     value_cache: np.ndarray, slot_block: np.ndarray, slot_offset: np.ndarray) -> np.ndarray:
     """The attention's queries, float32 [T, heads, D], rotated (if rotate)
     and multiplied by scale; the rows' keys (rotated) and values stored in
     one layer's caches. qkv: float32 [T, heads + 2 kv_heads, D]."""
-    qkv = qkv.contiguous()
-    q = torch.empty(qkv.shape[0], heads, qkv.shape[2])
-    _rope_scale_write(qkv.numpy(), heads, kv_heads, cos, sin, row_pos, rotate, np.float32(scale),
-                      key_cache, value_cache, slot_block, slot_offset, q.numpy())
+    q = np.empty((qkv.shape[0], heads, qkv.shape[2]), np.float32)
+    _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, np.float32(scale),
+                      key_cache, value_cache, slot_block, slot_offset, q)
     return q
 
 
@@ -114,21 +114,20 @@ def _silu_mul(gate_up, out):
             out[r, j] = g * sig * row[width + j]
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     """SwiGLU's silu(gate) * up of float32 [T, 2 W] ([gate | up]) -> [T, W]."""
-    gate_up = gate_up.contiguous()
-    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    _silu_mul(gate_up.numpy(), out.numpy())
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), np.float32)
+    _silu_mul(gate_up, out)
     return out
 
 
 def warm_up() -> None:
     """Compiles (or loads from numba's cache) the kernels for the argument
     types the engine passes."""
-    x = torch.zeros(1, 8)
-    rms_norm(x, torch.ones(8), 1e-5)
+    x = np.zeros((1, 8), np.float32)
+    rms_norm(x, np.ones(8, np.float32), 1e-5)
     silu_mul(x)
     table = np.zeros((1, 4), np.float32)
     key_cache, value_cache = np.zeros((1, 1, 4, 1), np.float32), np.zeros((1, 1, 1, 4), np.float32)
-    rope_scale_write(torch.zeros(1, 3, 4), 1, 1, table, table, np.zeros(1, np.int32), True, 1.0, key_cache, value_cache,
-                     np.zeros(1, np.int64), np.zeros(1, np.int64))
+    rope_scale_write(np.zeros((1, 3, 4), np.float32), 1, 1, table, table, np.zeros(1, np.int32), True, 1.0,
+                     key_cache, value_cache, np.zeros(1, np.int64), np.zeros(1, np.int64))

@@ -132,6 +132,7 @@ class Linear:
         self.path = path
         self.min_rows = path.min_rows
         self.bias = bias
+        self._bias_array = None if bias is None or bias.device.type != "cpu" else bias.float().contiguous().numpy()
         self.out_features, self.in_features = weight.shape
         self.onednn = path.kind == "onednn"
         self.numba = path.kind in ("numba", "simd")
@@ -173,6 +174,20 @@ class Linear:
         if y.shape[1] != self.out_features:
             y = y[:, :self.out_features]
         return y if self.bias is None else y + self.bias
+
+    def on_array(self, x: np.ndarray) -> np.ndarray:
+        """``__call__`` on a C-contiguous float32 numpy input, returning float32
+        numpy: the numba paths without a torch op (the engine's fused CPU
+        path); the others through torch (float32 weights)."""
+        if not self.numba:
+            return self(torch.from_numpy(x)).numpy()
+        if self.path.kind == "simd":
+            y = gemm_simd.gemm(x, self._padded, self.threads)
+        else:
+            y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
+        if y.shape[1] != self.out_features:
+            y = np.ascontiguousarray(y[:, :self.out_features])
+        return y if self._bias_array is None else y + self._bias_array
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:

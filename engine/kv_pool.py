@@ -226,14 +226,18 @@ class KVPool:
         window: 0, or a sliding window: a row at position p sees keys > p - window
         returns float32 [T, heads, head_dim]"""
         assert query.dtype == torch.float32 and query.is_contiguous() and query.device.type == "cpu"
+        return torch.from_numpy(self.attend_array(layer, query.numpy(), batch, window))
+
+    def attend_array(self, layer: int, query: np.ndarray, batch: PagedBatch, window: int = 0) -> np.ndarray:
+        """``attend`` on a C-contiguous float32 numpy query, returning numpy."""
         assert query.shape[1] % self.num_kv_heads == 0 and query.shape[2] == self.head_dim
-        out = torch.empty_like(query)
-        args = (query.numpy(), *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window)
+        out = np.empty_like(query)
+        args = (query, *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window)
         if self._num_threads == 1 or batch.attention_work * query.shape[1] < PARALLEL_MIN_WORK:
-            _paged_attention(*args, 0, 1, out.numpy())
+            _paged_attention(*args, 0, 1, out)
         else:
             with LAUNCH_LOCK:
-                _paged_attention_parallel(*args, self._num_threads, out.numpy())
+                _paged_attention_parallel(*args, self._num_threads, out)
         return out
 
     def attend_sdpa(self, layer: int, query: torch.Tensor, batch: PagedBatch, window: int = 0) -> torch.Tensor:

@@ -375,6 +375,7 @@ class LlamaEngine(Engine):
                                        k_norm=None if layer.k_norm is None else layer.k_norm.float())
                                for layer in self.layers]
                 self.final_norm = self.final_norm.float()
+            self._norm_arrays = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
 
         if kv_memory_fraction is not None:
             per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
@@ -463,17 +464,46 @@ class LlamaEngine(Engine):
         the stream after each of feature_layers layers (0: the embeddings),
         in their order. The stream is never updated in place, so keeping a
         reference to it is keeping its value."""
+        if self.fused:
+            return self._decoder_arrays(tokens, positions, batch, feature_layers)
         eps = self.spec.rms_norm_eps
-        norm = cpu_ops.rms_norm if self.fused else rms_norm
         h = F.embedding(tokens, self.embed).to(self.act_dtype)
         kept = {0: h} if 0 in feature_layers else {}
         cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, norm(h, layer.input_norm, eps), cos, sin, batch)
-            h = h + self._mlp(layer, norm(h, layer.post_norm, eps))
+            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, batch)
+            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
             if i + 1 in feature_layers:
                 kept[i + 1] = h
         return h, [kept[i] for i in feature_layers]
+
+    def _decoder_arrays(self, tokens: torch.Tensor, positions: torch.Tensor, batch,
+                        feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``_decoder`` on the fused CPU path: the float32 stream as numpy
+        arrays from one numba call to the next (cpu_ops, the numba GEMMs,
+        the paged attention), no torch op inside a layer (each costs about
+        a microsecond of dispatch, ~20 of them per layer). Layers that
+        normalise queries and keys take ``_attention``'s torch steps."""
+        eps = self.spec.rms_norm_eps
+        T, H, Hkv, D = len(tokens), self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        slots = (batch.slot_block.numpy(), batch.slot_offset.numpy())
+        h = F.embedding(tokens, self.embed).float().numpy()  # [T, hidden]
+        kept = {0: h} if 0 in feature_layers else {}
+        for i, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
+            x = cpu_ops.rms_norm(h, input_norm, eps)
+            if layer.q_norm is None:  # RoPE, scale and the KV write in one call
+                qkv = layer.qkv.on_array(x).reshape(T, H + 2 * Hkv, D)
+                q = cpu_ops.rope_scale_write(qkv, H, Hkv, self._cos_np, self._sin_np, batch.row_pos, layer.rope,
+                                             self.scale, *self.pool.layer_arrays(i), *slots)
+                h = h + layer.o.on_array(self.pool.attend_array(i, q, batch, layer.window).reshape(T, H * D))
+            else:
+                cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
+                h = h + self._attention(i, layer, torch.from_numpy(x), cos, sin, batch).numpy()
+            x = cpu_ops.rms_norm(h, post_norm, eps)
+            h = h + layer.down.on_array(cpu_ops.silu_mul(layer.gate_up.on_array(x)))
+            if i + 1 in feature_layers:
+                kept[i + 1] = h
+        return torch.from_numpy(h), [torch.from_numpy(kept[i]) for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> torch.Tensor:
@@ -481,11 +511,6 @@ class LlamaEngine(Engine):
         T = x.shape[0]
         H, Hkv, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         qkv = layer.qkv(x).view(T, H + 2 * Hkv, D)
-        if self.fused and layer.q_norm is None:  # RoPE, scale and the KV write in one call
-            q = cpu_ops.rope_scale_write(qkv, H, Hkv, self._cos_np, self._sin_np, batch.row_pos, layer.rope,
-                                         self.scale, *self.pool.layer_arrays(i), batch.slot_block.numpy(),
-                                         batch.slot_offset.numpy())
-            return layer.o(self.pool.attend(i, q, batch, layer.window).view(T, H * D))
         qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]  # queries and keys rotate together: one RoPE call
         if layer.q_norm is not None and layer.k_norm is not None:
             qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, self.spec.rms_norm_eps),
@@ -501,7 +526,5 @@ class LlamaEngine(Engine):
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU: down(silu(gate x) * up x); x: [T, hidden] normed."""
-        if self.fused:
-            return layer.down(cpu_ops.silu_mul(layer.gate_up(x)))
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return layer.down(F.silu(gate) * up)

@@ -176,8 +176,10 @@ def test_rms_norm_matches_the_torch_formulation():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 576, generator=gen) * 3
     w = torch.randn(576, generator=gen)
-    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
-    rows_alone_equal_rows_together(lambda t: cpu_ops.rms_norm(t, w, 1e-5), x)
+    def norm(t):  # cpu_ops takes and returns numpy arrays
+        return torch.from_numpy(cpu_ops.rms_norm(t.contiguous().numpy(), w.numpy(), 1e-5))
+    torch.testing.assert_close(norm(x), rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    rows_alone_equal_rows_together(norm, x)
 
 
 def test_silu_mul_matches_torch_including_large_and_negative_gates():
@@ -185,10 +187,12 @@ def test_silu_mul_matches_torch_including_large_and_negative_gates():
     gate_up = torch.randn(5, 2 * 256, generator=gen) * 6
     gate_up[0, :4] = torch.tensor([-120.0, -30.0, 0.0, 95.0])
     gate, up = gate_up.chunk(2, dim=-1)
-    got = cpu_ops.silu_mul(gate_up)
+    def silu_mul(t):  # cpu_ops takes and returns numpy arrays
+        return torch.from_numpy(cpu_ops.silu_mul(t.contiguous().numpy()))
+    got = silu_mul(gate_up)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
     assert torch.isfinite(got).all()
-    rows_alone_equal_rows_together(cpu_ops.silu_mul, gate_up)
+    rows_alone_equal_rows_together(silu_mul, gate_up)
 
 
 @pytest.mark.parametrize("rotate", [True, False])
@@ -203,8 +207,8 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
     key_cache = np.zeros((blocks, kv_heads, dim, block_size), np.float32)  # kv_pool's layouts
     value_cache = np.zeros((blocks, kv_heads, block_size, dim), np.float32)
     scale = dim ** -0.5
-    q = cpu_ops.rope_scale_write(qkv, heads, kv_heads, cos.numpy(), sin.numpy(), pos, rotate, scale,
-                                 key_cache, value_cache, slot_block, slot_offset)
+    q = torch.from_numpy(cpu_ops.rope_scale_write(qkv.numpy(), heads, kv_heads, cos.numpy(), sin.numpy(), pos,
+                                                  rotate, scale, key_cache, value_cache, slot_block, slot_offset))
     qk = qkv[:, :heads + kv_heads]
     rotated = apply_rope(qk, cos[torch.from_numpy(pos).long()], sin[torch.from_numpy(pos).long()]) if rotate else qk
     torch.testing.assert_close(q, rotated[:, :heads] * scale, rtol=1e-6, atol=1e-6)
@@ -217,10 +221,10 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
     assert not key_cache.transpose(0, 3, 1, 2)[untouched].any()
     assert not value_cache.transpose(0, 2, 1, 3)[untouched].any()
     for t in range(5):  # one row alone gives the same bits as the batch
-        alone = cpu_ops.rope_scale_write(qkv[t:t + 1], heads, kv_heads, cos.numpy(), sin.numpy(), pos[t:t + 1],
-                                         rotate, scale, np.zeros_like(key_cache), np.zeros_like(value_cache),
-                                         slot_block[t:t + 1], slot_offset[t:t + 1])
-        assert torch.equal(alone[0], q[t])
+        alone = cpu_ops.rope_scale_write(qkv[t:t + 1].numpy(), heads, kv_heads, cos.numpy(), sin.numpy(),
+                                         pos[t:t + 1], rotate, scale, np.zeros_like(key_cache),
+                                         np.zeros_like(value_cache), slot_block[t:t + 1], slot_offset[t:t + 1])
+        assert torch.equal(torch.from_numpy(alone[0]), q[t])
 
 
 @pytest.mark.parametrize("rows", [1, 6, 13])
