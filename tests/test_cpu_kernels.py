@@ -253,3 +253,21 @@ def test_the_simd_path_serves_bfloat16_linears_row_invariantly():
     assert y.dtype == torch.bfloat16 and linear.weight.dtype == torch.bfloat16 and linear._padded.dtype == np.uint16
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
     rows_alone_equal_rows_together(linear, x)
+
+
+@pytest.mark.parametrize("path,dtype", [("simd", torch.float32), ("simd", torch.bfloat16),
+                                        ("numba", torch.float32), ("onednn", torch.float32)])
+def test_a_linear_on_arrays_computes_what_it_computes_on_float32_tensors(path, dtype):
+    """Linear.on_array (the engine's fused path: float32 numpy in and out)
+    gives bitwise the float32-input call's result, bias included, on the
+    paths the fused engine runs (any float32 path; bfloat16 weights through
+    simd only)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 45, generator=gen).to(dtype)  # out not a multiple of the padded block: a sliced output
+    b = torch.randn(70, generator=gen).to(dtype)
+    x = torch.randn(6, 45, generator=gen)
+    linear = Linear(w, b, GEMM_PATHS[path])
+    got = linear.on_array(x.numpy())
+    assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (6, 70) and got.flags.c_contiguous
+    want = linear(x)
+    assert want.dtype == torch.float32 and torch.equal(torch.from_numpy(got), want)
