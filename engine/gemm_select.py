@@ -165,14 +165,10 @@ class Linear:
         return self._gemm(x.contiguous())
 
     def _numba(self, x: torch.Tensor) -> torch.Tensor:
-        if self.path.kind == "simd":  # bfloat16 inputs widen exactly; the output is rounded back to their dtype
-            y = torch.from_numpy(gemm_simd.gemm(x.float().contiguous().numpy(), self._padded, self.threads))
-            if x.dtype != torch.float32:
-                y = y.to(x.dtype)
-        else:
-            y = torch.from_numpy(gemm_numba.gemm(x.contiguous().numpy(), self._padded, self.threads, self.path.name))
-        if y.shape[1] != self.out_features:
-            y = y[:, :self.out_features]
+        # bfloat16 inputs widen exactly (simd); the output is rounded back to their dtype
+        y = torch.from_numpy(self._numba_product(x.float().contiguous().numpy()))
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def on_array(self, x: np.ndarray) -> np.ndarray:
@@ -181,13 +177,17 @@ class Linear:
         path); the others through torch (float32 weights)."""
         if not self.numba:
             return self(torch.from_numpy(x)).numpy()
+        y = np.ascontiguousarray(self._numba_product(x))
+        return y if self._bias_array is None else y + self._bias_array
+
+    def _numba_product(self, x: np.ndarray) -> np.ndarray:
+        """x @ W^T through the numba/simd kernel, float32 [T, out] (a view
+        when the padded weight has more outputs), bias not added."""
         if self.path.kind == "simd":
             y = gemm_simd.gemm(x, self._padded, self.threads)
         else:
             y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
-        if y.shape[1] != self.out_features:
-            y = np.ascontiguousarray(y[:, :self.out_features])
-        return y if self._bias_array is None else y + self._bias_array
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:

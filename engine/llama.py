@@ -489,6 +489,7 @@ class LlamaEngine(Engine):
         slots = (batch.slot_block.numpy(), batch.slot_offset.numpy())
         h = F.embedding(tokens, self.embed).float().numpy()  # [T, hidden]
         kept = {0: h} if 0 in feature_layers else {}
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
         for i, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
             x = cpu_ops.rms_norm(h, input_norm, eps)
             if layer.q_norm is None:  # RoPE, scale and the KV write in one call
@@ -497,8 +498,9 @@ class LlamaEngine(Engine):
                                              self.scale, *self.pool.layer_arrays(i), *slots)
                 h = h + layer.o.on_array(self.pool.attend_array(i, q, batch, layer.window).reshape(T, H * D))
             else:
-                cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
-                h = h + self._attention(i, layer, torch.from_numpy(x), cos, sin, batch).numpy()
+                if rope is None:
+                    rope = self.cos[positions], self.sin[positions]
+                h = h + self._attention(i, layer, torch.from_numpy(x), *rope, batch).numpy()
             x = cpu_ops.rms_norm(h, post_norm, eps)
             h = h + layer.down.on_array(cpu_ops.silu_mul(layer.gate_up.on_array(x)))
             if i + 1 in feature_layers:
