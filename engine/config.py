@@ -10,7 +10,7 @@ DTYPE_NAMES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "llama", "hf")
 DEVICES = ("cpu", "cuda")
 #: CPU GEMM paths ``gemm`` may force (gemm_select.GEMM_PATHS); "auto" measures.
-GEMM_PATH_NAMES = ("onednn", "aten", "onednn-unpadded", "numba", "numba1", "numba6", "simd")
+GEMM_PATH_NAMES = ("onednn", "aten", "onednn-unpadded", "numba", "numba1", "numba6", "simd", "simd-dpbf16")
 GEMM_CHOICES = ("auto", *GEMM_PATH_NAMES)
 
 

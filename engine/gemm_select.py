@@ -32,7 +32,10 @@ bfloat16 through oneDNN or MKL runs at the speed of a float32 GEMM or worse
 on a CPU without native bfloat16 (``native_bf16``: the avx512_bf16 or
 amx_bf16 flag); "simd" reads bfloat16 weights as they are (half the bytes of
 float32) and widens them in registers, which any CPU does at full speed. The
-engine warns when bfloat16 takes another path on such a CPU.
+engine warns when bfloat16 takes another path on such a CPU. Where the CPU
+has AVX512-BF16, "simd-dpbf16" competes too: the same kernels on bfloat16
+activations with native dot products (half the arithmetic instructions: a
+verification's six rows are no longer bound by multiply-adds).
 """
 from __future__ import annotations
 
@@ -53,13 +56,14 @@ import torch.nn.functional as F
 
 from specdec.engine import gemm_numba, gemm_simd
 from specdec.engine.config import GEMM_PATH_NAMES
+from specdec.engine.simd import has_dpbf16
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 #: Distinct input rows whose one-row results every larger input is compared with.
 CHECK_BASE_ROWS = 32
 #: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
@@ -109,11 +113,16 @@ class GemmPath:
 #: rejects it where it does not. "simd" (engine.gemm_simd) writes its vector
 #: arithmetic out, so no compiler can reorder a sum: one row and six sum alike
 #: on every CPU, the fastest decode and verification steps measured so far;
-#: it alone also takes bfloat16 weights (float32 arithmetic, bfloat16 out).
+#: it also takes bfloat16 weights (float32 arithmetic, bfloat16 out).
+#: "simd-dpbf16" is "simd" for bfloat16 weights on a CPU with AVX512-BF16:
+#: the activations rounded to bfloat16 and every step one ``vdpbf16ps`` (32
+#: products), half the instructions, so a verification's rows cost little
+#: more than a decode step's; the check refuses it elsewhere (UNSUPPORTED).
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
-                                   GemmPath("simd", "simd", gemm_simd.GROUP))}
+                                   GemmPath("simd", "simd", gemm_simd.GROUP),
+                                   GemmPath("simd-dpbf16", "simd", gemm_simd.GROUP))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
@@ -136,17 +145,23 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.onednn = path.kind == "onednn"
         self.numba = path.kind in ("numba", "simd")
+        #: simd-dpbf16: bfloat16 activations times bfloat16 weights in AVX512-BF16 dot products
+        self.pairs = path.name == "simd-dpbf16"
         if self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
-            dtypes = (torch.float32, torch.bfloat16) if path.kind == "simd" else (torch.float32,)
+            dtypes = ((torch.bfloat16,) if self.pairs else (torch.float32, torch.bfloat16)) if path.kind == "simd" \
+                else (torch.float32,)
             if weight.dtype not in dtypes or weight.device.type != "cpu":
-                raise RuntimeError(f"the {path.kind} GEMM takes {' or '.join(map(str, dtypes))} weights on CPU "
+                raise RuntimeError(f"the {path.name} GEMM takes {' or '.join(map(str, dtypes))} weights on CPU "
                                    f"only, not {weight.dtype} on {weight.device.type}")
+            if self.pairs and not has_dpbf16():
+                raise RuntimeError(f"the {path.name} GEMM needs AVX512-BF16 (vdpbf16ps), which this CPU lacks")
             self.threads = torch.get_num_threads()  # its output blocks split over as many threads
-            pad = gemm_simd.pad_weight if path.kind == "simd" else gemm_numba.pad_weight
             bf16 = weight.dtype == torch.bfloat16
             raw = weight.view(torch.int16).numpy().view(np.uint16) if bf16 else weight.numpy()
-            self._padded = pad(raw)  # the weight itself unless its shape needs padding
+            # the weight itself unless its shape needs padding
+            self._padded = gemm_simd.pad_weight(raw, self.pairs) if path.kind == "simd" else \
+                gemm_numba.pad_weight(raw)
             padded = torch.from_numpy(self._padded.view(np.int16)).view(torch.bfloat16) if bf16 else \
                 torch.from_numpy(self._padded)
             self.weight = padded[:self.out_features, :self.in_features]
@@ -184,7 +199,7 @@ class Linear:
         """x @ W^T through the numba/simd kernel, float32 [T, out] (a view
         when the padded weight has more outputs), bias not added."""
         if self.path.kind == "simd":
-            y = gemm_simd.gemm(x, self._padded, self.threads)
+            y = gemm_simd.gemm(x, self._padded, self.threads, self.pairs)
         else:
             y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]

@@ -1,4 +1,4 @@
-"""A float32 GEMM for few rows whose order of operations is written in the
+"""A GEMM for few rows (float32 arithmetic, or bfloat16 dot products) whose order of operations is written in the
 kernel, not chosen by the compiler: row-count invariant by construction on
 every CPU, and the fastest decode and verification steps measured here.
 
@@ -33,8 +33,20 @@ float32 in registers (a shift: exact), so a step reads half the bytes; the
 arithmetic and its order are the float32 kernel's. This needs no native
 bfloat16 instruction: it runs alike on every x86 CPU numba targets.
 
-Layout: weights [out, in] float32 or bfloat16 bits, out padded to OUT_BLOCK and in to LANES
-(``pad_weight``). Rows go six at a time (``_rows6``: 6 rows x 4 outputs, 24
+bfloat16 activations too (``pairs``, the "simd-dpbf16" path; only on CPUs
+with AVX512-BF16): the input rows are rounded to bfloat16 (as torch rounds)
+and every step is one ``vdpbf16ps`` over 2 LANES values (``engine.simd.mac``
+on pairs): each float32 lane adds the exact products of its pair, the odd
+element's first, rounding after each (the instruction's architectural
+definition), then the lanes are reduced as above. Half the arithmetic
+instructions per weight: at 6 rows the float32 kernel is bound by its 24
+multiply-adds per 16 weights, this one is not. Its one-row pass streams as
+fast only with two prefetches per cache line (``_prefetch4``). Row-count
+invariant by construction like the rest; its numbers are bfloat16
+activations' (transformers' bfloat16), not float32's.
+
+Layout: weights [out, in] float32 or bfloat16 bits, out padded to OUT_BLOCK
+and in to LANES (2 LANES for pairs: ``pad_weight``). Rows go six at a time (``_rows6``: 6 rows x 4 outputs, 24
 accumulators); one left-over row takes ``_rows1`` (1 x 4), more left-over
 rows a zero-padded group of six. Threads (numba ``prange``) split the output
 blocks, never a dot product; within a block the weight rows stay in cache
@@ -46,7 +58,7 @@ import numba
 import numpy as np
 
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK
-from specdec.engine.simd import LANES, fma, load, prefetch_l2, total, zeros
+from specdec.engine.simd import LANES, mac, operand, prefetch_l2, total, width, zeros
 
 #: How far ahead of the step (in weight values, flat) the weight is prefetched into L2.
 PREFETCH_AHEAD = 4096
@@ -65,22 +77,44 @@ def _store4(out, r, o, a0, a1, a2, a3):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _prefetch4(w, i0, i1, i2, i3, step):
+    """Prefetch the four weight rows' values PREFETCH_AHEAD past i0..i3 into
+    L2, one prefetch per LANES values of a step: twice per cache line when a
+    step reads whole lines (pairs). Once per line, a one-row pass over
+    bfloat16 pairs streamed ~40 % slower on an AMD EPYC (its prefetches are
+    hints, and apparently dropped when the core is out of fill buffers)."""
+    for p in range(0, step, LANES):
+        prefetch_l2(w, i0 + p + PREFETCH_AHEAD)
+        prefetch_l2(w, i1 + p + PREFETCH_AHEAD)
+        prefetch_l2(w, i2 + p + PREFETCH_AHEAD)
+        prefetch_l2(w, i3 + p + PREFETCH_AHEAD)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows1(x, w, out, o, r):
-    """out[r, o:o+4] = x[r] @ w[o:o+4].T (x, w C-contiguous, in a multiple of LANES)."""
+    """out[r, o:o+4] = x[r] @ w[o:o+4].T (x, w C-contiguous, in a multiple of width(x))."""
     n = x.shape[1]
     xr = r * n
     w0, w1, w2, w3 = o * n, (o + 1) * n, (o + 2) * n, (o + 3) * n
     a0 = a1 = a2 = a3 = zeros()
-    for k in range(0, n, LANES):
-        prefetch_l2(w, w0 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w1 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w2 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w3 + k + PREFETCH_AHEAD)
-        u = load(x, xr + k)
-        a0 = fma(a0, u, load(w, w0 + k))
-        a1 = fma(a1, u, load(w, w1 + k))
-        a2 = fma(a2, u, load(w, w2 + k))
-        a3 = fma(a3, u, load(w, w3 + k))
+    step = width(x)
+    k = 0
+    while k < n:
+        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, step)
+        u = operand(x, xr + k, x)
+        a0 = mac(a0, u, operand(w, w0 + k, x))
+        a1 = mac(a1, u, operand(w, w1 + k, x))
+        a2 = mac(a2, u, operand(w, w2 + k, x))
+        a3 = mac(a3, u, operand(w, w3 + k, x))
+        k += step
+        if k < n:
+            _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, step)
+            u = operand(x, xr + k, x)
+            a0 = mac(a0, u, operand(w, w0 + k, x))
+            a1 = mac(a1, u, operand(w, w1 + k, x))
+            a2 = mac(a2, u, operand(w, w2 + k, x))
+            a3 = mac(a3, u, operand(w, w3 + k, x))
+            k += step
     _store4(out, r, o, a0, a1, a2, a3)
 
 
@@ -92,27 +126,24 @@ def _rows6(x, w, out, o, r):
     w0, w1, w2, w3 = o * n, (o + 1) * n, (o + 2) * n, (o + 3) * n
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = zeros()
     a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = zeros()
-    for k in range(0, n, LANES):
-        prefetch_l2(w, w0 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w1 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w2 + k + PREFETCH_AHEAD)
-        prefetch_l2(w, w3 + k + PREFETCH_AHEAD)
-        v0 = load(w, w0 + k)
-        v1 = load(w, w1 + k)
-        v2 = load(w, w2 + k)
-        v3 = load(w, w3 + k)
-        u = load(x, x0 + k)
-        a00, a01, a02, a03 = fma(a00, u, v0), fma(a01, u, v1), fma(a02, u, v2), fma(a03, u, v3)
-        u = load(x, x1 + k)
-        a10, a11, a12, a13 = fma(a10, u, v0), fma(a11, u, v1), fma(a12, u, v2), fma(a13, u, v3)
-        u = load(x, x2 + k)
-        a20, a21, a22, a23 = fma(a20, u, v0), fma(a21, u, v1), fma(a22, u, v2), fma(a23, u, v3)
-        u = load(x, x3 + k)
-        a30, a31, a32, a33 = fma(a30, u, v0), fma(a31, u, v1), fma(a32, u, v2), fma(a33, u, v3)
-        u = load(x, x4 + k)
-        a40, a41, a42, a43 = fma(a40, u, v0), fma(a41, u, v1), fma(a42, u, v2), fma(a43, u, v3)
-        u = load(x, x5 + k)
-        a50, a51, a52, a53 = fma(a50, u, v0), fma(a51, u, v1), fma(a52, u, v2), fma(a53, u, v3)
+    for k in range(0, n, width(x)):
+        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x))
+        v0 = operand(w, w0 + k, x)
+        v1 = operand(w, w1 + k, x)
+        v2 = operand(w, w2 + k, x)
+        v3 = operand(w, w3 + k, x)
+        u = operand(x, x0 + k, x)
+        a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+        u = operand(x, x1 + k, x)
+        a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+        u = operand(x, x2 + k, x)
+        a20, a21, a22, a23 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2), mac(a23, u, v3)
+        u = operand(x, x3 + k, x)
+        a30, a31, a32, a33 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2), mac(a33, u, v3)
+        u = operand(x, x4 + k, x)
+        a40, a41, a42, a43 = mac(a40, u, v0), mac(a41, u, v1), mac(a42, u, v2), mac(a43, u, v3)
+        u = operand(x, x5 + k, x)
+        a50, a51, a52, a53 = mac(a50, u, v0), mac(a51, u, v1), mac(a52, u, v2), mac(a53, u, v3)
     _store4(out, r, o, a00, a01, a02, a03)
     _store4(out, r + 1, o, a10, a11, a12, a13)
     _store4(out, r + 2, o, a20, a21, a22, a23)
@@ -133,7 +164,7 @@ def _gemm(x, w, out, chunks):
     blocks = w.shape[0] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
-        group = np.zeros((GROUP, x.shape[1]), np.float32)
+        group = np.zeros((GROUP, x.shape[1]), x.dtype)
         group_out = np.empty((GROUP, w.shape[0]), np.float32)
         for j in range(left):
             group[j] = x[whole + j]
@@ -150,17 +181,43 @@ def _gemm(x, w, out, chunks):
                             out[whole + j, i] = group_out[j, i]
 
 
-def padded_in(in_features: int) -> int:
-    """`in` rounded up to a multiple of LANES."""
-    return -(-in_features // LANES) * LANES
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _round_bf16(x, out):
+    """out[r, :in] = x's rows rounded to bfloat16 (nearest, ties to even, as
+    torch rounds; NaN stays NaN) as bit patterns; out's padding is left alone."""
+    bits = x.view(np.uint32)
+    for r in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            u = np.uint32(bits[r, i])
+            rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+            out[r, i] = np.uint16(0x7FC0 if nan else rounded)
 
 
-def pad_weight(weight: np.ndarray) -> np.ndarray:
+def round_bf16(x: np.ndarray, padded_width: int) -> np.ndarray:
+    """float32 [R, in] -> uint16 bfloat16 bit patterns [R, padded_width], zeros after in."""
+    out = np.zeros((x.shape[0], padded_width), np.uint16)
+    _round_bf16(np.ascontiguousarray(x, dtype=np.float32), out)
+    return out
+
+
+def step(pairs: bool) -> int:
+    """Input values per step of the kernels: 2 LANES bfloat16 values in a pair
+    step (AVX512-BF16 dot products), else LANES float32 lanes."""
+    return 2 * LANES if pairs else LANES
+
+
+def padded_in(in_features: int, pairs: bool = False) -> int:
+    """`in` rounded up to a multiple of the kernels' step."""
+    return -(-in_features // step(pairs)) * step(pairs)
+
+
+def pad_weight(weight: np.ndarray, pairs: bool = False) -> np.ndarray:
     """float32 (or bfloat16 bits as uint16) [out, in] -> contiguous [out
-    rounded up to OUT_BLOCK, in rounded up to LANES], zeros added; the weight
-    itself (no copy) when it already is."""
+    rounded up to OUT_BLOCK, in rounded up to the step (``padded_in``)],
+    zeros added; the weight itself (no copy) when it already is."""
     out = -(-weight.shape[0] // OUT_BLOCK) * OUT_BLOCK
-    width = padded_in(weight.shape[1])
+    width = padded_in(weight.shape[1], pairs)
     if (out, width) == weight.shape and weight.flags.c_contiguous:
         return weight
     padded = np.zeros((out, width), weight.dtype)
@@ -168,17 +225,27 @@ def pad_weight(weight: np.ndarray) -> np.ndarray:
     return padded
 
 
-def gemm(x: np.ndarray, weight: np.ndarray, chunks: int) -> np.ndarray:
+def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False) -> np.ndarray:
     """x float32 [R, in] @ the padded weight's transpose -> float32 [R, padded
     out]. weight: float32, or uint16 holding bfloat16 bit patterns (half the
     bytes to read; each value widened to float32 exactly, then summed as a
-    float32 weight would be: same order, so just as row-count invariant)."""
-    if x.shape[1] != weight.shape[1]:
-        x = np.pad(x, ((0, 0), (0, weight.shape[1] - x.shape[1])))
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    assert weight.dtype in (np.float32, np.uint16) and weight.flags.c_contiguous and weight.shape[1] % LANES == 0
+    float32 weight would be: same order, so just as row-count invariant).
+
+    pairs (bfloat16 weights padded for it, and ``has_dpbf16()`` only): x is
+    rounded to bfloat16 first and every step is AVX512-BF16's dot product of
+    2 LANES bfloat16 values (``simd.mac`` on pairs): half the instructions of
+    the float32 arithmetic, bfloat16 activations (as a bfloat16 model runs in
+    transformers), and again one fixed order per output, whatever the rows."""
+    if pairs:
+        assert weight.dtype == np.uint16 and weight.shape[1] % step(True) == 0
+        x = round_bf16(x, weight.shape[1])
+    else:
+        if x.shape[1] != weight.shape[1]:
+            x = np.pad(x, ((0, 0), (0, weight.shape[1] - x.shape[1])))
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        assert weight.dtype in (np.float32, np.uint16) and weight.shape[1] % LANES == 0
+    assert weight.flags.c_contiguous
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
         _gemm(x, weight, out, chunks)
     return out
-

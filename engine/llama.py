@@ -67,7 +67,7 @@ from specdec.engine import cpu_ops
 from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, check_feature_layers
 from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
-from specdec.engine.gemm_select import GemmPath, Linear, Weights, native_bf16, select
+from specdec.engine.gemm_select import GEMM_PATHS, GemmPath, Linear, Weights, native_bf16, select
 from specdec.engine.kv_pool import KVPool, default_num_threads
 
 log = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class LlamaEngine(Engine):
             torch.set_num_threads(num_threads)
             selection = select(projections, self.dtype, num_threads, gemm)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
-            if self.dtype == torch.bfloat16 and not native_bf16() and self.gemm != "simd":
+            if self.dtype == torch.bfloat16 and not native_bf16() and selection.path.kind != "simd":
                 log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "
                             "amx_bf16): expect float32 speed or worse (simd widens bfloat16 weights on any CPU)",
                             self.gemm)
@@ -364,7 +364,7 @@ class LlamaEngine(Engine):
         # activations: float32 models, and bfloat16 weights read by simd (its arithmetic is float32
         # anyway, so a bfloat16 stream between the steps would only add a cast per step)
         self.fused = (fuse_small_steps and on_cpu and attention == "paged"
-                      and (self.dtype == torch.float32 or self.gemm == "simd"))
+                      and (self.dtype == torch.float32 or GEMM_PATHS[self.gemm].kind == "simd"))
         self.act_dtype = torch.float32 if self.fused else self.dtype  # the residual stream's dtype
         if self.fused:
             self._cos_np, self._sin_np = self.cos.numpy(), self.sin.numpy()

@@ -4,7 +4,9 @@ scores), and a bit-exact power of two that keeps the exponential of
 ``kv_pool`` vectorisable.
 
 A ``lanes`` value is LANES float32 values in one LLVM vector (a register, or
-two on AVX2). Arithmetic on it is written lane by lane (``fma``: one
+two on AVX2); a ``pairs`` value is 2 LANES bfloat16 values, the operand of
+AVX512-BF16's dot product (``mac`` on pairs: ``vdpbf16ps``), which only a
+CPU with that extension may compile (``has_dpbf16``). Arithmetic on it is written lane by lane (``fma``: one
 rounding, the same bits on every CPU) and reduced in a fixed order
 (``total``), and no fast-math flag is set on it, so LLVM may not reorder it:
 a kernel built from these computes every output alike whatever else it
@@ -25,6 +27,23 @@ _BF16_BITS = ir.VectorType(ir.IntType(16), LANES)
 _WIDE_BITS = ir.VectorType(_I32, LANES)
 
 
+class _BFloat(ir.Type):
+    """LLVM's bfloat (llvmlite names no such type)."""
+
+    def _to_string(self) -> str:
+        return "bfloat"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _BFloat)
+
+    def __hash__(self) -> int:
+        return hash("bfloat")
+
+
+_PAIRS = ir.VectorType(_BFloat(), 2 * LANES)
+_PAIR_BITS = ir.VectorType(ir.IntType(16), 2 * LANES)
+
+
 class _Lanes(types.Type):
     """LANES float32 values in one LLVM vector (a register, or two on AVX2)."""
 
@@ -32,13 +51,38 @@ class _Lanes(types.Type):
         super().__init__(name=f"float32x{LANES}")
 
 
+class _Pairs(types.Type):
+    """2 LANES bfloat16 values in one LLVM vector: LANES pairs, one per float32 lane of a dot product."""
+
+    def __init__(self) -> None:
+        super().__init__(name=f"bfloat16x{2 * LANES}")
+
+
 lanes = _Lanes()
+pairs = _Pairs()
 
 
 @register_model(_Lanes)
 class _LanesModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _VECTOR)
+
+
+@register_model(_Pairs)
+class _PairsModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _PAIRS)
+
+
+def has_dpbf16() -> bool:
+    """Whether numba compiles for a CPU with AVX512-BF16 (``mac`` on pairs):
+    the host's features as LLVM sees them, and no other target forced
+    (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return False
+    return bool(binding.get_host_cpu_features().get("avx512bf16"))
 
 
 def _element(context, builder, array_type, array, index):
@@ -54,32 +98,89 @@ def zeros(typingctx):
     return lanes(), codegen
 
 
+def _load_codegen(context, builder, signature, args):
+    pointer = _element(context, builder, signature.args[0], args[0], args[1])
+    if signature.args[0].dtype == types.float32:
+        return builder.load(builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(pointer, _BF16_BITS.as_pointer()), align=2)
+    wide = builder.shl(builder.zext(bits, _WIDE_BITS), ir.Constant(_WIDE_BITS, [16] * LANES))
+    return builder.bitcast(wide, _VECTOR)
+
+
+def _load_signature(array, *rest):
+    """``load``'s typing (the codegen reads only the first two arguments)."""
+    if array.dtype not in (types.float32, types.uint16):
+        return None
+    return lanes(array, *rest), _load_codegen
+
+
+def _fma_codegen(context, builder, signature, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3),
+                                        f"llvm.fma.v{LANES}f32")
+    return builder.call(fn, [args[1], args[2], args[0]])
+
+
 @intrinsic
 def load(typingctx, array, index):
     """The flat elements index .. index + LANES - 1 of a C-contiguous array as
     float32 lanes: float32 as they are; uint16 read as bfloat16 bit patterns
     and widened exactly (the 16 bits become the high half of a float32)."""
-    if array.dtype not in (types.float32, types.uint16):
+    return _load_signature(array, index)
+
+
+@intrinsic
+def width(typingctx, like):
+    """How many input values one ``mac`` step takes for inputs like `like`
+    (an array): 2 LANES bfloat16 pairs when it holds bfloat16 bits (uint16),
+    else LANES float32 lanes."""
+    step = 2 * LANES if like.dtype == types.uint16 else LANES
+
+    def codegen(context, builder, signature, args):
+        return context.get_constant(types.intp, step)
+    return types.intp(like), codegen
+
+
+@intrinsic
+def operand(typingctx, array, index, like):
+    """The flat elements index .. of a C-contiguous array as a ``mac``
+    operand for inputs like `like`: when `like` holds bfloat16 bits (the
+    inputs rounded to bfloat16), 2 LANES bfloat16 values as they are
+    (``pairs``: `array` must hold bfloat16 bits too); else ``load``'s LANES
+    float32 lanes."""
+    if like.dtype != types.uint16:
+        return _load_signature(array, index, like)
+    if array.dtype != types.uint16:
         return None
 
     def codegen(context, builder, signature, args):
         pointer = _element(context, builder, signature.args[0], args[0], args[1])
-        if signature.args[0].dtype == types.float32:
-            return builder.load(builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
-        bits = builder.load(builder.bitcast(pointer, _BF16_BITS.as_pointer()), align=2)
-        wide = builder.shl(builder.zext(bits, _WIDE_BITS), ir.Constant(_WIDE_BITS, [16] * LANES))
-        return builder.bitcast(wide, _VECTOR)
-    return lanes(array, index), codegen
+        bits = builder.load(builder.bitcast(pointer, _PAIR_BITS.as_pointer()), align=2)
+        return builder.bitcast(bits, _PAIRS)
+    return pairs(array, index, like), codegen
+
+
+@intrinsic
+def mac(typingctx, acc, a, b):
+    """acc plus a times b: on ``lanes``, ``fma``; on ``pairs``, AVX512-BF16's
+    dot product (``vdpbf16ps``: each float32 lane adds the two products of
+    its pair of bfloat16 values, exact products, float32 sums in the
+    instruction's fixed order; only where ``has_dpbf16``)."""
+    if a == lanes and b == lanes:
+        return lanes(lanes, lanes, lanes), _fma_codegen
+    if not (a == pairs and b == pairs):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR, _PAIRS, _PAIRS]),
+                                            f"llvm.x86.avx512bf16.dpbf16ps.{32 * LANES}")
+        return builder.call(fn, [args[0], args[1], args[2]])
+    return lanes(lanes, pairs, pairs), codegen
 
 
 @intrinsic
 def fma(typingctx, acc, a, b):
     """acc + a * b lane by lane, rounded once (llvm.fma: the same bits on every CPU)."""
-    def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3),
-                                            f"llvm.fma.v{LANES}f32")
-        return builder.call(fn, [args[1], args[2], args[0]])
-    return lanes(lanes, lanes, lanes), codegen
+    return lanes(lanes, lanes, lanes), _fma_codegen
 
 
 @intrinsic

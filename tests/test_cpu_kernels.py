@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine import cpu_ops, gemm_numba, gemm_simd
+from specdec.engine import gemm_select
 from specdec.engine.gemm_select import GEMM_PATHS, Linear, check_row_counts, path_failure
+from specdec.engine.simd import has_dpbf16
 from specdec.engine.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
 
 
@@ -271,3 +273,115 @@ def test_a_linear_on_arrays_computes_what_it_computes_on_float32_tensors(path, d
     assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (6, 70) and got.flags.c_contiguous
     want = linear(x)
     assert want.dtype == torch.float32 and torch.equal(torch.from_numpy(got), want)
+
+
+# ---- simd-dpbf16: bfloat16 activations, AVX512-BF16 dot products ------------------------
+
+needs_dpbf16 = pytest.mark.skipif(not has_dpbf16(), reason="this CPU has no AVX512-BF16 (simd-dpbf16 is refused "
+                                  "here: test_the_dpbf16_path_is_refused_where_the_cpu_lacks_the_instruction)")
+
+
+def as_bf16_values(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns -> their float32 values (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def stated_pair_order(x: np.ndarray, w_bits: np.ndarray) -> np.ndarray:
+    """gemm_simd.gemm(..., pairs=True) written with numpy: x rounded to
+    bfloat16; per output LANES lane accumulators over the padded input in
+    steps of 2 LANES, lane i adding the products of its pair (2i + 1 first,
+    then 2i, each rounded once: VDPBF16PS as Intel's manual defines it; a
+    product of two bfloat16 values is exact in float32); then the lanes'
+    halves added pairwise. x [R, in] float32, w_bits [out, in] -> [R, out]."""
+    lanes = gemm_simd.LANES
+    width = gemm_simd.padded_in(x.shape[1], pairs=True)
+    xp = np.zeros((x.shape[0], width), np.float32)
+    xp[:, :x.shape[1]] = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
+    wp = np.zeros((w_bits.shape[0], width), np.float32)
+    wp[:, :w_bits.shape[1]] = as_bf16_values(w_bits)
+    acc = np.zeros((x.shape[0], w_bits.shape[0], lanes), np.float32)
+    for k in range(0, width, 2 * lanes):
+        for parity in (1, 0):
+            acc = _fma32(acc, xp[:, None, k + parity:k + 2 * lanes:2], wp[None, :, k + parity:k + 2 * lanes:2])
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
+def test_activations_round_to_bfloat16_as_torch_rounds_them():
+    """Nearest, ties to even, infinities and overflow to infinity kept; NaN stays NaN; the padding stays 0."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((3, 70)) * 10.0 ** rng.integers(-38, 38, (3, 70))).astype(np.float32)
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0x00000001, 0x80000000], np.uint32)
+    x[0, :6] = ties.view(np.float32)  # halfway cases (even and odd), the largest float, a denormal, -0
+    x[1, :3] = [np.inf, -np.inf, np.nan]
+    got = gemm_simd.round_bf16(x, 96)
+    assert got.shape == (3, 96) and got.dtype == np.uint16 and not got[:, 70:].any()
+    want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    finite = ~np.isnan(x)
+    assert np.array_equal(got[:, :70][finite], want[finite])
+    assert np.isnan(as_bf16_values(got[1:2, 2:3])).all()
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("rows", [1, 6, 7, 13])
+def test_dpbf16_gemm_sums_in_the_order_its_doc_states(rows):
+    """The pair order is the instruction's architectural definition, so the
+    result is bitwise the numpy statement of it; and it is not the float32
+    kernel's (the activations were rounded, the order differs)."""
+    rng = np.random.default_rng(rows)
+    w = torch.from_numpy(rng.standard_normal((40, 203)).astype(np.float32)).to(torch.bfloat16)
+    bits = w.view(torch.int16).numpy().view(np.uint16)
+    x = rng.standard_normal((rows, 203)).astype(np.float32)
+    padded = gemm_simd.pad_weight(bits, pairs=True)
+    assert padded.shape == (40, 224) and not padded[:, 203:].any()
+    got = gemm_simd.gemm(x, padded, 2, pairs=True)[:, :40]
+    assert np.array_equal(got, stated_pair_order(x, bits))
+    assert not np.array_equal(got, gemm_simd.gemm(x, gemm_simd.pad_weight(bits), 2)[:, :40])
+
+
+@needs_dpbf16
+def test_dpbf16_gemm_rows_and_chunks_do_not_change_a_row():
+    rng = np.random.default_rng(5)
+    w = torch.from_numpy(rng.standard_normal((50, 300)).astype(np.float32)).to(torch.bfloat16)
+    padded = gemm_simd.pad_weight(w.view(torch.int16).numpy().view(np.uint16), pairs=True)
+    x = rng.standard_normal((14, 300)).astype(np.float32)
+    together = gemm_simd.gemm(x, padded, 2, pairs=True)
+    for n in range(1, 14):
+        assert np.array_equal(gemm_simd.gemm(x[:n], padded, 2, pairs=True), together[:n]), f"first {n} rows"
+    for r in range(14):
+        assert np.array_equal(gemm_simd.gemm(x[r:r + 1], padded, 2, pairs=True)[0], together[r]), f"row {r}"
+    for chunks in (1, 3):
+        assert np.array_equal(gemm_simd.gemm(x, padded, chunks, pairs=True), together)
+
+
+@needs_dpbf16
+def test_the_dpbf16_path_serves_bfloat16_linears_row_invariantly():
+    """bfloat16 in and out, the weight kept as bfloat16; the result is the
+    product of the bfloat16 values to float32 precision; on arrays the same bits."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(70, 45, generator=gen).to(torch.bfloat16)
+    b = torch.randn(70, generator=gen).to(torch.bfloat16)
+    x = torch.randn(13, 45, generator=gen)
+    linear = Linear(w, b, GEMM_PATHS["simd-dpbf16"])
+    assert linear.weight.dtype == torch.bfloat16 and linear._padded.dtype == np.uint16
+    y = linear(x)
+    exact = F.linear(x.to(torch.bfloat16).double(), w.double(), b.float().double())
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.from_numpy(linear.on_array(x.numpy())), y)
+    assert linear(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    rows_alone_equal_rows_together(linear, x)
+
+
+def test_the_dpbf16_path_is_refused_where_the_cpu_lacks_the_instruction(monkeypatch):
+    """Float32 weights and a CPU without AVX512-BF16 are refused by name;
+    the selector reports either as a path this CPU cannot run."""
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="simd-dpbf16 GEMM takes torch.bfloat16 weights"):
+        Linear(w.float(), None, GEMM_PATHS["simd-dpbf16"])
+    monkeypatch.setattr(gemm_select, "has_dpbf16", lambda: False)
+    with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+        Linear(w, None, GEMM_PATHS["simd-dpbf16"])
+    failure = path_failure(GEMM_PATHS["simd-dpbf16"], [("w", w, None)], check_row_counts(8), torch.bfloat16)
+    assert failure.startswith(gemm_select.UNSUPPORTED) and "AVX512-BF16" in failure
