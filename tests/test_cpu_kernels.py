@@ -9,11 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import cpu_ops, gemm_numba, gemm_simd
-from specdec.engine import gemm_select
+from specdec.engine import cpu_ops, gemm_numba, gemm_select, gemm_simd
 from specdec.engine.gemm_select import GEMM_PATHS, Linear, check_row_counts, path_failure
-from specdec.engine.simd import has_dpbf16
 from specdec.engine.llama import apply_rope, rms_norm, rope_inv_freq, rope_tables
+from specdec.engine.simd import has_dpbf16
 
 
 def rows_alone_equal_rows_together(fn, x: torch.Tensor) -> None:
