@@ -80,7 +80,7 @@ def has_dpbf16() -> bool:
     (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
     from llvmlite import binding
     from numba.core import config
-    if config.CPU_NAME or config.CPU_FEATURES:
+    if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None):
         return False
     return bool(binding.get_host_cpu_features().get("avx512bf16"))
 
