@@ -287,8 +287,9 @@ class LlamaEngine(Engine):
 
     dtype: weights and activations ("float32" | "bfloat16"); attention, the
       KV cache and returned logits / hidden states are float32. bfloat16
-      through the simd GEMM path keeps the weights in bfloat16 and the
-      activations in float32 (``act_dtype``: simd computes in float32, and
+      through the simd GEMM paths keeps the weights in bfloat16 and the
+      activations in float32 (``act_dtype``: simd computes in float32,
+      simd-dpbf16 rounds each GEMM's input to bfloat16 inside the kernel, and
       the small steps then run as the float32 numba kernels).
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
