@@ -76,13 +76,14 @@ class _PairsModel(models.PrimitiveModel):
 
 def has_dpbf16() -> bool:
     """Whether numba compiles for a CPU with AVX512-BF16 (``mac`` on pairs):
-    the host's features as LLVM sees them, and no other target forced
-    (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES)."""
+    the host's features as LLVM sees them, no other target forced
+    (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), and an LLVM whose dot-product
+    intrinsic takes bfloat vectors (17 and later; before, it took i32 vectors)."""
     from llvmlite import binding
     from numba.core import config
     if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None):
         return False
-    return bool(binding.get_host_cpu_features().get("avx512bf16"))
+    return binding.llvm_version_info >= (17,) and bool(binding.get_host_cpu_features().get("avx512bf16"))
 
 
 def _element(context, builder, array_type, array, index):
