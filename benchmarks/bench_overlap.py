@@ -9,7 +9,9 @@ One scorer, one proposer per latency and one gateway per (latency, mode),
 all started once; the rows of one latency run interleaved, ``--repeats``
 times, and the median is shown. Every row's tokens are checked against the
 lock-step row. The loss columns compare with the same mode at 0 ms and with
-lock-step at 0 ms. Prints a table with the CPU model and writes JSON.
+lock-step at 0 ms; "overlapped" counts the gateway's overlapped steps in a
+run (median), and the JSON keeps the gateway's fitted Verify cost after each
+run (what ``--overlap on`` decides with). Prints a table with the CPU model and writes JSON.
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
         [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead]
@@ -72,6 +74,19 @@ def start_services(stack: Stack, latencies: list[float], modes: list[str]) -> di
     return gateways
 
 
+def overlapped_steps(gateway) -> float:
+    """The gateway's overlapped steps so far (specdec_gateway_overlapped_steps_total)."""
+    return gateway.metrics().get("specdec_gateway_overlapped_steps_total", 0.0)
+
+
+def verify_fit(gateway) -> dict[str, float]:
+    """The gateway's fitted Verify cost (ms fixed, ms per token fed), what
+    ``--overlap on`` decides with."""
+    samples = gateway.metrics()
+    return {part: 1000 * v for key, v in samples.items() for part in ("fixed", "per_token")
+            if key.startswith("specdec_gateway_verify_cost_seconds{") and f'part="{part}"' in key}
+
+
 def request(ids: list[int], k: int, max_tokens: int):
     r = make_request(ids, max_tokens=max_tokens, method="ngram", k=k)
     r.ignore_eos = True  # every stream makes max_tokens
@@ -121,8 +136,9 @@ def main() -> None:
               "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
     print(f"CPU: {cpu}\nstarting the services on {args.model}; logs in {log_dir}", file=sys.stderr)
-    with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir) as stack:
+    with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True) as stack:
         gateways = start_services(stack, latencies, modes)
+        services = {service.addr: service for service in stack.by_name("gateway-")}
         for addr in set(gateways.values()):
             run(addr, prompts, 2, args.k, 8)  # warm up
         for latency in latencies:
@@ -130,7 +146,12 @@ def main() -> None:
                 samples: dict[str, list[dict]] = {mode: [] for mode in modes}
                 for rep in range(args.repeats):
                     for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:
-                        samples[mode].append(run(gateways[latency, mode], prompts, n, args.k, args.max_tokens))
+                        gateway = services[gateways[latency, mode]]
+                        before = overlapped_steps(gateway)
+                        sample = run(gateway.addr, prompts, n, args.k, args.max_tokens)
+                        sample["overlapped_steps"] = overlapped_steps(gateway) - before
+                        sample["verify_fit"] = verify_fit(gateway)
+                        samples[mode].append(sample)
                 reference = samples["off"][0]["token_ids"]
                 for mode in modes:
                     runs = samples[mode]
@@ -138,8 +159,9 @@ def main() -> None:
                            "tok_s": statistics.median(r["tok_s"] for r in runs),
                            "tok_s_runs": [r["tok_s"] for r in runs],
                            "identical_to_lock_step": all(r["token_ids"] == reference for r in runs)}
+                    row["verify_fit_runs"] = [r["verify_fit"] for r in runs]
                     for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
-                                "draft_tokens_per_round", "accepted_per_draft_token"):
+                                "draft_tokens_per_round", "accepted_per_draft_token", "overlapped_steps"):
                         row[key] = statistics.median(r[key] for r in runs)
                     result["rows"].append(row)
                     print(f"  {latency:g} ms, {n} streams, overlap {mode}: {row['tok_s']:.1f} tok/s",
@@ -150,7 +172,7 @@ def main() -> None:
           f"stream, median of {args.repeats}\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>8}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
-          f"{'identical':>10}")
+          f"{'identical':>10}{'overlapped':>11}")
     for r in result["rows"]:
         same0 = by[(latencies[0], r["streams"], r["mode"])]["tok_s"]
         off0 = by[(latencies[0], r["streams"], "off")]["tok_s"]
@@ -161,7 +183,7 @@ def main() -> None:
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
               f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"
-              f"{str(r['identical_to_lock_step']):>10}")
+              f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
