@@ -33,12 +33,21 @@ counts depend on the row's position alone, so the compiled code takes the
 same path (vector body and remainder alike) whatever else is in the batch;
 the scores and the weighted values are explicit vectors (``_block_scores``,
 ``_weighted_values``: engine.simd, no fast-math), one fixed order for every
-key. Threads only split the (row, query head) units between them.
+key. Threads only split the units between them.
+
+Sharing within a sequence: the query heads of one kv head, over all the new
+rows of one sequence (a verification chunk: k + 1 rows), read the same keys.
+A unit is up to ``PACK`` of those queries (``attention_units``); a full pack
+computes its scores together (``_block_scores4``: each key vector loaded
+once for four queries, each score's operations exactly ``_block_scores``'s,
+so the same bits), over the blocks its rows see, and each query then takes
+its own visible part. Fewer queries than a pack (a decode row of a model
+with fewer than PACK query heads per kv head) stay one unit each.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -55,6 +64,9 @@ from specdec.engine.simd import LANES, add, fma, load, mul, pow2, splat, store, 
 #: saves (SmolLM2's shapes on 2 threads of an AMD EPYC: no faster at ~600
 #: triples, 1.45x faster at ~4600, a decode row after 512 tokens).
 PARALLEL_MIN_WORK = 1 << 10
+#: Queries (rows x query heads of one kv head, one sequence) whose scores a
+#: unit computes together (``_block_scores4``).
+PACK = 4
 
 # Reassociation lets LLVM vectorize the dot products and sums; every loop a
 # row's result depends on has the same trip count for that row in any batch,
@@ -74,6 +86,14 @@ class PagedBatch:
     slot_block: torch.Tensor  # int64 [T]: block receiving each row's key/value
     slot_offset: torch.Tensor  # int64 [T]: offset inside that block
     attention_work: int  # sum over rows of (row_pos + 1): visible keys per head
+    _units: dict = field(default_factory=dict, repr=False)  # group -> attention_units (same for every layer)
+
+    def units(self, group: int, kv_heads: int) -> np.ndarray:
+        """``attention_units`` of this batch, computed once per shape."""
+        key = (group, kv_heads)
+        if key not in self._units:
+            self._units[key] = attention_units(self.row_seq, group, kv_heads)
+        return self._units[key]
 
 
 class KVPool:
@@ -232,7 +252,8 @@ class KVPool:
         """``attend`` on a C-contiguous float32 numpy query, returning numpy."""
         assert query.shape[1] % self.num_kv_heads == 0 and query.shape[2] == self.head_dim
         out = np.empty_like(query)
-        args = (query, *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window)
+        units = batch.units(query.shape[1] // self.num_kv_heads, self.num_kv_heads)
+        args = (query, *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window, units)
         if self._num_threads == 1 or batch.attention_work * query.shape[1] < PARALLEL_MIN_WORK:
             _paged_attention(*args, 0, 1, out)
         else:
@@ -280,7 +301,8 @@ def _warm_up() -> None:
     argument types ``attend`` passes, so the first request does not wait."""
     one = np.zeros((1, 1, 1), np.float32)
     args = (one, np.zeros((1, 1, 1, LANES), np.float32), np.zeros((1, 1, LANES, 1), np.float32),
-            np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
+            np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0,
+            attention_units(np.zeros(1, np.int32), 1, 1))
     _paged_attention(*args, 0, 1, one)
     with LAUNCH_LOCK:
         _paged_attention_parallel(*args, 1, one)
@@ -369,75 +391,169 @@ def _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head):
         store(out, at + c, mul(add(add(a0, a1), add(a2, a3)), scale))
 
 
+@numba.njit(nogil=True, cache=True)
+def attention_units(row_seq, group, kv_heads):
+    """The attention's units for a batch: int32 [U, 4] rows (first row of the
+    sequence's run, kv head, first query, queries). A sequence's rows (a run
+    of equal row_seq) and the `group` query heads of kv head g form R * group
+    queries, query i being row first + i // group, head g * group + i %
+    group; they go PACK at a time (the last unit of a run and kv head may
+    hold fewer), or one per unit when there are fewer than PACK."""
+    T = row_seq.shape[0]
+    count = 0
+    start = 0
+    while start < T:
+        end = start + 1
+        while end < T and row_seq[end] == row_seq[start]:
+            end += 1
+        queries = (end - start) * group
+        count += kv_heads * (queries if queries < PACK else (queries + PACK - 1) // PACK)
+        start = end
+    units = np.empty((count, 4), np.int32)
+    u = 0
+    start = 0
+    while start < T:
+        end = start + 1
+        while end < T and row_seq[end] == row_seq[start]:
+            end += 1
+        queries = (end - start) * group
+        size = 1 if queries < PACK else PACK
+        for g in range(kv_heads):
+            for q0 in range(0, queries, size):
+                units[u, 0] = start
+                units[u, 1] = g
+                units[u, 2] = q0
+                units[u, 3] = min(size, queries - q0)
+                u += 1
+        start = end
+    return units
+
+
+@numba.njit(nogil=True, cache=True)
+def _block_scores4(q0, q1, q2, q3, key_cache, block, g, s0, s1, s2, s3, column):
+    """``_block_scores`` of four queries against one block (kv head g), each
+    key vector loaded once for the four; every score's operations, and so its
+    bits, are ``_block_scores``'s."""
+    D = q0.shape[0]
+    bs = key_cache.shape[3]
+    base = (block * key_cache.shape[1] + g) * D * bs
+    whole = D - D % 4
+    for lane0 in range(0, bs, LANES):
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zeros()
+        for d in range(0, whole, 4):
+            at = base + d * bs + lane0
+            k0 = load(key_cache, at)
+            k1 = load(key_cache, at + bs)
+            k2 = load(key_cache, at + 2 * bs)
+            k3 = load(key_cache, at + 3 * bs)
+            a0, a1 = fma(a0, splat(q0[d]), k0), fma(a1, splat(q0[d + 1]), k1)
+            a2, a3 = fma(a2, splat(q0[d + 2]), k2), fma(a3, splat(q0[d + 3]), k3)
+            b0, b1 = fma(b0, splat(q1[d]), k0), fma(b1, splat(q1[d + 1]), k1)
+            b2, b3 = fma(b2, splat(q1[d + 2]), k2), fma(b3, splat(q1[d + 3]), k3)
+            c0, c1 = fma(c0, splat(q2[d]), k0), fma(c1, splat(q2[d + 1]), k1)
+            c2, c3 = fma(c2, splat(q2[d + 2]), k2), fma(c3, splat(q2[d + 3]), k3)
+            e0, e1 = fma(e0, splat(q3[d]), k0), fma(e1, splat(q3[d + 1]), k1)
+            e2, e3 = fma(e2, splat(q3[d + 2]), k2), fma(e3, splat(q3[d + 3]), k3)
+        for d in range(whole, D):
+            k0 = load(key_cache, base + d * bs + lane0)
+            a0 = fma(a0, splat(q0[d]), k0)
+            b0 = fma(b0, splat(q1[d]), k0)
+            c0 = fma(c0, splat(q2[d]), k0)
+            e0 = fma(e0, splat(q3[d]), k0)
+        store(s0, column + lane0, add(add(a0, a1), add(a2, a3)))
+        store(s1, column + lane0, add(add(b0, b1), add(b2, b3)))
+        store(s2, column + lane0, add(add(c0, c1), add(c2, c3)))
+        store(s3, column + lane0, add(add(e0, e1), add(e2, e3)))
+
+
 @numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window,
+def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units,
                      unit_begin, unit_step, out):
-    """Softmax attention for the (row, query head) units unit_begin,
-    unit_begin + unit_step, ...; unit u is row u // H, head u % H (kv head
-    head // (H / kv_heads)).
+    """Softmax attention for the units unit_begin, unit_begin + unit_step,
+    ... of ``units`` (``attention_units``: up to PACK queries, rows x query
+    heads of one kv head and sequence).
 
     query [T, H, D] float32 (pre-scaled); key_cache [num_blocks, kv_heads,
     D, bs], value_cache [num_blocks, kv_heads, bs, D]; block_tables int32
     [B, max_blocks]; row_seq, row_pos int32 [T]; out [T, H, D] float32.
 
-    Per unit, over the n visible keys first..pos: the scores of the whole
-    blocks holding them (``_block_scores``), their max, the weights
-    e^(s - max) and their sum, then the weighted sum of the values
-    (``_weighted_values`` when D is a multiple of LANES), each loop in
-    position order."""
+    Per unit, the scores of the whole blocks its rows see (four queries
+    together in ``_block_scores4`` when the unit is full, else
+    ``_block_scores`` one by one: the same bits); then per query, over its n
+    visible keys first..pos: their max, the weights e^(s - max) and their
+    sum, then the weighted sum of the values (``_weighted_values`` when D is
+    a multiple of LANES), each loop in position order."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
     bs = key_cache.shape[3]
     group = H // kv_heads
-    scores = np.empty((row_pos.max() // bs + 1) * bs, np.float32)
+    scores = np.empty((PACK, (row_pos.max() // bs + 1) * bs), np.float32)
     key_rows = np.empty(row_pos.max() + 1, np.int64)  # flat offset of each visible key's value
     acc = np.empty(D, np.float32)
     vector_values = D % LANES == 0
-    for unit in range(unit_begin, T * H, unit_step):
-        row = unit // H
-        head = unit % H
-        g = head // group
-        pos = row_pos[row]
-        first = max(0, pos - window + 1) if window > 0 else 0
-        n = pos + 1 - first
-        table = block_tables[row_seq[row]]
-        first_blk = first // bs
-        for blk_i in range(first_blk, pos // bs + 1):
-            _block_scores(query[row, head], key_cache, table[blk_i], g, scores, (blk_i - first_blk) * bs)
-        skip = first - first_blk * bs  # scores[skip + i] is key first + i's
-        weights = scores[skip:skip + n]
-        m = weights[0]
-        for i in range(1, n):
-            m = max(m, weights[i])
-        total = np.float32(0.0)
-        for i in range(n):
-            weights[i] = exp_nonpositive(weights[i] - m)
-            total += weights[i]
-        inv = np.float32(1.0) / total
-        if vector_values:
+    rows = np.empty(PACK, np.int64)
+    heads = np.empty(PACK, np.int64)
+    for unit in range(unit_begin, units.shape[0], unit_step):
+        run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
+        for j in range(nq):
+            rows[j] = run + (q0 + j) // group
+            heads[j] = g * group + (q0 + j) % group
+        table = block_tables[row_seq[rows[0]]]
+        lo = row_pos[rows[0]]  # the unit's rows are in position order
+        lo = max(0, lo - window + 1) if window > 0 else 0
+        unit_blk = lo // bs
+        for blk_i in range(unit_blk, row_pos[rows[nq - 1]] // bs + 1):
+            column = (blk_i - unit_blk) * bs
+            if nq == PACK:
+                _block_scores4(query[rows[0], heads[0]], query[rows[1], heads[1]], query[rows[2], heads[2]],
+                               query[rows[3], heads[3]], key_cache, table[blk_i], g,
+                               scores[0], scores[1], scores[2], scores[3], column)
+            else:
+                for j in range(nq):
+                    _block_scores(query[rows[j], heads[j]], key_cache, table[blk_i], g, scores[j], column)
+        for j in range(nq):
+            row = rows[j]
+            head = heads[j]
+            pos = row_pos[row]
+            first = max(0, pos - window + 1) if window > 0 else 0
+            n = pos + 1 - first
+            first_blk = first // bs
+            skip = first - unit_blk * bs  # scores[j, skip + i] is key first + i's
+            weights = scores[j, skip:skip + n]
+            m = weights[0]
+            for i in range(1, n):
+                m = max(m, weights[i])
+            total = np.float32(0.0)
+            for i in range(n):
+                weights[i] = exp_nonpositive(weights[i] - m)
+                total += weights[i]
+            inv = np.float32(1.0) / total
+            if vector_values:
+                for blk_i in range(first_blk, pos // bs + 1):
+                    base = blk_i * bs - first  # key first + i is at offset i - base of this block
+                    start = (table[blk_i] * kv_heads + g) * bs * D
+                    for jj in range(max(-base, 0), min(n - base, bs)):
+                        key_rows[base + jj] = start + jj * D
+                _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head)
+                continue
+            acc[:] = 0.0
             for blk_i in range(first_blk, pos // bs + 1):
-                base = blk_i * bs - first  # key first + i is at offset i - base of this block
-                start = (table[blk_i] * kv_heads + g) * bs * D
-                for j in range(max(-base, 0), min(n - base, bs)):
-                    key_rows[base + j] = start + j * D
-            _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head)
-            continue
-        acc[:] = 0.0
-        for blk_i in range(first_blk, pos // bs + 1):
-            values = value_cache[table[blk_i], g]  # [bs, D]
-            base = blk_i * bs - first
-            for j in range(max(-base, 0), min(n - base, bs)):
-                w = weights[base + j]
-                value = values[j]
-                for d in range(D):
-                    acc[d] += w * value[d]
-        for d in range(D):
-            out[row, head, d] = acc[d] * inv
+                values = value_cache[table[blk_i], g]  # [bs, D]
+                base = blk_i * bs - first
+                for jj in range(max(-base, 0), min(n - base, bs)):
+                    w = weights[base + jj]
+                    value = values[jj]
+                    for d in range(D):
+                        acc[d] += w * value[d]
+            for d in range(D):
+                out[row, head, d] = acc[d] * inv
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
-def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, chunks, out):
+def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units,
+                              chunks, out):
     """``_paged_attention`` of every unit, the units dealt round-robin to
     `chunks` parallel calls (numba threads)."""
     for c in numba.prange(chunks):
-        _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, c, chunks, out)
+        _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, c, chunks,
+                         out)

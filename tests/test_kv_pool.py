@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from specdec.engine.base import PoolExhausted
-from specdec.engine.kv_pool import PARALLEL_MIN_WORK, KVPool
+from specdec.engine.kv_pool import PACK, PARALLEL_MIN_WORK, KVPool, attention_units
 
 LAYERS, KV_HEADS, HEAD_DIM, BS = 2, 2, 8, 16
 
@@ -211,6 +212,35 @@ def test_attention_row_is_bitwise_independent_of_the_batch():
     assert torch.equal(out[16], alone["b"])  # last row of a 17-row verify chunk
     assert torch.equal(out[17], alone["a"])  # a decode row next to it
     assert torch.equal(out[-1], alone["c"])  # last row of a prefill chunk
+
+
+def test_attention_units_pack_a_sequences_queries_per_kv_head():
+    """A verification chunk's rows x query heads of one kv head go PACK at a
+    time (the last unit of a run holds the rest); a decode row with fewer
+    queries than a pack is one unit per query."""
+    row_seq = np.array([0, 1, 1, 1, 1, 1, 1, 2], np.int32)  # a decode row, a 6-row chunk, a decode row
+    units = attention_units(row_seq, 3, 2).tolist()  # 3 query heads per kv head, 2 kv heads
+    singles = [[0, g, q, 1] for g in range(2) for q in range(3)]
+    chunk = [[1, g, q, min(PACK, 18 - q)] for g in range(2) for q in range(0, 18, PACK)]
+    assert units == singles + chunk + [[7, g, q, 1] for g in range(2) for q in range(3)]
+    assert attention_units(np.zeros(2, np.int32), 2, 1).tolist() == [[0, 0, 0, PACK]]
+
+
+@pytest.mark.parametrize("window", [0, 5, 20])
+@pytest.mark.parametrize("head_dim", [6, 64])  # a dimension tail after the groups of 4 / none
+def test_packed_scores_give_every_row_the_bits_it_gets_alone(window, head_dim):
+    """Rows of a 7-row chunk (21 queries per kv head: five packs, the last
+    partial), with and without a window, equal bitwise the same rows computed
+    one at a time (one query per unit)."""
+    heads = 6
+    pool = make_pool(256, head_dim=head_dim)
+    seqs = random_sequences({"a": 40}, heads, head_dim=head_dim, seed=5)
+    batch, q = feed(pool, seqs, {"a": (33, 40)})
+    assert max(u[3] for u in batch.units(heads // KV_HEADS, KV_HEADS)) == PACK  # the packed kernel runs
+    together = pool.attend(1, q, batch, window)
+    for r in range(7):
+        one, q1 = feed(pool, seqs, {"a": (33 + r, 34 + r)})
+        assert torch.equal(pool.attend(1, q1, one, window)[0], together[r]), f"row {r}"
 
 
 def test_threads_split_work_without_changing_results():
