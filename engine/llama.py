@@ -377,6 +377,10 @@ class LlamaEngine(Engine):
                                for layer in self.layers]
                 self.final_norm = self.final_norm.float()
             self._norm_arrays = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
+            self._final_norm_np = self.final_norm.numpy()
+            # the embedding rows as the stream's float32 (bfloat16 bits widened exactly: a shift)
+            self._embed_np = self.embed.view(torch.int16).numpy().view(np.uint16) \
+                if self.embed.dtype == torch.bfloat16 else self.embed.float().numpy()
 
         if kv_memory_fraction is not None:
             per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
@@ -427,15 +431,22 @@ class LlamaEngine(Engine):
         seq_ids = [it.seq_id for it in items]
         counts = [len(it.token_ids) for it in items]
         batch = self.pool.plan(seq_ids, counts)
-        positions = torch.from_numpy(batch.row_pos).to(self.device).long()
-        h, states = self._decoder(tokens, positions, batch, feature_layers)  # [T, hidden], each [T, hidden]
         ends = np.cumsum(counts)
         rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
-        normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
-        if len(rows):
-            logits = self.lm_head(normed).float()
-        else:  # a prefill chunk: skip the LM head
-            logits = torch.empty(0, self.facts.vocab_size, device=self.device)
+        if self.fused:  # numpy from the embedding to the logits (``_decoder_arrays``)
+            h_np, states = self._decoder_arrays(tokens.numpy(), batch, feature_layers)
+            normed_np = cpu_ops.rms_norm(h_np[rows], self._final_norm_np, self.spec.rms_norm_eps)
+            normed = torch.from_numpy(normed_np)
+            logits = torch.from_numpy(self.lm_head.on_array(normed_np)) if len(rows) else \
+                torch.empty(0, self.facts.vocab_size)  # a prefill chunk: no LM head
+        else:
+            positions = torch.from_numpy(batch.row_pos).to(self.device).long()
+            h, states = self._decoder(tokens, positions, batch, feature_layers)  # [T, hidden], each [T, hidden]
+            normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
+            if len(rows):
+                logits = self.lm_head(normed).float()
+            else:  # a prefill chunk: skip the LM head
+                logits = torch.empty(0, self.facts.vocab_size, device=self.device)
         self.pool.commit(seq_ids, counts)
         return ForwardOutput(logits, normed.float() if return_hidden_states else None,
                              torch.cat(states, dim=1).to(self.dtype) if feature_layers else None)
@@ -465,8 +476,6 @@ class LlamaEngine(Engine):
         the stream after each of feature_layers layers (0: the embeddings),
         in their order. The stream is never updated in place, so keeping a
         reference to it is keeping its value."""
-        if self.fused:
-            return self._decoder_arrays(tokens, positions, batch, feature_layers)
         eps = self.spec.rms_norm_eps
         h = F.embedding(tokens, self.embed).to(self.act_dtype)
         kept = {0: h} if 0 in feature_layers else {}
@@ -478,17 +487,21 @@ class LlamaEngine(Engine):
                 kept[i + 1] = h
         return h, [kept[i] for i in feature_layers]
 
-    def _decoder_arrays(self, tokens: torch.Tensor, positions: torch.Tensor, batch,
-                        feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """``_decoder`` on the fused CPU path: the float32 stream as numpy
-        arrays from one numba call to the next (cpu_ops, the numba GEMMs,
-        the paged attention), no torch op inside a layer (each costs about
-        a microsecond of dispatch, ~20 of them per layer). Layers that
-        normalise queries and keys take ``_attention``'s torch steps."""
+    def _decoder_arrays(self, tokens: np.ndarray, batch,
+                        feature_layers: tuple[int, ...]) -> tuple[np.ndarray, list[torch.Tensor]]:
+        """``_decoder`` on the fused CPU path, the stream returned as a numpy
+        array: the float32 stream as numpy arrays from one numba call to the
+        next (cpu_ops, the numba GEMMs, the paged attention), no torch op
+        inside a layer (each costs about a microsecond of dispatch, ~20 of
+        them per layer), nor around the layers (``forward`` takes the final
+        norm and the LM head on arrays too). Layers that normalise queries
+        and keys take ``_attention``'s torch steps."""
         eps = self.spec.rms_norm_eps
         T, H, Hkv, D = len(tokens), self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         slots = (batch.slot_block.numpy(), batch.slot_offset.numpy())
-        h = F.embedding(tokens, self.embed).float().numpy()  # [T, hidden]
+        h = self._embed_np[tokens]  # [T, hidden]
+        if h.dtype == np.uint16:  # bfloat16 bits -> float32, exactly
+            h = (h.astype(np.uint32) << 16).view(np.float32)
         kept = {0: h} if 0 in feature_layers else {}
         rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
         for i, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
@@ -500,13 +513,14 @@ class LlamaEngine(Engine):
                 h = h + layer.o.on_array(self.pool.attend_array(i, q, batch, layer.window).reshape(T, H * D))
             else:
                 if rope is None:
+                    positions = torch.from_numpy(batch.row_pos).long()
                     rope = self.cos[positions], self.sin[positions]
                 h = h + self._attention(i, layer, torch.from_numpy(x), *rope, batch).numpy()
             x = cpu_ops.rms_norm(h, post_norm, eps)
             h = h + layer.down.on_array(cpu_ops.silu_mul(layer.gate_up.on_array(x)))
             if i + 1 in feature_layers:
                 kept[i + 1] = h
-        return torch.from_numpy(h), [torch.from_numpy(kept[i]) for i in feature_layers]
+        return h, [torch.from_numpy(kept[i]) for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch) -> torch.Tensor:

@@ -138,6 +138,32 @@ def test_unfused_small_steps_run_the_small_steps_as_torch_ops_in_the_weights_dty
     assert (got - want).abs().max() < 0.5
 
 
+#: What a fused forward may still run through torch: wrapping numpy arrays
+#: and the token ids' device check; nothing that computes.
+WRAPPING_OPS = {"aten::lift_fresh", "aten::detach", "aten::to", "aten::alias", "aten::view", "aten::as_strided",
+                "aten::resolve_conj", "aten::resolve_neg"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_fused_forward_computes_nothing_through_torch(stories, dtype):
+    """On the fused CPU path the embedding, the layers, the final norm and
+    the LM head all run on numpy arrays: a decode row, a verification chunk
+    and a prefill chunk in one forward run no torch op that computes."""
+    from torch.profiler import ProfilerActivity, profile
+    model, prompt = stories
+    engine = engine_of(model, dtype, gemm="simd")
+    assert engine.fused
+    feed(engine, [("a", prompt[:8], 1), ("b", prompt[:5], 1)])
+    items = [("a", prompt[8:9], 1), ("b", prompt[5:11], 6), ("c", prompt[:7], 0)]
+    for seq, tokens, _ in items:
+        engine.ensure_capacity(seq, engine.cached_len(seq) + len(tokens))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = engine.forward([ForwardItem(seq, as_ids(tokens), k) for seq, tokens, k in items],
+                             return_hidden_states=True)
+    assert out.logits.shape[0] == 7 and out.hidden_states.shape[0] == 7
+    assert {event.name for event in prof.events()} <= WRAPPING_OPS
+
+
 def test_bfloat16_through_simd_is_the_float32_pipeline_on_bfloat16_weights(stories):
     """bfloat16 through simd keeps the projection weights in bfloat16 and
     runs the float32 kernels between them (act_dtype float32): its logits
