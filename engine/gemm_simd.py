@@ -91,30 +91,31 @@ def _prefetch4(w, i0, i1, i2, i3, step):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3):
+    """One step of ``_rows1``: the four accumulators after the values k .. k + width(x)."""
+    _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x))
+    u = operand(x, xr + k, x)
+    return (mac(a0, u, operand(w, w0 + k, x)), mac(a1, u, operand(w, w1 + k, x)),
+            mac(a2, u, operand(w, w2 + k, x)), mac(a3, u, operand(w, w3 + k, x)))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows1(x, w, out, o, r):
-    """out[r, o:o+4] = x[r] @ w[o:o+4].T (x, w C-contiguous, in a multiple of width(x))."""
+    """out[r, o:o+4] = x[r] @ w[o:o+4].T (x, w C-contiguous, in a multiple of
+    width(x)); two steps per loop turn (more loads in flight: the pair
+    steps stream closer to the float32 ones' speed), the order unchanged."""
     n = x.shape[1]
     xr = r * n
     w0, w1, w2, w3 = o * n, (o + 1) * n, (o + 2) * n, (o + 3) * n
     a0 = a1 = a2 = a3 = zeros()
     step = width(x)
     k = 0
-    while k < n:
-        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, step)
-        u = operand(x, xr + k, x)
-        a0 = mac(a0, u, operand(w, w0 + k, x))
-        a1 = mac(a1, u, operand(w, w1 + k, x))
-        a2 = mac(a2, u, operand(w, w2 + k, x))
-        a3 = mac(a3, u, operand(w, w3 + k, x))
-        k += step
-        if k < n:
-            _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, step)
-            u = operand(x, xr + k, x)
-            a0 = mac(a0, u, operand(w, w0 + k, x))
-            a1 = mac(a1, u, operand(w, w1 + k, x))
-            a2 = mac(a2, u, operand(w, w2 + k, x))
-            a3 = mac(a3, u, operand(w, w3 + k, x))
-            k += step
+    while k + step < n:
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3)
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k + step, a0, a1, a2, a3)
+        k += 2 * step
+    if k < n:
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3)
     _store4(out, r, o, a0, a1, a2, a3)
 
 

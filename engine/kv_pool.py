@@ -400,16 +400,7 @@ def attention_units(row_seq, group, kv_heads):
     group; they go PACK at a time (the last unit of a run and kv head may
     hold fewer), or one per unit when there are fewer than PACK."""
     T = row_seq.shape[0]
-    count = 0
-    start = 0
-    while start < T:
-        end = start + 1
-        while end < T and row_seq[end] == row_seq[start]:
-            end += 1
-        queries = (end - start) * group
-        count += kv_heads * (queries if queries < PACK else (queries + PACK - 1) // PACK)
-        start = end
-    units = np.empty((count, 4), np.int32)
+    units = np.empty((T * group * kv_heads, 4), np.int32)  # at most one unit per query
     u = 0
     start = 0
     while start < T:
@@ -426,6 +417,7 @@ def attention_units(row_seq, group, kv_heads):
                 units[u, 3] = min(size, queries - q0)
                 u += 1
         start = end
+    units = units[:u].copy()
     return units
 
 
