@@ -221,7 +221,7 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
         logits = out.logits.float()  # [len(live), V], one row per sequence, admission order
         top = torch.log_softmax(logits, -1).topk(TEACHER_TOP_K, dim=-1)  # [B, K]
         if cfg.teacher_temperature > 0:
-            drawn = torch.multinomial(torch.softmax(logits / cfg.teacher_temperature, -1), 1, generator=gen)[:, 0]
+            drawn = draw(torch.softmax(logits / cfg.teacher_temperature, -1), gen)
         else:  # greedy answers: the text a greedy request's drafts are checked against
             drawn = logits.argmax(-1)
         for row, (seq_id, s) in enumerate(list(live.items())):
@@ -246,6 +246,17 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
             log(f"data: {len(data['tokens'])}/{cfg.samples} target answers, {made} tokens, "
                 f"{made / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f}s")
     return data
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V] (rows summing to ~1), drawn by
+    inverting each row's cumulative distribution at a uniform draw from
+    ``gen``: one uniform per row, so a seed gives the same draws.
+    (torch.multinomial takes ~33 ms for 32 rows of a 49k vocabulary on 2
+    cores, a third of a teacher step; this takes ~1 ms.)"""
+    cdf = probs.float().cumsum(-1)  # [B, V]
+    u = torch.rand(len(probs), 1, generator=gen) * cdf[:, -1:]  # [B, 1], scaled to the row's total
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def teacher_engine(target, name: str, kv_capacity_tokens: int, threads: int):
