@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import platform
@@ -58,6 +59,7 @@ from specdec.engine.gemm_select import GemmRefused, cpu_model, native_bf16, summ
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
 from specdec.launcher import Stack
+from specdec.limits import DEFAULT_DECODE_STEPS, MAX_DECODE_STEPS
 from specdec.models import default_model, load_tokenizer, resolve_model
 
 PROMPT = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. One night, "
@@ -160,13 +162,15 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
-              threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None) -> dict:
+              threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None,
+              decode_steps: int = DEFAULT_DECODE_STEPS) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
     alone) beside the engine alone (engine_row); with the gateway's per-round
     split of the fastest run: scorer compute, and the rest of the round.
     decode_ahead: the scorer's --decode-ahead; env: variables the stack's
-    processes start with (e.g. OpenMP's), this process's own unchanged."""
+    processes start with (e.g. OpenMP's), this process's own unchanged;
+    decode_steps: the gateway's --decode-steps (tokens per Verify call)."""
     import psutil
 
     stats = []
@@ -174,7 +178,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     os.environ.update(env or {})
     try:
         stack = Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
-                      extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead]).start()
+                      extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead],
+                      extra_gateway_args=["--decode-steps", str(decode_steps)]).start()
     finally:
         for k, v in saved.items():
             if v is None:
@@ -201,8 +206,10 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
-    label = f"stack, ahead {decode_ahead}" + "".join(f", {k}={v}" for k, v in (env or {}).items())
-    return {"engine": label, "decode_ahead": decode_ahead, "env": env or {}, "dtype": dtype,
+    label = (f"stack, ahead {decode_ahead}, steps {decode_steps}"
+             + "".join(f", {k}={v}" for k, v in (env or {}).items()))
+    return {"engine": label, "decode_ahead": decode_ahead, "decode_steps": decode_steps, "env": env or {},
+            "dtype": dtype,
             "gemm": engine_row["gemm"], "tokens": len(tokens),
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
             "agree_with_engine": agree, "threads": threads,
@@ -295,12 +302,18 @@ def main() -> None:
                     help="skip plain decoding through the whole local stack")
     ap.add_argument("--stack-decode-ahead", default="on,off",
                     help="the whole-stack row's scorer --decode-ahead values, one row each")
+    ap.add_argument("--stack-decode-steps", default=str(DEFAULT_DECODE_STEPS),
+                    help="the whole-stack row's gateway --decode-steps values (tokens per Verify call), one row "
+                         "each (e.g. 1,4)")
     ap.add_argument("--stack-env", default="",
                     help="';'-separated environments for more whole-stack rows, each 'K=V,K=V' (e.g. "
                          "'GOMP_SPINCOUNT=20000;GOMP_SPINCOUNT=2000'); the stack's own defaults always run")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
+    if not all(v.strip().isdigit() and 1 <= int(v) <= MAX_DECODE_STEPS for v in args.stack_decode_steps.split(",")):
+        ap.error(f"--stack-decode-steps: comma-separated values in 1..{MAX_DECODE_STEPS} "
+                 f"(got {args.stack_decode_steps!r})")
     stack_envs = [e.split(",") for e in args.stack_env.split(";") if e]
     if any("=" not in kv or not kv.partition("=")[0] for env in stack_envs for kv in env):
         ap.error(f"--stack-env: each environment is 'K=V,K=V', environments separated by ';' (got {args.stack_env!r})")
@@ -341,9 +354,11 @@ def main() -> None:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
             if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
                 for env in [{}] + [dict(kv.split("=", 1) for kv in e) for e in stack_envs]:
-                    for ahead in args.stack_decode_ahead.split(","):
+                    for ahead, steps in itertools.product(args.stack_decode_ahead.split(","),
+                                                          map(int, args.stack_decode_steps.split(","))):
                         results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
-                                                           args.decode_reps, decode, args.threads, ahead, env))
+                                                           args.decode_reps, decode, args.threads, ahead, env,
+                                                           steps))
     results["load_average_end"] = os.getloadavg()
     print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
           f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")

@@ -103,6 +103,7 @@ from specdec.gateway.wire import (
     verdicts_from_response,
     verify_request,
 )
+from specdec.limits import DEFAULT_DECODE_STEPS
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,6 +126,7 @@ class LoopConfig:
     max_stalled_rounds: int = 200  # rounds without progress before a request fails
     stall_sleep_s: float = 0.05
     overlap: Overlap = Overlap.ON
+    decode_steps: int = DEFAULT_DECODE_STEPS  # plain decoding: tokens per Verify call (Sequence.decode_steps)
 
 
 class SpecLoop:
@@ -414,9 +416,14 @@ class SpecLoop:
         await self.releases.flush_scorer(addr)
         plan = plan_drafts(seqs, drafts, self.costs.estimate(addr))
         kept = apply_plan(seqs, drafts, plan)
+        # plain decoding, several tokens per call: only where every sequence of the call never drafts (a
+        # sequence with drafts would wait for the others' extra passes)
+        steps = {s.seq_id: s.decode_steps(self.config.decode_steps) for s in seqs}
+        if min(steps.values()) == 1:
+            steps = {}
         start = time.perf_counter()
         try:
-            response = await self.conns.scorer(addr).Verify(verify_request(seqs, kept),
+            response = await self.conns.scorer(addr).Verify(verify_request(seqs, kept, steps),
                                                             timeout=self.config.verify_timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a request that got past our checks
@@ -429,8 +436,9 @@ class SpecLoop:
             self.failures.scorer_failed(addr, len(seqs), "CANCELLED")
             return [Verdict(seq, Status.SCORER_FAILED, message="CANCELLED") for seq in seqs]
         rpc_s = time.perf_counter() - start
-        self.costs.observe(addr, plan, response.compute_s, rpc_s)
-        if plan.decode_only:  # prefills would not tell the rows of the rounds to come
+        if not steps:  # several passes per call would not fit the one-pass cost model
+            self.costs.observe(addr, plan, response.compute_s, rpc_s)
+        if plan.decode_only and not steps:  # prefills would not tell the rows of the rounds to come
             self._tokens_per_seq = _moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
         for seq in seqs:
             seq.stats.verify_s += response.compute_s
@@ -451,9 +459,9 @@ class SpecLoop:
             seq = v.seq
             seq.scorer_primed, seq.retries = True, 0
             seq.features.receive(v.features)
-            before = seq.num_output
+            before, rounds_before = seq.num_output, seq.stats.rounds
             seq.commit(list(v.output_token_ids), v.num_drafts, v.num_accepted)
-            _count_round(seq, before, v.num_drafts, v.num_accepted)
+            _count_round(seq, before, seq.stats.rounds - rounds_before, v.num_drafts, v.num_accepted)
             progressed = True
         return progressed
 
@@ -509,11 +517,13 @@ class _RoundClock:
         metrics.ROUND_SECONDS.observe(time.perf_counter() - self.start)
 
 
-def _count_round(seq: Sequence, output_before: int, num_drafts: int, num_accepted: int) -> None:
+def _count_round(seq: Sequence, output_before: int, rounds: int, num_drafts: int, num_accepted: int) -> None:
+    """rounds: of the sequence's stats in this commit (one, or one per token
+    a decode_steps call decoded)."""
     method = seq.params.method
     if seq.stats.rounds == 1:
         metrics.TTFT.observe(seq.stats.ttft_s)
-    metrics.ROUNDS.labels(method).inc()
+    metrics.ROUNDS.labels(method).inc(rounds)
     metrics.OUTPUT_TOKENS.labels(method).inc(max(0, seq.num_output - output_before))
     metrics.DRAFT_TOKENS.labels(method).inc(num_drafts)
     metrics.ACCEPTED_TOKENS.labels(method).inc(num_accepted)

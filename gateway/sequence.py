@@ -288,6 +288,18 @@ class Sequence:
         left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
         return max(0, min(self.params.num_speculative_tokens, left - 1))
 
+    def decode_steps(self, most: int) -> int:
+        """Tokens one Verify call may decode for this sequence (plain
+        decoding, VerifySequence.decode_steps): up to ``most`` for a sequence
+        that never drafts (method none), asks no target features and whose
+        scorer holds its context (a first touch answers one token: the first
+        token comes as early as without), cut so that a call never makes more
+        output than max_tokens or the context allow; 1 otherwise."""
+        if self.params.num_speculative_tokens or self.features.layers or not self.scorer_primed:
+            return 1
+        left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
+        return max(1, min(most, left))
+
     @property
     def may_draft_ahead(self) -> bool:
         """Whether drafts proposed before the last round's outcome may be used
@@ -334,6 +346,8 @@ class Sequence:
         if self.stats.rounds == 0:
             self.stats.ttft_s = time.perf_counter() - self.started
         self.stats.record_round(num_drafts, num_accepted)
+        for _ in range(len(output_token_ids) - num_accepted - 1):  # decode_steps: a round per target step
+            self.stats.record_round(0, 0)
         for token in output_token_ids:
             self.tokens.append(token)
             if not self.params.ignore_eos and token in self.eos_token_ids:

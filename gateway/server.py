@@ -18,6 +18,7 @@ from specdec.gateway.discovery import KubernetesDiscovery, ReplicaSet, StaticDis
 from specdec.gateway.loop import LoopConfig, Overlap, SpecLoop
 from specdec.gateway.request import InvalidArgument, ModelLimits, parse_request
 from specdec.gateway.sequence import Delta, FinishReason, RequestFailed, Sequence
+from specdec.limits import MAX_DECODE_STEPS
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -150,6 +151,8 @@ async def serve(args) -> None:
     from specdec.security import client_tls_from_args
     from specdec.servers import Server, server_security, start_metrics
 
+    if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:
+        raise SystemExit(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
     tokenizer = load_tokenizer(resolve_model(args.model))
     admission = admission_from_args(args, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
     security = server_security(args, api_keys=True)
@@ -158,7 +161,7 @@ async def serve(args) -> None:
     discovery.start()
     loop = SpecLoop(scorers, proposers, vocab_size=0,
                     config=LoopConfig(propose_timeout_s=args.propose_timeout_ms / 1000,
-                                      overlap=Overlap(args.overlap)),
+                                      overlap=Overlap(args.overlap), decode_steps=args.decode_steps),
                     conns=Connections(client_tls_from_args(args)))
     limits = await fetch_limits(loop, tokenizer, args.scorer_wait_s)
     loop.vocab_size = limits.vocab_size

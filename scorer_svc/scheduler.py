@@ -48,6 +48,17 @@ decode-ahead. The token is computed by the same rows a Verify would run
 `specdec scorer --decode-ahead off` turns it off; the library's default is
 off.
 
+Several tokens per call (``decode_steps``, plain decoding only). A job of a
+sequence that asks nothing but tokens may ask for up to n of them: when its
+pass has drawn a token, the job is re-armed with that token as its feed and
+runs in the next pass (with whatever else is active), until it has n tokens,
+drew an end-of-sequence token, or the KV pool has no room; then the call is
+answered with all of them. Each pass is exactly the draft-less job a call
+at that context length would run (same rows, sampling fields, seed and
+position), so the tokens are those of n calls; what is saved is n - 1 round
+trips of the gateway (gRPC, its Python, the client's). A decode-ahead step
+the call takes counts as its first token.
+
 Only the worker touches the engine. The worker is a background thread by
 default; `specdec scorer` runs it on the main thread instead (`run()`),
 because torch's CPU kernels measured ~35 % slower when called from a
@@ -120,6 +131,7 @@ class JobSpec:
     return_hidden_states: bool = False
     feature_layers: tuple[int, ...] = ()  # layers whose states to return (Engine.forward), in this order
     max_context_features: int = 0  # first touch: context positions' features to return at most (0: all)
+    decode_steps: int = 1  # plain decoding: tokens to decode in this call at most (one pass each)
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ class _Job:
     ahead: bool = False  # a decode-ahead job
     prefix: list[int] = field(default_factory=list)  # drafts a decode-ahead step accepted: output's start
     prefix_features: int = 0  # feature rows of that step, already in features (the pending position's)
+    decoded: list[int] = field(default_factory=list)  # decode_steps: the call's tokens of earlier passes
 
 
 @dataclass
@@ -361,8 +374,12 @@ class Scheduler:
                 state.last_used = time.monotonic()
                 job.call.compute_s += state.ahead_s  # what the round cost, for the gateway's cost model
                 DECODE_AHEAD.labels("used").inc()
-                return result
-            if _extends_ahead(spec, state.ahead_spec):  # the step decides the first draft
+                if not self._decodes_more(spec.seq_id, spec.decode_steps, result.output_token_ids,
+                                          state.context_len):
+                    return result
+                job.decoded = list(result.output_token_ids)  # the call's first token; the others follow
+                spec = job.spec = replace(spec, context_len=state.context_len)
+            elif _extends_ahead(spec, state.ahead_spec):  # the step decides the first draft
                 step = state.ahead
                 token = step.output_token_ids[-1]
                 state.ahead = state.ahead_spec = None
@@ -449,6 +466,7 @@ class Scheduler:
         FORWARD_TOKENS.observe(sum(len(i.token_ids) for i in items))
         row = 0
         fed_rows = 0  # rows of the pass before this item's
+        going_on: set[int] = set()  # ids of decode_steps jobs that run another pass
         done: list[_Finished] = []
         for job, item in zip(jobs, items):
             if job.spec.feature_layers:
@@ -462,12 +480,12 @@ class Scheduler:
                 done.append(_Finished(job, out.logits[rows], hidden))
                 row += item.num_logits
         if done:
-            self._verify(done)
+            going_on = self._verify(done)
         elapsed = time.perf_counter() - start
         FORWARD_SECONDS.observe(elapsed)
         for call in {id(j.call): j.call for j in jobs if j.call is not None}.values():
             call.compute_s += elapsed
-        for job in (f.job for f in done):
+        for job in (f.job for f in done if id(f.job) not in going_on):
             seq_id = job.spec.seq_id
             self._active.remove(job)
             self._busy.discard(seq_id)
@@ -486,8 +504,10 @@ class Scheduler:
                 self._admit_one(call, index)
         FREE_KV_TOKENS.set(self.engine.free_tokens())
 
-    def _verify(self, finished: list[_Finished]) -> None:
-        """Batched verification of finished jobs, then KV rollback."""
+    def _verify(self, finished: list[_Finished]) -> set[int]:
+        """Batched verification of finished jobs, then KV rollback; returns
+        the ids of the jobs that decode another token (decode_steps) instead
+        of ending."""
         jobs = [f.job for f in finished]
         specs = [j.spec for j in jobs]
         num_drafts = [len(s.draft_token_ids) for s in specs]
@@ -508,6 +528,7 @@ class Scheduler:
         # one deliberate device->host sync for the whole batch
         output_ids = out.output_token_ids.tolist()
         num_accepted = out.num_accepted.tolist()
+        going_on: set[int] = set()
         for f, ids, a in zip(finished, output_ids, num_accepted):
             job = f.job
             seq_id = job.spec.seq_id
@@ -528,10 +549,45 @@ class Scheduler:
             if job.ahead:
                 DECODE_AHEAD.labels("used").inc()
             self._seqs[seq_id] = _SeqState(new_context_len, output[-1])
-            job.call.results[job.index] = result
             DRAFT_TOKENS.inc(len(job.spec.draft_token_ids) + len(job.prefix))
             ACCEPTED_TOKENS.inc(a)
+            if job.decoded:
+                result.output_token_ids = output = job.decoded + output
+            steps = job.call.specs[job.index].decode_steps
+            if steps > 1 and self._decodes_more(seq_id, steps, output, new_context_len):
+                self._decode_next(job, output, new_context_len)
+                going_on.add(id(job))
+                continue
+            job.call.results[job.index] = result
         LIVE_SEQUENCES.set(len(self._seqs))
+        return going_on
+
+    def _decodes_more(self, seq_id: str, steps: int, output: list[int], context_len: int) -> bool:
+        """Whether a decode_steps job whose call has decoded ``output`` so far
+        runs another pass: fewer than ``steps`` tokens, the last one not an
+        end of sequence, the sequence not released meanwhile, and KV room for
+        its pending token (the sequence holds context_len tokens)."""
+        if len(output) >= steps or output[-1] in self.engine.facts.eos_token_ids or seq_id in self._release_after:
+            return False
+        try:
+            self.engine.ensure_capacity(seq_id, context_len)
+        except (PoolExhausted, ValueError):  # no room, or the model's context is full: answer what there is
+            return False
+        return True
+
+    def _decode_next(self, job: _Job, output: list[int], context_len: int) -> None:
+        """Re-arms a decode_steps job for its next token: it feeds the
+        pending token at context_len, drawn as a call at that length would
+        draw it (the call's sampling, seed and the new position)."""
+        assert job.call is not None
+        job.spec = replace(job.call.specs[job.index], context=None, context_len=context_len)
+        job.decoded = output
+        job.feed, job.fed = np.array([output[-1]], np.int32), 0
+        job.context_len_before = context_len
+        job.feed_start = job.feature_start = context_len - 1
+        if job.ahead:  # a decode-ahead step this call took over: from now on the call's own job
+            job.ahead = False
+            del self._ahead_jobs[job.spec.seq_id]
 
     def _finish_call(self, call: _Call) -> None:
         queue_s = (call.first_step or time.perf_counter()) - call.arrived

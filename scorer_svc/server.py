@@ -12,7 +12,13 @@ from prometheus_client import Gauge, Info
 from specdec.engine.base import Engine
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
-from specdec.limits import MAX_FEATURE_LAYERS, MAX_SPECULATIVE_TOKENS, default_verify_strategy, resolve_seed
+from specdec.limits import (
+    MAX_DECODE_STEPS,
+    MAX_FEATURE_LAYERS,
+    MAX_SPECULATIVE_TOKENS,
+    default_verify_strategy,
+    resolve_seed,
+)
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 from specdec.scorer_svc.scheduler import BUSY, INVALID, OK, RESOURCE_EXHAUSTED, UNKNOWN_SEQUENCE, JobSpec, Scheduler
@@ -97,6 +103,8 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
         raise InvalidArgument(f"{f}.verify_strategy: unknown value {strategy}")
     if seq.accept_policy not in pb.AcceptPolicy.values():
         raise InvalidArgument(f"{f}.accept_policy: unknown value {seq.accept_policy}")
+    feature_layers = _feature_layers(seq, f, num_layers)
+    _check_decode_steps(seq, f, len(drafts), feature_layers)
     return JobSpec(
         seq_id=seq.seq_id, context=None if context is None else context.astype(np.int32),
         context_len=context_len, draft_token_ids=drafts.astype(np.int32), draft_probs=draft_probs,
@@ -104,7 +112,21 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
         seed=resolve_seed(sp.seed if sp.HasField("seed") else None),
         strategy=int(strategy), accept_policy=int(seq.accept_policy),
         return_hidden_states=seq.return_hidden_states,
-        feature_layers=_feature_layers(seq, f, num_layers), max_context_features=seq.max_context_features)
+        feature_layers=feature_layers, max_context_features=seq.max_context_features,
+        decode_steps=max(1, seq.decode_steps))
+
+
+def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int, feature_layers: tuple[int, ...]) -> None:
+    """decode_steps: 0..MAX_DECODE_STEPS, and more than one only for a
+    sequence asking nothing but tokens."""
+    steps = seq.decode_steps
+    if not 0 <= steps <= MAX_DECODE_STEPS:
+        raise InvalidArgument(f"{f}.decode_steps: must be in 0..{MAX_DECODE_STEPS}, got {steps}")
+    if steps > 1:
+        asked = [name for name, on in (("draft_token_ids", num_drafts), ("return_hidden_states",
+                                        seq.return_hidden_states), ("feature_layers", feature_layers)) if on]
+        if asked:
+            raise InvalidArgument(f"{f}.decode_steps: {steps} tokens in one call only without {asked[0]}")
 
 
 class ScorerServicer(pb_grpc.ScorerServicer):

@@ -94,7 +94,12 @@ def replica_settings(args):
 def build_parser() -> argparse.ArgumentParser:
     from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, DTYPE_NAMES, ENGINE_KINDS, GEMM_CHOICES
     from specdec.gateway.admission import AdmissionConfig
-    from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
+    from specdec.limits import (
+        DEFAULT_DECODE_STEPS,
+        DEFAULT_NUM_SPECULATIVE_TOKENS,
+        MAX_DECODE_STEPS,
+        MAX_SPECULATIVE_TOKENS,
+    )
     from specdec.models import default_model
 
     admit = AdmissionConfig()
@@ -165,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "next one (budget 2k+1), used where the round's outcome confirms it; the round waits "
                         "for fresh drafts only where that pays (greedy and target-match requests); "
                         "off: lock-step rounds")
+    p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                   help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
+                        f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "
+                        "which stream to the client in groups of this size")
     p.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: verify only the drafts whose expected acceptance pays for their "
                         "cost on the scorer (measured online); fixed: every draft, up to k. "

@@ -17,6 +17,14 @@ import random
 MAX_SPECULATIVE_TOKENS = 16
 #: Draft budget when a request names none (gateway ``--default-k``).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+#: Most tokens one Verify may decode for a sequence without drafts
+#: (VerifySequence.decode_steps), checked by the scorer.
+MAX_DECODE_STEPS = 16
+#: Tokens the gateway asks one Verify to decode for a sequence that never
+#: drafts (method "none"), gateway ``--decode-steps``: the per-token round
+#: trip (gRPC calls, the gateway's and the client's work) is paid once per
+#: this many tokens, and the client gets them in groups of this size.
+DEFAULT_DECODE_STEPS = 4
 #: Output tokens when a request names no ``max_tokens`` (capped by the context).
 DEFAULT_MAX_TOKENS = 256
 #: Most choices (``n``) one OpenAI-API request may ask for: each is its own

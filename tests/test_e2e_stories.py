@@ -59,6 +59,31 @@ def test_plain_decoding_takes_the_scorer_s_decode_ahead(stories_stack, stories_p
     assert scorer.metrics().get(key, 0.0) - before >= len(gen.token_ids) // 2
 
 
+def test_plain_decoding_comes_several_tokens_per_verify(stories_stack, stories_path):
+    """The gateway's default --decode-steps (4): after the first token, each
+    Verify of a plain sequence decodes 4 tokens, so the client gets them in
+    groups (13 deltas for 48 tokens, not 48); the tokens stay plain greedy,
+    and the stats count one round per target step."""
+    from specdec.limits import DEFAULT_DECODE_STEPS
+
+    deltas = []
+    gen = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=MAX_TOKENS, method="none"),
+                 on_delta=deltas.append)
+    expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["story"]), MAX_TOKENS)
+    assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
+    assert DEFAULT_DECODE_STEPS == 4
+    assert 1 < len(deltas) <= 1 + -(-(MAX_TOKENS - 1) // DEFAULT_DECODE_STEPS)
+    assert gen.stats.rounds == gen.stats.output_tokens == MAX_TOKENS
+    short = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=6, method="none"))
+    assert short.token_ids == expected[:6] and short.finish_reason == "length"
+
+
+def test_gateway_refuses_decode_steps_out_of_range(stories_path):
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "gateway", "--model", stories_path, "--scorer",
+                           "127.0.0.1:1", "--decode-steps", "17"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--decode-steps must be in 1..16, got 17" in done.stderr
+
+
 def test_ngram_speculates_on_repetitive_text(stories_stack):
     gen = stream(stories_stack.gateway_addr,
                  make_request(PROMPTS["repeats"], max_tokens=MAX_TOKENS, method="ngram", k=5))

@@ -373,6 +373,12 @@ BAD_VERIFY = {
         seq_id="x", context_token_ids=[1], feature_layers=[0, 1, 2, 3, 4]),
     "sequences[0].max_context_features": pb.VerifySequence(
         seq_id="x", context_token_ids=[1], feature_layers=[1], max_context_features=-1),
+    "sequences[0].decode_steps: must be in 0..16": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], decode_steps=17),
+    "sequences[0].decode_steps: 4 tokens in one call only without draft_token_ids": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], draft_token_ids=[3], decode_steps=4),
+    "sequences[0].decode_steps: 2 tokens in one call only without feature_layers": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], feature_layers=[1], decode_steps=2),
 }
 
 
@@ -614,3 +620,102 @@ def test_decode_ahead_serves_feature_rounds_with_the_same_tokens_and_feature_row
     with_ahead = asyncio.run(run(True))
     assert without[0] == expected and with_ahead == without
     assert _ahead_count("used") - used >= 4 and _ahead_count("discarded") - discarded <= 1
+
+
+async def _decode_steps(sched, seq_id, prompt, n, steps, **sampling):
+    """Decodes n tokens asking ``steps`` tokens per call; returns (tokens,
+    tokens per call)."""
+    from dataclasses import replace
+
+    tokens, per_call = list(prompt), []
+    job = replace(spec(seq_id, context=tokens), decode_steps=steps, **sampling)
+    while len(tokens) - len(prompt) < n:
+        (r,), _, _ = await sched.verify([job])
+        assert r.status == OK and r.num_accepted == 0, r.message
+        tokens += r.output_token_ids
+        per_call.append(len(r.output_token_ids))
+        job = replace(spec(seq_id, context_len=len(tokens)), decode_steps=steps, **sampling)
+    return tokens[len(prompt):len(prompt) + n], per_call
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_decode_steps_give_the_tokens_of_as_many_calls(stories_path, engine, ahead, temperature):
+    """decode_steps=4: each call answers 4 tokens, one forward pass each
+    (merged with a one-token-per-call sequence's passes), and the tokens are
+    those of one-token calls: plain greedy, or the same seeded draws; with
+    decode-ahead, the step run ahead counts as a call's first token."""
+    from specdec.kernels import REJECTION
+
+    prompt = prompt_ids(stories_path)
+    sampling = dict(temperature=temperature, top_k=50, top_p=0.95, seed=5, strategy=REJECTION) if temperature else {}
+    counting = CountingEngine(engine)
+    used = _ahead_count("used")
+
+    async def run(steps: int):
+        sched = Scheduler(counting, decode_ahead=ahead)
+        try:
+            out = await asyncio.gather(_decode_steps(sched, f"m{steps}", prompt, 20, steps, **sampling),
+                                       _decode_steps(sched, f"o{steps}", prompt, 12, 1, **sampling))
+            await sched.release([f"m{steps}", f"o{steps}"])
+            return out
+        finally:
+            sched.stop()
+
+    (one, one_calls), _ = asyncio.run(run(1))
+    counting.forwards.clear()
+    (four, four_calls), (other, _) = asyncio.run(run(4))
+    assert four == one and other == one[:12]
+    if not temperature:
+        assert one == hf_greedy(stories_path, tuple(prompt), 20)
+    assert one_calls == [1] * 20 and four_calls == [4] * 5
+    assert max(map(len, counting.forwards)) == 2  # the two sequences shared passes
+    assert sum(n == 1 for f in counting.forwards for n in f) >= 19  # one pass per token after the prefill
+    if ahead:
+        assert _ahead_count("used") > used
+
+
+def test_decode_steps_stop_after_an_end_of_sequence_token(stories_path, engine):
+    """A call asking 8 tokens ends with the first end-of-sequence token (here
+    the 3rd greedy token, declared one); the next call goes on from there."""
+    import dataclasses
+
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 8)
+    eos = expected[2]
+    assert eos not in expected[:2]
+    counting = CountingEngine(engine)
+    counting.facts = dataclasses.replace(engine.facts, eos_token_ids=(eos,))
+
+    async def run():
+        sched = Scheduler(counting)
+        try:
+            (r,), _, _ = await sched.verify([dataclasses.replace(spec("e", context=prompt), decode_steps=8)])
+            (r2,), _, _ = await sched.verify([dataclasses.replace(spec("e", context_len=len(prompt) + 3),
+                                                                  decode_steps=2)])
+            await sched.release(["e"])
+            return r, r2
+        finally:
+            sched.stop()
+
+    r, r2 = asyncio.run(run())
+    assert r.status == OK and r.output_token_ids == expected[:3]
+    assert r2.status == OK and r2.output_token_ids == expected[3:5]
+
+
+def test_decode_steps_over_grpc(scorer_addr):
+    """The field travels: a Verify over real gRPC with decode_steps=3 answers
+    3 tokens, those of three one-token calls."""
+    with grpc.insecure_channel(scorer_addr) as ch:
+        stub = pb_grpc.ScorerStub(ch)
+        context = [1, 5, 9]
+        many = stub.Verify(pb.VerifyRequest(sequences=[pb.VerifySequence(
+            seq_id="steps3", context_token_ids=context, decode_steps=3)]), timeout=30).results[0]
+        tokens = list(context)
+        for i in range(3):
+            seq = (pb.VerifySequence(seq_id="steps1", context_token_ids=tokens) if i == 0
+                   else pb.VerifySequence(seq_id="steps1", context_len=len(tokens)))
+            tokens += stub.Verify(pb.VerifyRequest(sequences=[seq]), timeout=30).results[0].output_token_ids
+        stub.Release(pb.ReleaseRequest(seq_ids=["steps3", "steps1"]), timeout=30)
+    assert many.status == pb.SEQUENCE_STATUS_OK and many.num_accepted == 0
+    assert list(many.output_token_ids) == tokens[3:] and len(tokens) == 6
