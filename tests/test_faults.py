@@ -255,7 +255,9 @@ def test_full_kv_pool_is_resource_exhausted_and_others_unaffected(stories_path, 
     room for a 400-token prompt (which alone would fit): that one ends with
     RESOURCE_EXHAUSTED, the first one's output does not change, and once the
     pool is free the big prompt is served."""
-    stack = start_stack(stories_path, tmp_path_factory, "small-kv", kv_tokens=512, methods="ngram")
+    # --decode-steps 1: the holder's 300 tokens take 300 rounds (4 per Verify would end it first)
+    stack = start_stack(stories_path, tmp_path_factory, "small-kv", kv_tokens=512, methods="ngram",
+                        extra_gateway_args=["--decode-steps", "1"])
     try:
         addr = stack.gateway_addr
         holder = make_request([(7 * i) % 500 + 3 for i in range(150)], max_tokens=300, method="none")
