@@ -285,8 +285,11 @@ class Sequence:
     def num_speculative_tokens(self) -> int:
         """This round's draft budget: the request's, cut so that a round never
         makes more output than max_tokens or the context allow."""
-        left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
-        return max(0, min(self.params.num_speculative_tokens, left - 1))
+        return max(0, min(self.params.num_speculative_tokens, self._tokens_left() - 1))
+
+    def _tokens_left(self) -> int:
+        """Output tokens the request may still make (max_tokens, the context)."""
+        return min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
 
     def decode_steps(self, most: int) -> int:
         """Tokens one Verify call may decode for this sequence (plain
@@ -297,8 +300,7 @@ class Sequence:
         output than max_tokens or the context allow; 1 otherwise."""
         if self.params.num_speculative_tokens or self.features.layers or not self.scorer_primed:
             return 1
-        left = min(self.params.max_tokens - self.num_output, self.max_model_len - len(self.tokens))
-        return max(1, min(most, left))
+        return max(1, min(most, self._tokens_left()))
 
     @property
     def may_draft_ahead(self) -> bool:
