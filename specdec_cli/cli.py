@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: float32); bfloat16 halves the bytes a draft step reads")
     p.add_argument("--default-method", default="ngram")
     p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
+    p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
+                   help=f"the gateway's --decode-steps: plain decoding's tokens per Verify call (1 to "
+                        f"{MAX_DECODE_STEPS})")
     p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS))
     p.add_argument("--kv-tokens", type=int, default=None)
     p.add_argument("--log-level", default="WARNING")

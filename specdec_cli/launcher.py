@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS
+from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_DECODE_STEPS
 from specdec.security import ClientTls, sync_channel
 
 _handed_out: set[int] = set()  # ports free_port gave this process: never twice
@@ -369,6 +369,8 @@ def serve_command(args) -> int:
         if not (args.tls_cert and args.tls_key and args.tls_ca):
             raise SystemExit("serve: --tls-cert, --tls-key and --tls-ca go together")
         tls = StackTls(args.tls_cert, args.tls_key, args.tls_ca)
+    if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:  # refused here, not by a gateway started minutes later
+        raise SystemExit(f"serve: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
     methods = args.methods
     if args.draft_model:  # a draft proposer process serves these
         from specdec.proposer_svc.registry import MODEL_METHODS
@@ -380,7 +382,8 @@ def serve_command(args) -> int:
                   http_port=args.http_port,
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
-                  draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype)
+                  draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
+                  extra_gateway_args=["--decode-steps", str(args.decode_steps)])
     stopping = False
 
     def on_signal(signum, frame):

@@ -20,7 +20,7 @@ def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
     port, http_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "serve", "--model", stories_path, "--port", str(port),
-         "--http-port", str(http_port), "--methods", "naive,ngram"],
+         "--http-port", str(http_port), "--methods", "naive,ngram", "--decode-steps", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # Ctrl-C's default even when pytest runs as a background job (which ignores SIGINT)
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -38,6 +38,8 @@ def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         assert len(children) >= 3 and all(s in names for s in ("scorer", "proposer", "gateway"))
+        gateway = next(c.cmdline() for c in children if "gateway" in c.cmdline())
+        assert gateway[gateway.index("--decode-steps") + 1] == "2"  # serve passes it on
         gen = stream(f"127.0.0.1:{port}", make_request("Once upon a time", max_tokens=8, method="ngram"))
         assert len(gen.token_ids) == 8
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -50,3 +52,9 @@ def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_serve_refuses_decode_steps_out_of_range():
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--decode-steps", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "serve: --decode-steps must be in 1..16, got 0" in done.stderr
