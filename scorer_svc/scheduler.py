@@ -183,10 +183,10 @@ class _Job:
 
 @dataclass
 class _Finished:
-    """A job whose last chunk ran, with its rows of the forward pass."""
+    """A job whose last chunk ran (its k + 1 logits rows are the pass's next
+    ones, in the order of the finished jobs)."""
 
     job: _Job
-    logits: torch.Tensor  # float32 [k + 1, V]
     hidden: torch.Tensor | None  # [k + 1, hidden] when any job of the pass asked for hidden states
 
 
@@ -477,10 +477,10 @@ class Scheduler:
             if item.num_logits:
                 rows = slice(row, row + item.num_logits)
                 hidden = out.hidden_states[rows] if out.hidden_states is not None else None
-                done.append(_Finished(job, out.logits[rows], hidden))
+                done.append(_Finished(job, hidden))
                 row += item.num_logits
-        if done:
-            going_on = self._verify(done)
+        if done:  # the pass's logits rows are the finished jobs', in order: verified in place, no copy
+            going_on = self._verify(done, out.logits[:row])
         elapsed = time.perf_counter() - start
         FORWARD_SECONDS.observe(elapsed)
         for call in {id(j.call): j.call for j in jobs if j.call is not None}.values():
@@ -504,14 +504,15 @@ class Scheduler:
                 self._admit_one(call, index)
         FREE_KV_TOKENS.set(self.engine.free_tokens())
 
-    def _verify(self, finished: list[_Finished]) -> set[int]:
+    def _verify(self, finished: list[_Finished],
+                target_logits: torch.Tensor,  # float32 [sum(k_i + 1), V]
+                ) -> set[int]:
         """Batched verification of finished jobs, then KV rollback; returns
         the ids of the jobs that decode another token (decode_steps) instead
         of ending."""
         jobs = [f.job for f in finished]
         specs = [j.spec for j in jobs]
         num_drafts = [len(s.draft_token_ids) for s in specs]
-        target_logits = torch.cat([f.logits for f in finished])  # [sum(k_i + 1), V]
         draft_token_ids = torch.from_numpy(np.concatenate(
             [s.draft_token_ids for s in specs]).astype(np.int32))  # [sum(k_i)]
         cu = torch.tensor(np.cumsum(num_drafts), dtype=torch.int32)  # [B]
