@@ -21,7 +21,10 @@ Stack: the same greedy decoding through the whole local stack (scorer,
 proposer and gateway processes, gRPC, method "none": plain decoding) against
 the engine alone in this process, same dtype, prompt and token count, when
 the scorer would run on as many threads as --threads (its default); goal:
-within 5%. With it, the CPU ms each process spent per token (client,
+within 5%. The engine alone runs in turns with the stack (one engine run,
+one stack run, --decode-reps times) and the ratio is of the fastest of each:
+this VM's speed drifts by a fifth between minutes, so an engine row timed
+before the stack started is no baseline for it. With it, the CPU ms each process spent per token (client,
 gateway, proposer, scorer; psutil) beside the engine alone's: on a 2-core
 machine every ms of glue outside the forward is taken from the GEMM threads.
 
@@ -162,12 +165,13 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
-              threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None,
+              engine_run, threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None,
               decode_steps: int = DEFAULT_DECODE_STEPS) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
-    alone) beside the engine alone (engine_row); with the gateway's per-round
-    split of the fastest run: scorer compute, and the rest of the round.
+    alone) in turns with the engine alone (engine_run() -> its tokens;
+    engine_row: its decode row); with the gateway's per-round split of the
+    fastest run: scorer compute, and the rest of the round.
     decode_ahead: the scorer's --decode-ahead; env: variables the stack's
     processes start with (e.g. OpenMP's), this process's own unchanged;
     decode_steps: the gateway's --decode-steps (tokens per Verify call)."""
@@ -196,13 +200,19 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
 
         procs = {"client": psutil.Process(), **{s.name: psutil.Process(s.proc.pid) for s in stack.services}}
         once()  # warm-up, not counted below
-        before = process_cpu_s(procs)
-        rate, tokens, _ = best_run(once, reps)
-        after = process_cpu_s(procs)
+        engine_run()  # the engine's caches were cold while the stack started
+        stack_s, engine_s, spent = [], [], dict.fromkeys(procs, 0.0)
+        for _ in range(reps):  # in turns: both see the same minutes of this machine
+            engine_s.append(timed(engine_run)[0])
+            before = process_cpu_s(procs)  # the stack's runs only (this process also ran the engine)
+            started = time.perf_counter()
+            tokens = once()
+            stack_s.append(time.perf_counter() - started)
+            spent = {name: spent[name] + v - before[name] for name, v in process_cpu_s(procs).items()}
     finally:
         stack.stop()
-    counted = (reps + 1) * len(tokens)  # best_run's own warm-up included
-    cpu = {name: 1e3 * (after[name] - before[name]) / counted for name in procs}
+    rate, engine_rate = len(tokens) / min(stack_s), len(engine_row["engine_tokens"]) / min(engine_s)
+    cpu = {name: 1e3 * v / (reps * len(tokens)) for name, v in spent.items()}
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
@@ -211,7 +221,7 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     return {"engine": label, "decode_ahead": decode_ahead, "decode_steps": decode_steps, "env": env or {},
             "dtype": dtype,
             "gemm": engine_row["gemm"], "tokens": len(tokens),
-            "tokens_per_s": rate, "vs_engine_alone": rate / engine_row["tokens_per_s"],
+            "tokens_per_s": rate, "vs_engine_alone": rate / engine_rate, "engine_in_turns_tok_s": engine_rate,
             "agree_with_engine": agree, "threads": threads,
             "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
             "network_ms_per_round": 1000 * best.network_s / rounds,
@@ -228,9 +238,10 @@ def print_forward(label: str, rows: list[dict]) -> None:
 
 def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
                  hf_tokens: list[int], hf_rate: float, bandwidth: float,
-                 torch_ops: bool = False) -> tuple[dict, list[dict]]:
-    """(the decode row, the forward rows) of one dtype / GEMM path; a path
-    this machine refuses gives a decode row saying so and no forward rows.
+                 torch_ops: bool = False) -> tuple[dict, list[dict], object]:
+    """(the decode row, the forward rows, the decode run as a callable) of
+    one dtype / GEMM path; a path this machine refuses gives a decode row
+    saying so, no forward rows and no callable.
     torch_ops: the small steps between GEMMs as torch ops (the engine
     before engine.cpu_ops), not the float32 CPU kernels."""
     batches = [int(b) for b in args.batches.split(",")]
@@ -243,7 +254,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
                              fuse_small_steps=not torch_ops)
     except GemmRefused as e:
         print(f"\n== {dtype} / {gemm}: refused: {e}")
-        return {**decode, "refused": str(e)}, []
+        return {**decode, "refused": str(e)}, [], None
     report = engine.gemm_report or {}
     print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
           f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "
@@ -260,7 +271,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
                   tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
                   pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
                   gemm_report=report, engine_tokens=tokens, cpu_ms_per_token=cpu_ms)
-    return decode, rows
+    return decode, rows, lambda: engine_greedy(engine, prompt, len(hf_tokens))
 
 
 def print_decode(rows: list[dict], n: int, reps: int) -> None:
@@ -270,7 +281,8 @@ def print_decode(rows: list[dict], n: int, reps: int) -> None:
     for r in rows:
         if "vs_engine_alone" in r:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f}   "
-                  f"{r['vs_engine_alone']:.3f} x the engine alone (goal >= 0.95); tokens equal to the engine's: "
+                  f"{r['vs_engine_alone']:.3f} x the engine alone in turns ({r['engine_in_turns_tok_s']:.1f} tok/s; "
+                  f"goal >= 0.95); tokens equal to the engine's: "
                   f"{r['agree_with_engine']}/{r['tokens']}; per round {r['ms_per_round']:.1f} ms, of which "
                   f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}; "
                   f"CPU ms per token: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_token"].items())
@@ -344,8 +356,8 @@ def main() -> None:
                   "tokens_per_s": hf_rate, "agree_with_hf": len(hf_tokens)}
         results["decode"].append(hf_row)
         for gemm, extra in [(g, e) for d, g, e in configs if d == dtype]:
-            decode, rows = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate, bandwidth,
-                                        torch_ops=extra == "torch-ops")
+            decode, rows, engine_run = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate,
+                                                    bandwidth, torch_ops=extra == "torch-ops")
             results["decode"].append(decode)
             results["forward"] += rows
             if "bandwidth_limit_tok_s" in decode:  # the same weights transformers reads
@@ -357,8 +369,8 @@ def main() -> None:
                     for ahead, steps in itertools.product(args.stack_decode_ahead.split(","),
                                                           map(int, args.stack_decode_steps.split(","))):
                         results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
-                                                           args.decode_reps, decode, args.threads, ahead, env,
-                                                           steps))
+                                                           args.decode_reps, decode, engine_run, args.threads,
+                                                           ahead, env, steps))
     results["load_average_end"] = os.getloadavg()
     print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
           f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
