@@ -16,6 +16,10 @@ Recipe (all offline; nothing but the target and this package is needed):
 3. training: cross-entropy of the student against the target's (top-K,
    renormalised) distribution, AdamW, until ``--steps`` or until
    ``--minutes`` (counted from the start of step 1, data included) are up;
+   the learning rate warms up over ``WARMUP_STEPS`` and then follows a
+   cosine to 0 at the end of the budget (``lr_at``; ``--lr-schedule
+   constant`` keeps it); matmuls in bfloat16 with float32 weights and
+   optimiser (autocast) on a CPU with native bfloat16 (``--train-dtype``);
    a checkpoint (student, optimiser, data, step) every
    ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that;
 4. acceptance: greedy speculation simulated on held-out prompts (target
@@ -53,6 +57,9 @@ TEACHER_TOP_K = 32  # target probabilities kept per position
 TEACHER_TEMPERATURE = 0.7  # the target's answers: near its greedy text, still varied
 TEACHER_BATCH = 32  # target answers generated at once (one engine forward per token of all of them)
 CHECKPOINT_EVERY_S = 60.0
+WARMUP_STEPS = 20  # the learning rate's linear warm-up (at most a tenth of --steps)
+LR_SCHEDULES = ("cosine", "constant")
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 autocast where the CPU has it natively
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
 KINDS = ("draft", "eagle3")
@@ -117,6 +124,8 @@ class DistillConfig:
     # eagle3: the head's draft vocabulary (0: DEFAULT_DRAFT_VOCAB)
     draft_vocab: int = 0
     teacher_temperature: float = TEACHER_TEMPERATURE  # the target's answers; 0: greedy (argmax)
+    lr_schedule: str = "cosine"  # LR_SCHEDULES
+    train_dtype: str = "auto"  # TRAIN_DTYPES: the student's matmuls (weights and optimiser stay float32)
 
 
 def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
@@ -168,6 +177,30 @@ def student_from_target(target, layers: int):
 
 def trainable(student) -> list[torch.nn.Parameter]:
     return [p for p in student.parameters() if p.requires_grad]
+
+
+def lr_at(cfg: DistillConfig, step: int, progress: float) -> float:
+    """The learning rate of training step ``step`` (0-based) when ``progress``
+    (0..1) of the budget is spent (steps done / --steps, or training time /
+    the time --minutes leaves it): a linear warm-up over ``WARMUP_STEPS``
+    (at most a tenth of --steps), then a cosine from --lr to 0 at the end of
+    the budget; "constant" keeps --lr."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    warmup = min(WARMUP_STEPS, cfg.steps // 10) if cfg.steps else WARMUP_STEPS
+    ramp = min(1.0, (step + 1) / warmup) if warmup else 1.0
+    return cfg.lr * ramp * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+
+def train_dtype(cfg: DistillConfig) -> torch.dtype:
+    """The student's matmul dtype: --train-dtype, auto = bfloat16 on a CPU with
+    native bfloat16 (AVX512-BF16 / AMX: its matmuls run ~2x float32's there),
+    else float32 (bfloat16 emulated is slower, not faster)."""
+    if cfg.train_dtype == "auto":
+        from specdec.engine.gemm_select import native_bf16
+
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return getattr(torch, cfg.train_dtype)
 
 
 @torch.inference_mode()
@@ -375,9 +408,16 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     budget_s = cfg.minutes * 60 - data_s  # --minutes covers the target's answers and the training
     started, saved = time.monotonic() - trained_s, time.monotonic()
     tokens_seen = 0
+    dtype = train_dtype(cfg)
+    log(f"training in {str(dtype).removeprefix('torch.')} (--train-dtype {cfg.train_dtype}), "
+        f"learning rate {cfg.lr} ({cfg.lr_schedule})")
     while (cfg.steps and step < cfg.steps) or (not cfg.steps and time.monotonic() - started < budget_s):
         rows = [order[(step * cfg.batch_size + i) % len(order)] for i in range(cfg.batch_size)]
-        loss, n = loss_of(student, data, rows)
+        progress = step / cfg.steps if cfg.steps else (time.monotonic() - started) / max(budget_s, 1e-9)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step, progress)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            loss, n = loss_of(student, data, rows)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable(student), 1.0)
@@ -414,7 +454,8 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     log(f"{cfg.kind} mean accepted length at k={ACCEPTANCE_K} on held-out prompts: {accepted:.3f}")
     card = {"config": asdict(cfg), "steps": step, "data_minutes": round(data_s / 60, 2),
             "train_minutes": round((time.monotonic() - started) / 60, 2),
-            "mean_accepted_length_k5": round(accepted, 4), "teacher_top_k": TEACHER_TOP_K, **shape,
+            "mean_accepted_length_k5": round(accepted, 4), "teacher_top_k": TEACHER_TOP_K,
+            "train_dtype_used": str(train_dtype(cfg)).removeprefix("torch."), **shape,
             "examples": len(data["tokens"])}
     _write_card(out, cfg, card)
     return card
@@ -462,7 +503,8 @@ def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
         "--steps", str(cfg.steps), "--samples", str(cfg.samples), "--max-new-tokens", str(cfg.max_new_tokens),
         "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr), "--seed", str(cfg.seed),
         "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab),
-        "--teacher-temperature", str(cfg.teacher_temperature)])
+        "--teacher-temperature", str(cfg.teacher_temperature), "--lr-schedule", cfg.lr_schedule,
+        "--train-dtype", cfg.train_dtype])
     if cfg.kind == "draft":
         title = "Draft model"
         student = (f"the target's embeddings, final norm and LM head and {card['num_layers']} of its decoder "
@@ -488,7 +530,8 @@ Made by `specdec distill` (specdec_cli/distill.py):
 - Training data: {card['examples']} answers of the target itself ({answers}) to prompts the
   recipe generates from its fixed word lists (chat instructions or story openings); no other data.
   Loss: cross-entropy against the target's renormalised top-{TEACHER_TOP_K} next-token distribution
-  at every answer position.
+  at every answer position. AdamW, learning rate {cfg.lr} ({cfg.lr_schedule}), matmuls in
+  {card['train_dtype_used']}.
 - Draft head: {head}.
 - Mean accepted length at k={ACCEPTANCE_K} (greedy, held-out prompts): {card['mean_accepted_length_k5']}.
 
@@ -525,13 +568,20 @@ def add_parser(sub) -> None:
     p.add_argument("--teacher-temperature", type=float, default=TEACHER_TEMPERATURE,
                    help="temperature of the target's training answers; 0: its greedy answers (the text greedy "
                         "requests are served, so drafts for greedy serving learn exactly it)")
+    p.add_argument("--lr-schedule", default=DistillConfig.lr_schedule, choices=list(LR_SCHEDULES),
+                   help=f"cosine: warm up over {WARMUP_STEPS} steps, then decay to 0 at the end of --steps or "
+                        "--minutes; constant: --lr throughout")
+    p.add_argument("--train-dtype", default=DistillConfig.train_dtype, choices=list(TRAIN_DTYPES),
+                   help="the student's matmuls: auto = bfloat16 (autocast; weights and optimiser stay float32) "
+                        "where the CPU has native bfloat16, else float32")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 
 def distill_command(args) -> int:
     cfg = DistillConfig(args.target, args.out, args.layers, args.minutes, args.steps, args.samples,
                         args.max_new_tokens, args.batch_size, args.lr, args.seed, args.device, args.threads,
-                        args.kind, args.draft_vocab, args.teacher_temperature)
+                        args.kind, args.draft_vocab, args.teacher_temperature, args.lr_schedule,
+                        args.train_dtype)
     if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 1 or cfg.draft_vocab < 0:
         raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 1, --draft-vocab >= 0")
     if not math.isfinite(cfg.teacher_temperature) or cfg.teacher_temperature < 0:

@@ -6,13 +6,15 @@ resumed gives exactly the draft of an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec.distill import CHECKPOINT_FILE, DistillConfig, distill
+from specdec.distill import CHECKPOINT_FILE, DistillConfig, distill, lr_at
 
 SMALL = ["--layers", "2", "--samples", "8", "--max-new-tokens", "16", "--batch-size", "4", "--seed", "3"]
 
@@ -30,7 +32,8 @@ def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_p
 
     out = tmp_path / "draft"
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
-                           "--out", str(out), "--steps", "4", "--draft-vocab", "100", *SMALL],
+                           "--out", str(out), "--steps", "4", "--draft-vocab", "100", "--train-dtype", "float32",
+                           "--lr-schedule", "constant", *SMALL],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 4/4" in done.stderr and "tok/s" in done.stderr and "ETA" in done.stderr
@@ -42,15 +45,34 @@ def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_p
     assert "specdec distill" in card and "answers of the target itself" in card
     card = json.loads(done.stdout.strip().splitlines()[-1])
     assert "--draft-vocab 100" in (out / "README.md").read_text() and card["config"]["draft_vocab"] == 100
+    assert "--lr-schedule constant --train-dtype float32" in (out / "README.md").read_text()
+    assert card["train_dtype_used"] == "float32" and "training in float32" in done.stdout
     head_ids = json.loads((out / "draft_vocab.json").read_text())["target_ids"]
     assert len(head_ids) == 100 and {1, 2} <= set(head_ids)  # BOS and EOS are always kept
     proposer = build_draft_proposer(DraftModelSettings(EngineConfig(str(out), kv_capacity_tokens=1024), stories_path))
     assert proposer.engine.facts.vocab_size == 100  # the reduced head the draft proposer runs
 
 
-def test_resume_after_an_interrupted_run_gives_the_same_draft(stories_path, tmp_path):
+def _interrupted(config: DistillConfig, at_step: int, monkeypatch) -> None:
+    """Runs distill until Ctrl-C arrives during step ``at_step`` (after its
+    update, before its checkpoint), with a checkpoint after every step."""
+    import specdec.distill as mod
+
+    def progress(step, *args):
+        if step == at_step:
+            raise KeyboardInterrupt
+        return ""
+
+    with monkeypatch.context() as m:
+        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
+        m.setattr(mod, "_progress", progress)
+        with pytest.raises(KeyboardInterrupt):
+            distill(config, log=lambda *_: None)
+
+
+def test_resume_after_an_interrupted_run_gives_the_same_draft(stories_path, tmp_path, monkeypatch):
     whole = distill(_config(stories_path, tmp_path / "whole", steps=4), log=lambda *_: None)
-    distill(_config(stories_path, tmp_path / "cut", steps=2), log=lambda *_: None)  # "interrupted" after 2
+    _interrupted(_config(stories_path, tmp_path / "cut", steps=4), 3, monkeypatch)
     assert torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)["step"] == 2
     resumed = distill(_config(stories_path, tmp_path / "cut", steps=4), resume=True, log=lambda *_: None)
     assert resumed["steps"] == whole["steps"] == 4
@@ -78,8 +100,10 @@ def test_distill_eagle3_writes_the_public_layout_that_the_eagle3_proposer_loads(
 
     out = tmp_path / "head"
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
-                           "--out", str(out), "--steps", "3", *EAGLE3], capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--steps", "3", "--train-dtype", "bfloat16", *EAGLE3],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["train_dtype_used"] == "bfloat16"  # autocast, any CPU
     assert "step 3/3" in done.stderr and "eagle3 mean accepted length at k=5" in done.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
@@ -96,13 +120,13 @@ def test_distill_eagle3_writes_the_public_layout_that_the_eagle3_proposer_loads(
     assert "EAGLE-3 head" in (out / "README.md").read_text()
 
 
-def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path):
+def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path, monkeypatch):
     def config(out, steps):
         return DistillConfig(stories_path, str(out), steps=steps, samples=8, max_new_tokens=16, batch_size=4,
                              seed=3, kind="eagle3", draft_vocab=200, lr=2e-3)
 
     distill(config(tmp_path / "whole", 4), log=lambda *_: None)
-    distill(config(tmp_path / "cut", 2), log=lambda *_: None)
+    _interrupted(config(tmp_path / "cut", 4), 3, monkeypatch)
     distill(config(tmp_path / "cut", 4), resume=True, log=lambda *_: None)
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "cut" / "model.safetensors")
     # Not bitwise, as for the draft: off by a step would be ~lr (2e-3)
@@ -209,3 +233,17 @@ def test_the_teachers_draws_follow_the_distribution_and_repeat_with_the_seed():
     skewed = torch.tensor([[0.9, 0.1, 0.0, 0.0, 0.0]]).expand(4, -1)  # a wrong sampler (uniform) fails this
     counts = torch.bincount(torch.cat([draw(skewed, gen) for _ in range(2500)]), minlength=5)
     assert 8700 < counts[0] < 9300 and counts[2:].sum() == 0
+
+
+def test_the_learning_rate_warms_up_then_decays_to_zero_at_the_end_of_the_budget():
+    steps = DistillConfig("t", "o", steps=200, lr=1e-3)
+    assert lr_at(steps, 0, 0.0) == pytest.approx(1e-3 / 20)  # warm-up: WARMUP_STEPS = 20
+    assert lr_at(steps, 19, 0.095) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.095)))
+    assert lr_at(steps, 100, 0.5) == pytest.approx(5e-4)
+    assert lr_at(steps, 199, 1.0) == 0.0 and lr_at(steps, 250, 1.3) == 0.0  # a budget overrun stays at 0
+    short = DistillConfig("t", "o", steps=4, lr=1e-3)  # warm-up is at most a tenth of --steps: none here
+    assert lr_at(short, 0, 0.0) == 1e-3
+    timed = DistillConfig("t", "o", lr=1e-3)  # --minutes: progress is the time spent
+    assert lr_at(timed, 500, 0.25) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 4)))
+    constant = DistillConfig("t", "o", steps=200, lr=1e-3, lr_schedule="constant")
+    assert {lr_at(constant, s, s / 200) for s in (0, 100, 199)} == {1e-3}
