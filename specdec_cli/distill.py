@@ -12,7 +12,10 @@ Recipe (all offline; nothing but the target and this package is needed):
 2. student: the target's embeddings, final norm and LM head plus ``--layers``
    of its decoder layers (evenly spaced, first and last included); the
    embeddings and head stay frozen (the draft keeps the target's token space,
-   and a step costs a third less);
+   and a step costs a third less); with ``--draft-vocab N`` the student's
+   logits and the teacher's distribution are both restricted to the N ids
+   the served head keeps (``head_targets``), so training computes the head
+   the proposer serves, at N/V of the full head's cost;
 3. training: cross-entropy of the student against the target's (top-K,
    renormalised) distribution, AdamW, until ``--steps`` or until
    ``--minutes`` (counted from the start of step 1, data included) are up;
@@ -306,17 +309,44 @@ def teacher_engine(target, name: str, kv_capacity_tokens: int, threads: int):
                        num_threads=threads)
 
 
-def distill_loss(student, data: dict, rows: list[int]) -> tuple[torch.Tensor, int]:
+def head_targets(top_ids: torch.Tensor,  # int [m, K]: the teacher's top-K target ids
+                 top_logp: torch.Tensor,  # [m, K]: their log-probabilities
+                 t2d_index: torch.Tensor | None,  # int64 [V]: the head's id of each target id, -1 if none
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's top-K distribution in a head's own ids, restricted to
+    the ids it has and renormalised: (ids int64 [m', K], probs [m', K] with 0
+    where the head lacks the id, ok bool [m]: the rows kept, those where the
+    head has any of the K). t2d_index None: the full vocabulary."""
+    t_p = torch.softmax(top_logp.float(), -1)  # [m, K]
+    if t2d_index is None:
+        return top_ids.long(), t_p, torch.ones(len(t_p), dtype=torch.bool)
+    d_ids = t2d_index[top_ids.long()]  # [m, K]
+    t_p = t_p * (d_ids >= 0)
+    mass = t_p.sum(-1, keepdim=True)
+    ok = mass[:, 0] > 0
+    return d_ids[ok].clamp(min=0), t_p[ok] / mass[ok], ok
+
+
+def distill_loss(student, data: dict, rows: list[int], head_ids: torch.Tensor | None = None,
+                 t2d_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Cross-entropy of the student against the target's renormalised top-K
-    distribution on the answer positions of ``rows``; (mean loss, positions)."""
+    distribution on the answer positions of ``rows``; (mean loss, positions).
+    head_ids (int64 [V']: the target ids a reduced head keeps, t2d_index its
+    inverse): the student's logits over those only, the teacher's restricted
+    to them (``head_targets``), as the draft proposer serves the reduced
+    head; the LM head then costs V'/V of the full one's (the largest matmul
+    of a few-layer student)."""
+    head = student.get_output_embeddings().weight  # [V, hidden], frozen
+    if head_ids is not None:
+        head = head[head_ids]  # [V', hidden]
     total, count = torch.zeros(()), 0
     for r in rows:
         seq, start = data["tokens"][r], data["start"][r]
-        logp = torch.log_softmax(student(torch.tensor([seq[:-1]])).logits[0, start:].float(), -1)  # [m, V]
-        t_ids = data["top_ids"][r].long()  # [m, K]
-        t_p = torch.softmax(data["top_logp"][r], -1)  # [m, K], renormalised
-        total = total - (t_p * logp.gather(1, t_ids)).sum()
-        count += len(t_ids)
+        hidden = student.model(torch.tensor([seq[:-1]])).last_hidden_state[0, start:]  # [m, hidden], answers only
+        ids, t_p, ok = head_targets(data["top_ids"][r], data["top_logp"][r], t2d_index)
+        logp = torch.log_softmax(torch.nn.functional.linear(hidden[ok], head).float(), -1)  # [m', V']
+        total = total - (t_p * logp.gather(1, ids)).sum()
+        count += int(ok.sum())
     return total / max(count, 1), count
 
 
@@ -395,7 +425,8 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         data_started = time.monotonic()
         data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target))
         data_s = time.monotonic() - data_started
-    student, loss_of = _student(cfg, target, data)
+    head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.kind == "draft" and cfg.draft_vocab else None
+    student, loss_of = _student(cfg, target, data, head_ids)
     optimizer = torch.optim.AdamW(trainable(student), lr=cfg.lr)
     if state:
         student.load_state_dict(state["student"])
@@ -443,7 +474,6 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
                                           min(cfg.max_new_tokens, 64))
         shape = {"feature_layers": list(student.layers), "draft_vocab_size": len(student.hot)}
     else:
-        head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.draft_vocab else None
         accepted = mean_accepted_length(target, student, tokenizer, max_new_tokens=min(cfg.max_new_tokens, 64),
                                         head_ids=head_ids)
         student.save_pretrained(out)
@@ -470,11 +500,18 @@ def _feature_layers(cfg: DistillConfig, target) -> tuple[int, ...]:
     return eagle3_layers(target)
 
 
-def _student(cfg: DistillConfig, target, data: dict):
+def _student(cfg: DistillConfig, target, data: dict, head_ids: list[int] | None = None):
     """The student of cfg.kind and its loss (student, data, rows) -> (mean
-    loss, positions); eagle3 reads data["features"] (teacher_data's)."""
+    loss, positions); eagle3 reads data["features"] (teacher_data's); a
+    draft with head_ids (its reduced head's target ids) trains that head."""
     if cfg.kind == "draft":
-        return student_from_target(target, cfg.layers), distill_loss
+        student = student_from_target(target, cfg.layers)
+        if head_ids is None:
+            return student, distill_loss
+        ids = torch.tensor(head_ids)
+        index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+        index[ids] = torch.arange(len(ids))
+        return student, lambda st, d, rows: distill_loss(st, d, rows, ids, index)
     from specdec.distill_eagle3 import Eagle3Student, eagle3_loss, hot_tokens
 
     layers = _feature_layers(cfg, target)

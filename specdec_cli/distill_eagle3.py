@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec.distill import head_targets
 from specdec.engine.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, rope_parameters
 from specdec.proposer_svc.eagle3 import LAYER_TENSORS, default_eagle3_layers
 
@@ -193,12 +194,8 @@ def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: 
             if not keep.any():
                 continue
             at = t[keep] - start  # teacher_data's rows start at the last prompt position
-            d_ids = t2d_index[data["top_ids"][r][at].long()]  # [m, K] draft ids or -1
-            t_p = torch.softmax(data["top_logp"][r][at], -1) * (d_ids >= 0)
-            mass = t_p.sum(-1, keepdim=True)
-            ok = mass[:, 0] > 0
-            t_p = t_p[ok] / mass[ok]
-            logp = torch.log_softmax(logits[keep][ok], -1).gather(1, d_ids[ok].clamp(min=0))
+            d_ids, t_p, ok = head_targets(data["top_ids"][r][at], data["top_logp"][r][at], t2d_index)
+            logp = torch.log_softmax(logits[keep][ok].float(), -1).gather(1, d_ids)
             total = total - (t_p * logp).sum()
             count += int(ok.sum())
     return total / max(count, 1), count

@@ -247,3 +247,38 @@ def test_the_learning_rate_warms_up_then_decays_to_zero_at_the_end_of_the_budget
     assert lr_at(timed, 500, 0.25) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi / 4)))
     constant = DistillConfig("t", "o", steps=200, lr=1e-3, lr_schedule="constant")
     assert {lr_at(constant, s, s / 200) for s in (0, 100, 199)} == {1e-3}
+
+
+def test_a_reduced_head_trains_on_the_teachers_distribution_over_its_ids(stories_path):
+    """distill_loss with head_ids: the student's log-probabilities over the
+    kept ids only, against the teacher's top-K restricted to them and
+    renormalised; all ids kept gives the full-vocabulary loss; a row whose
+    top-K the head lacks entirely is left out."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.distill import distill_loss, student_from_target
+
+    torch.manual_seed(0)
+    student = student_from_target(AutoModelForCausalLM.from_pretrained(stories_path), 2)
+    seq = [1, 45, 67, 89, 12, 300, 301, 7]
+    top_ids = torch.tensor([[5, 6, 7], [8, 9, 10], [400, 401, 402], [11, 12, 13]])  # rows at positions 3..6
+    top_logp = torch.log_softmax(torch.randn(4, 3), -1)
+    data = {"tokens": [seq], "start": [3], "top_ids": [top_ids], "top_logp": [top_logp]}
+    full, n = distill_loss(student, data, [0])
+    everything = torch.arange(512)
+    same, m = distill_loss(student, data, [0], everything, everything.clone())
+    assert (n, m) == (4, 4) and torch.allclose(full, same, atol=1e-5)
+
+    kept = torch.tensor([5, 7, 8, 9, 10, 11, 12, 13, 100])  # none of row 2's ids
+    index = torch.full((512,), -1, dtype=torch.long)
+    index[kept] = torch.arange(len(kept))
+    loss, count = distill_loss(student, data, [0], kept, index)
+    with torch.no_grad():
+        logits = student(torch.tensor([seq[:-1]])).logits[0, 3:][:, kept]  # [4, 9]
+    expected = []
+    for row in (0, 1, 3):
+        p = torch.softmax(top_logp[row], -1) * (index[top_ids[row]] >= 0)
+        p = p / p.sum()
+        logp = torch.log_softmax(logits[row], -1)[index[top_ids[row]].clamp(min=0)]
+        expected.append(-(p * logp).sum())
+    assert count == 3 and torch.allclose(loss, torch.stack(expected).mean(), atol=1e-5)
