@@ -103,13 +103,14 @@ class Eagle3Student(torch.nn.Module):
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """Chained steps over one sequence: token_ids int64 [n], features
         [n - 1, feature_dim] (f_0 .. f_{n-2}). Step s row i reads x_{i+1+s}
-        and predicts x_{i+2+s}; returns per step the draft-vocabulary logits
-        [n - 1 - s, draft_vocab]."""
+        and predicts x_{i+2+s}; returns per step the final-normed outputs
+        [n - 1 - s, hidden] (``logits`` turns the rows a loss needs into
+        draft-vocabulary logits)."""
         m = len(features)
         g = F.linear(features, self.p("fc.weight"))  # [m, hidden]
         keys: list[torch.Tensor] = []  # per step: [H, rows, D] (GQA expanded)
         values: list[torch.Tensor] = []
-        logits = []
+        normed = []
         for s in range(steps):
             rows = m - s
             if rows < 1:
@@ -117,9 +118,13 @@ class Eagle3Student(torch.nn.Module):
             e = F.embedding(token_ids[1 + s:1 + s + rows], self.embed)
             positions = torch.arange(s, s + rows)
             out = self._layer(e, g[:rows], positions, keys, values)
-            logits.append(F.linear(rms_norm(out, self.p("norm.weight"), self.eps), self.p("lm_head.weight")))
+            normed.append(rms_norm(out, self.p("norm.weight"), self.eps))
             g = out  # the next step feeds this step's own output (row i stays row i)
-        return logits
+        return normed
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [m, draft_vocab] of final-normed rows [m, hidden]."""
+        return F.linear(normed, self.p("lm_head.weight"))
 
     def _layer(self, e, g, positions, keys, values) -> torch.Tensor:
         """The EAGLE-3 layer (residual g); attention of step s over step 0's
@@ -188,14 +193,15 @@ def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: 
         seq, start = data["tokens"][r], data["start"][r]
         ids = torch.tensor(seq)
         feats = data["features"][r][:len(seq) - 1].float()
-        for s, logits in enumerate(student(ids, feats, steps)):
-            t = torch.arange(len(logits)) + 1 + s  # teacher position of row i: i + 1 + s
+        for s, normed in enumerate(student(ids, feats, steps)):
+            t = torch.arange(len(normed)) + 1 + s  # teacher position of row i: i + 1 + s
             keep = (t >= start) & (t < start + len(data["top_ids"][r]))  # rows the teacher has
             if not keep.any():
                 continue
             at = t[keep] - start  # teacher_data's rows start at the last prompt position
             d_ids, t_p, ok = head_targets(data["top_ids"][r][at], data["top_logp"][r][at], t2d_index)
-            logp = torch.log_softmax(logits[keep][ok].float(), -1).gather(1, d_ids)
+            logits = student.logits(normed[keep][ok])  # the head over answer rows only (a prompt row has no teacher)
+            logp = torch.log_softmax(logits.float(), -1).gather(1, d_ids)
             total = total - (t_p * logp).sum()
             count += int(ok.sum())
     return total / max(count, 1), count
