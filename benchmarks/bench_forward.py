@@ -24,9 +24,10 @@ the scorer would run on as many threads as --threads (its default); goal:
 within 5%. The engine alone runs in turns with the stack (one engine run,
 one stack run, --decode-reps times) and the ratio is of the fastest of each:
 this VM's speed drifts by a fifth between minutes, so an engine row timed
-before the stack started is no baseline for it. With it, the CPU ms each process spent per token (client,
-gateway, proposer, scorer; psutil) beside the engine alone's: on a 2-core
-machine every ms of glue outside the forward is taken from the GEMM threads.
+before the stack started is no baseline for it. With it, the CPU ms each
+process spent per token (client, gateway, proposer, scorer; psutil) beside
+the engine alone's: on a 2-core machine every ms of glue outside the
+forward is taken from the GEMM threads.
 
 Also printed: the CPU model, the measured bandwidth, and for each engine the
 GEMM path the selector chose (engine.gemm_select: one path for every
@@ -51,6 +52,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -165,8 +167,8 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
 
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
-              engine_run, threads: int, decode_ahead: str = "on", env: dict[str, str] | None = None,
-              decode_steps: int = DEFAULT_DECODE_STEPS) -> dict:
+              engine_run: Callable[[], list[int]], threads: int, decode_ahead: str = "on",
+              env: dict[str, str] | None = None, decode_steps: int = DEFAULT_DECODE_STEPS) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
     alone) in turns with the engine alone (engine_run() -> its tokens;
@@ -238,7 +240,7 @@ def print_forward(label: str, rows: list[dict]) -> None:
 
 def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
                  hf_tokens: list[int], hf_rate: float, bandwidth: float,
-                 torch_ops: bool = False) -> tuple[dict, list[dict], object]:
+                 torch_ops: bool = False) -> tuple[dict, list[dict], Callable[[], list[int]] | None]:
     """(the decode row, the forward rows, the decode run as a callable) of
     one dtype / GEMM path; a path this machine refuses gives a decode row
     saying so, no forward rows and no callable.
@@ -364,7 +366,7 @@ def main() -> None:
                 hf_row.setdefault("pct_of_bandwidth_limit", 100 * hf_rate / decode["bandwidth_limit_tok_s"])
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
-            if gemm == "auto" and not extra and "tokens_per_s" in decode and args.stack:
+            if gemm == "auto" and not extra and engine_run is not None and args.stack:  # not refused
                 for env in [{}] + [dict(kv.split("=", 1) for kv in e) for e in stack_envs]:
                     for ahead, steps in itertools.product(args.stack_decode_ahead.split(","),
                                                           map(int, args.stack_decode_steps.split(","))):

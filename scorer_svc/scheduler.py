@@ -479,8 +479,9 @@ class Scheduler:
                 hidden = out.hidden_states[rows] if out.hidden_states is not None else None
                 done.append(_Finished(job, hidden))
                 row += item.num_logits
-        if done:  # the pass's logits rows are the finished jobs', in order: verified in place, no copy
-            going_on = self._verify(done, out.logits[:row])
+        assert row == len(out.logits)  # the engine returns exactly the items' num_logits rows, in item order
+        if done:  # so the pass's logits rows are the finished jobs', in order: verified in place, no copy
+            going_on = self._verify(done, out.logits)
         elapsed = time.perf_counter() - start
         FORWARD_SECONDS.observe(elapsed)
         for call in {id(j.call): j.call for j in jobs if j.call is not None}.values():
