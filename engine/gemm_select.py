@@ -296,7 +296,7 @@ def invariance_failure(make_linear: MakeLinear, weights: Weights, row_counts: tu
     meets such inputs in batches of many verifications.)"""
     gen = torch.Generator().manual_seed(0)
     for role, w, b in distinct_shapes(weights):
-        base = torch.randn(CHECK_BASE_ROWS, w.shape[1], generator=gen).to(dtype)  # [R, in]
+        base = torch.randn(CHECK_BASE_ROWS, w.shape[1], generator=gen).to(w.device, dtype)  # [R, in]
         references: dict[int, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]] = {}
         for n in row_counts:
             checked, bias = checked_weight(w, b, n)

@@ -3,8 +3,10 @@ per-sequence block tables, rollback by length, and attention over the pages.
 
 Layout (one tensor pair for all layers, zero-filled, float32 on CPU):
 
-    key_cache    [layers, num_blocks, kv_heads, head_dim, block_size]
-    value_cache  [layers, num_blocks, kv_heads, block_size, head_dim]
+    key_cache    [layers, num_blocks + 1, kv_heads, head_dim, block_size]
+    value_cache  [layers, num_blocks + 1, kv_heads, block_size, head_dim]
+
+(the last block is ``scratch_block``, never a sequence's).
 
 Token ``t`` of a sequence lives in block ``table[t // block_size]`` at offset
 ``t % block_size``. Keys are stored transposed inside a block: one dimension
@@ -83,10 +85,21 @@ class PagedBatch:
     block_tables: np.ndarray  # int32 [B, max_blocks]: each sequence's blocks, padded with 0
     row_seq: np.ndarray  # int32 [T]: batch index of each row
     row_pos: np.ndarray  # int32 [T]: absolute position of each row in its sequence
-    slot_block: torch.Tensor  # int64 [T]: block receiving each row's key/value
-    slot_offset: torch.Tensor  # int64 [T]: offset inside that block
+    slot_block: np.ndarray  # int64 [T]: block receiving each row's key/value
+    slot_offset: np.ndarray  # int64 [T]: offset inside that block
     attention_work: int  # sum over rows of (row_pos + 1): visible keys per head
     _units: dict = field(default_factory=dict, repr=False)  # group -> attention_units (same for every layer)
+    _rows: dict = field(default_factory=dict, repr=False)  # device -> DeviceRows
+
+    def rows(self, device: torch.device) -> "DeviceRows":
+        """This batch's placement as tensors on ``device``, copied once."""
+        if device not in self._rows:
+            def put(a: np.ndarray) -> torch.Tensor:
+                return torch.from_numpy(a).to(device)
+            self._rows[device] = DeviceRows(slot_block=put(self.slot_block), slot_offset=put(self.slot_offset),
+                                            tables=put(self.block_tables), row_seq=put(self.row_seq),
+                                            row_pos=put(self.row_pos))
+        return self._rows[device]
 
     def units(self, group: int, kv_heads: int) -> np.ndarray:
         """``attention_units`` of this batch, computed once per shape."""
@@ -94,6 +107,19 @@ class PagedBatch:
         if key not in self._units:
             self._units[key] = attention_units(self.row_seq, group, kv_heads)
         return self._units[key]
+
+
+@dataclass
+class DeviceRows:
+    """A batch's row placement as tensors on the pool's device (PagedBatch's
+    fields of the same names), for the GPU kernels; a captured CUDA graph
+    keeps one in static buffers (engine.cuda_graph)."""
+
+    slot_block: torch.Tensor  # int64 [T]
+    slot_offset: torch.Tensor  # int64 [T]
+    tables: torch.Tensor  # int32 [B, W]
+    row_seq: torch.Tensor  # int32 [T]
+    row_pos: torch.Tensor  # int32 [T]
 
 
 class KVPool:
@@ -110,9 +136,12 @@ class KVPool:
         self.capacity_tokens = self.num_blocks * block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.key_cache = torch.zeros(num_layers, self.num_blocks, num_kv_heads, head_dim, block_size,
+        #: one block past the allocatable ones, never any sequence's: the rows
+        #: that pad a captured CUDA graph's batch write and read it (engine.cuda_graph)
+        self.scratch_block = self.num_blocks
+        self.key_cache = torch.zeros(num_layers, self.num_blocks + 1, num_kv_heads, head_dim, block_size,
                                      dtype=torch.float32, device=device)  # keys transposed per block
-        self.value_cache = torch.zeros(num_layers, self.num_blocks, num_kv_heads, block_size, head_dim,
+        self.value_cache = torch.zeros(num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim,
                                        dtype=torch.float32, device=device)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # popped from the end
         self._tables: dict[str, list[int]] = {}  # seq_id -> its blocks, in token order
@@ -213,8 +242,7 @@ class KVPool:
         slot_block = block_tables[row_seq, row_pos // self.block_size].astype(np.int64)
         return PagedBatch(
             block_tables=block_tables, row_seq=row_seq, row_pos=row_pos,
-            slot_block=torch.from_numpy(slot_block).to(self.key_cache.device),
-            slot_offset=torch.from_numpy((row_pos % self.block_size).astype(np.int64)).to(self.key_cache.device),
+            slot_block=slot_block, slot_offset=(row_pos % self.block_size).astype(np.int64),
             attention_work=int(row_pos.sum()) + len(row_pos))
 
     def commit(self, seq_ids: list[str], num_new: list[int]) -> None:
@@ -227,16 +255,36 @@ class KVPool:
         kernels that write them (engine.cpu_ops)."""
         return self._layer_arrays[layer]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch) -> None:
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch | DeviceRows) -> None:
         """Stores the new rows' keys and values.
 
         key, value: float32 [T, kv_heads, head_dim]"""
         if self.key_cache.device.type == "cpu":  # one numba call: index_put costs ~2x per layer at batch 1
+            slots = (batch.slot_block, batch.slot_offset) if isinstance(batch, PagedBatch) else \
+                (batch.slot_block.numpy(), batch.slot_offset.numpy())
             _write_rows(self.key_cache[layer].numpy(), self.value_cache[layer].numpy(), key.numpy(), value.numpy(),
-                        batch.slot_block.numpy(), batch.slot_offset.numpy())
+                        *slots)
             return
-        self.key_cache[layer, batch.slot_block, :, :, batch.slot_offset] = key
-        self.value_cache[layer, batch.slot_block, :, batch.slot_offset] = value
+        from specdec.engine import gpu_ops  # Triton: imported only where it runs
+
+        rows = self.device_rows(batch)
+        gpu_ops.write_kv(key, value, self.key_cache[layer], self.value_cache[layer], rows.slot_block,
+                         rows.slot_offset)
+
+    def device_rows(self, batch: PagedBatch | DeviceRows) -> DeviceRows:
+        """batch's placement on this pool's device."""
+        return batch.rows(self.key_cache.device) if isinstance(batch, PagedBatch) else batch
+
+    def attend_triton(self, layer: int, query: torch.Tensor, batch: PagedBatch | DeviceRows,
+                      window: int = 0) -> torch.Tensor:
+        """``attend`` through the Triton kernel (engine.gpu_ops, row-invariant
+        by construction) on the pool's device: CUDA, or CPU under
+        TRITON_INTERPRET=1. Arguments as for ``attend``."""
+        from specdec.engine import gpu_ops  # Triton: imported only where it runs
+
+        rows = self.device_rows(batch)
+        return gpu_ops.paged_attention(query, self.key_cache[layer], self.value_cache[layer], rows.tables,
+                                       rows.row_seq, rows.row_pos, window)
 
     def attend(self, layer: int, query: torch.Tensor, batch: PagedBatch, window: int = 0) -> torch.Tensor:
         """Causal attention of every row over its own sequence's cached keys

@@ -55,8 +55,10 @@ its tensors are taken.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -67,8 +69,19 @@ from specdec.engine import cpu_ops
 from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, check_feature_layers
 from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
-from specdec.engine.gemm_select import GEMM_PATHS, GemmPath, Linear, Weights, native_bf16, select
-from specdec.engine.kv_pool import KVPool, default_num_threads
+from specdec.engine.cuda_graph import ForwardGraphs
+from specdec.engine.gemm_select import (
+    GEMM_PATHS,
+    GemmPath,
+    GemmRefused,
+    Linear,
+    Weights,
+    check_row_counts,
+    invariance_failure,
+    native_bf16,
+    select,
+)
+from specdec.engine.kv_pool import DeviceRows, KVPool, PagedBatch, default_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -294,34 +307,51 @@ class LlamaEngine(Engine):
     kv_capacity_tokens / kv_memory_fraction: pool size (at most one), else
       DEFAULT_KV_CAPACITY_TOKENS.
     gemm: "auto" (on CPU the fastest path that keeps rows row-count
-      invariant on this machine, gemm_select.select; else "aten") | a name in
+      invariant on this machine, gemm_select.select) | a name in
       gemm_select.GEMM_PATHS, refused (GemmRefused) where it breaks that
       invariance.
-    attention: "auto" ("paged" on CPU, else "sdpa") | "paged" (numba,
-      row-invariant) | "sdpa" (torch, any device, not row-invariant).
+      On CUDA "auto" is "triton" (engine.gpu_ops: one tile shape for every
+      row count); "aten" (cuBLAS) is checked like a CPU path and refused
+      where it breaks invariance.
+    attention: "auto" ("paged" on CPU, "triton" on CUDA) | "paged" (numba,
+      row-invariant) | "triton" (engine.gpu_ops, row-invariant; CUDA, or CPU
+      under TRITON_INTERPRET=1) | "sdpa" (torch, any device, not row-invariant).
     num_threads: torch and attention threads (process-wide for torch);
       default: the CPU cores this process may use, or 1 for small models
       (MULTITHREAD_MIN_LAYER_BYTES).
     fuse_small_steps: on CPU with paged attention, run the small steps (RMSNorm,
       RoPE and the KV write, SiLU) as engine.cpu_ops's numba kernels; False
       runs them as torch ops in the weights' dtype, as the engine did before
-      those kernels (benchmarks compare the two)."""
+      those kernels (benchmarks compare the two).
+    cuda_graphs: on CUDA with the Triton kernels, passes of up to
+      cuda_graph.MAX_ROWS tokens (decode steps, verifications, short
+      prefills) replay CUDA graphs captured per padded shape
+      (engine.cuda_graph): no per-layer host work."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
-                 head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True) -> None:
+                 head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True,
+                 cuda_graphs: bool = True) -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if attention == "auto":
-            attention = "paged" if on_cpu else "sdpa"
-        if attention not in ("paged", "sdpa"):
+            attention = "paged" if on_cpu else "triton"
+        if gemm == "auto" and not on_cpu:
+            gemm = "triton"
+        if attention not in ("paged", "sdpa", "triton"):
             raise ValueError(f"unknown attention {attention!r}")
-        if not on_cpu and (gemm not in ("auto", "aten") or attention == "paged"):
-            raise ValueError("gemm paths other than 'aten' and attention='paged' run on CPU only")
+        if not on_cpu and (gemm not in ("triton", "aten") or attention == "paged"):
+            raise ValueError(f"on {self.device.type} the GEMMs run as 'triton' or 'aten' and attention as 'triton' "
+                             f"or 'sdpa', not gemm={gemm!r}, attention={attention!r} (CPU paths)")
+        if on_cpu and "triton" in (gemm, attention) and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("gemm='triton' and attention='triton' run on CUDA (on CPU only under "
+                             "TRITON_INTERPRET=1, for tests)")
+        #: the row-invariant GPU kernels (engine.gpu_ops) for GEMMs and norms
+        self.triton = gemm == "triton"
         self.attention = attention
         self.dtype = torch_dtype(dtype)
         self.spec = spec = LlamaSpec.from_config(checkpoint.config)
@@ -342,7 +372,12 @@ class LlamaEngine(Engine):
             head = head[torch.tensor(head_token_ids, device=self.device)].contiguous()
         projections.append(("lm_head", head, None))
         self.gemm_report = None  # off CPU: no choice made (Engine.gemm_report)
-        if on_cpu:
+        if self.triton:
+            from specdec.engine.gpu_ops import TritonLinear  # Triton: imported only where it runs
+
+            linears: list[Linear] = [TritonLinear(w, b) for _, w, b in projections]
+            self.gemm = "triton"
+        elif on_cpu:
             torch.set_num_threads(num_threads)
             selection = select(projections, self.dtype, num_threads, gemm)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
@@ -350,8 +385,14 @@ class LlamaEngine(Engine):
                 log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "
                             "amx_bf16): expect float32 speed or worse (simd widens bfloat16 weights on any CPU)",
                             self.gemm)
-        else:
-            linears, self.gemm = [Linear(w, b, GemmPath("aten", "aten", 1)) for _, w, b in projections], "aten"
+        else:  # aten (cuBLAS) on a GPU: only where it keeps row-count invariance for these shapes
+            aten = GemmPath("aten", "aten", 1)
+            failure = invariance_failure(functools.partial(Linear, path=aten), projections, check_row_counts(),
+                                         self.dtype)
+            if failure is not None:
+                raise GemmRefused(f"gemm='aten' breaks row-count invariance on {self.device.type} "
+                                  f"({torch.cuda.get_device_name(self.device)}): {failure}; use gemm='auto'")
+            linears, self.gemm = [Linear(w, b, aten) for _, w, b in projections], "aten"
         self.lm_head = linears[-1]
         self.layers = [build_layer(sd, i, window, rope, linears[4 * i:4 * i + 4])
                        for i, (window, rope) in enumerate(zip(spec.layer_windows, spec.layer_rope))]
@@ -388,6 +429,9 @@ class LlamaEngine(Engine):
         self.pool = KVPool(n_layers, spec.num_kv_heads, spec.head_dim,
                            kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS,
                            block_size=block_size, device=device, num_threads=num_threads)
+        #: forward passes of up to cuda_graph.MAX_ROWS tokens replayed as CUDA graphs (engine.cuda_graph)
+        self.graphs = ForwardGraphs(self) if (cuda_graphs and self.device.type == "cuda" and self.triton
+                                             and attention == "triton") else None
         self.facts = ModelFacts(
             model=checkpoint.name, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids(checkpoint.config, checkpoint.generation_config),
@@ -433,16 +477,21 @@ class LlamaEngine(Engine):
         batch = self.pool.plan(seq_ids, counts)
         ends = np.cumsum(counts)
         rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
+        if self.graphs is not None and not return_hidden_states and not feature_layers and self.graphs.takes(items):
+            logits = self.graphs.run(tokens, batch, rows)
+            self.pool.commit(seq_ids, counts)
+            return ForwardOutput(logits, None, None)
         if self.fused:  # numpy from the embedding to the logits (``_decoder_arrays``)
-            h_np, states = self._decoder_arrays(tokens.numpy(), batch, feature_layers)
+            h_np, states = self._decoder_arrays(tokens, batch, feature_layers)
             normed_np = cpu_ops.rms_norm(h_np[rows], self._final_norm_np, self.spec.rms_norm_eps)
             normed = torch.from_numpy(normed_np)
             logits = torch.from_numpy(self.lm_head.on_array(normed_np)) if len(rows) else \
                 torch.empty(0, self.facts.vocab_size)  # a prefill chunk: no LM head
         else:
             positions = torch.from_numpy(batch.row_pos).to(self.device).long()
-            h, states = self._decoder(tokens, positions, batch, feature_layers)  # [T, hidden], each [T, hidden]
-            normed = rms_norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm, self.spec.rms_norm_eps)
+            h, states = self._decoder(torch.from_numpy(tokens).to(self.device), positions, batch,
+                                      feature_layers)  # [T, hidden], each [T, hidden]
+            normed = self._norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm)
             if len(rows):
                 logits = self.lm_head(normed).float()
             else:  # a prefill chunk: skip the LM head
@@ -453,7 +502,7 @@ class LlamaEngine(Engine):
 
     # ---- the model ---------------------------------------------------------------
 
-    def _check(self, items: list[ForwardItem]) -> torch.Tensor:
+    def _check(self, items: list[ForwardItem]) -> np.ndarray:
         """Validates a batch; returns its token ids, int64 [T]."""
         if len({it.seq_id for it in items}) != len(items):
             raise ValueError("a forward batch holds the same seq_id twice")
@@ -468,21 +517,30 @@ class LlamaEngine(Engine):
         tokens = np.concatenate([np.asarray(it.token_ids, dtype=np.int64) for it in items])
         if tokens.min() < 0 or tokens.max() >= self.spec.vocab_size:
             raise ValueError(f"token id outside [0, {self.spec.vocab_size})")
-        return torch.from_numpy(tokens).to(self.device)
+        return tokens
 
-    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch,
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim: the row-invariant GPU kernel with the
+        Triton GEMMs (torch's reductions split a row by the tensor's shape on
+        a GPU), else the torch ops."""
+        if not self.triton:
+            return rms_norm(x, weight, self.spec.rms_norm_eps)
+        from specdec.engine import gpu_ops  # Triton: imported only where it runs
+
+        return gpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.spec.rms_norm_eps).view(x.shape)
+
+    def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | DeviceRows,
                  feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The residual stream after the last decoder layer, [T, hidden], and
         the stream after each of feature_layers layers (0: the embeddings),
         in their order. The stream is never updated in place, so keeping a
         reference to it is keeping its value."""
-        eps = self.spec.rms_norm_eps
         h = F.embedding(tokens, self.embed).to(self.act_dtype)
         kept = {0: h} if 0 in feature_layers else {}
         cos, sin = self.cos[positions], self.sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, rms_norm(h, layer.input_norm, eps), cos, sin, batch)
-            h = h + self._mlp(layer, rms_norm(h, layer.post_norm, eps))
+            h = h + self._attention(i, layer, self._norm(h, layer.input_norm), cos, sin, batch)
+            h = h + self._mlp(layer, self._norm(h, layer.post_norm))
             if i + 1 in feature_layers:
                 kept[i + 1] = h
         return h, [kept[i] for i in feature_layers]
@@ -498,7 +556,7 @@ class LlamaEngine(Engine):
         and keys take ``_attention``'s torch steps."""
         eps = self.spec.rms_norm_eps
         T, H, Hkv, D = len(tokens), self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
-        slots = (batch.slot_block.numpy(), batch.slot_offset.numpy())
+        slots = (batch.slot_block, batch.slot_offset)
         h = self._embed_np[tokens]  # [T, hidden]
         if h.dtype == np.uint16:  # bfloat16 bits -> float32, exactly
             h = (h.astype(np.uint32) << 16).view(np.float32)
@@ -523,22 +581,26 @@ class LlamaEngine(Engine):
         return h, [torch.from_numpy(kept[i]) for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, batch) -> torch.Tensor:
+                   sin: torch.Tensor, batch: PagedBatch | DeviceRows) -> torch.Tensor:
         """x: [T, hidden] normed -> [T, hidden] attention output (before the residual)."""
         T = x.shape[0]
         H, Hkv, D = self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         qkv = layer.qkv(x).view(T, H + 2 * Hkv, D)
         qk, v = qkv[:, :H + Hkv], qkv[:, H + Hkv:]  # queries and keys rotate together: one RoPE call
         if layer.q_norm is not None and layer.k_norm is not None:
-            qk = torch.cat([rms_norm(qk[:, :H], layer.q_norm, self.spec.rms_norm_eps),
-                            rms_norm(qk[:, H:], layer.k_norm, self.spec.rms_norm_eps)], dim=1)
+            qk = torch.cat([self._norm(qk[:, :H], layer.q_norm), self._norm(qk[:, H:], layer.k_norm)], dim=1)
         qk = qk.float()
         if layer.rope:
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :H], qk[:, H:]
         self.pool.write(i, k, v.float(), batch)
-        attend = self.pool.attend if self.attention == "paged" else self.pool.attend_sdpa
-        out = attend(i, (q * self.scale).contiguous(), batch, layer.window)  # float32 [T, H, D]
+        query = (q * self.scale).contiguous()
+        if self.attention == "triton":
+            out = self.pool.attend_triton(i, query, batch, layer.window)  # float32 [T, H, D]
+        else:
+            assert isinstance(batch, PagedBatch)  # DeviceRows come from CUDA graphs, which run the Triton kernels
+            attend = self.pool.attend if self.attention == "paged" else self.pool.attend_sdpa
+            out = attend(i, query, batch, layer.window)
         return layer.o(out.view(T, H * D).to(self.act_dtype))
 
     def _mlp(self, layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,10 @@ class SamplingTensors:  # one row per sequence, B sequences
     strategy: torch.Tensor  # int32 [B], GREEDY..TOPP
     accept_policy: torch.Tensor  # int32 [B]
 
+    def to(self, device: torch.device) -> SamplingTensors:
+        """The same parameters on ``device`` (self where they are already there)."""
+        return SamplingTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
+
     def select(self, index: torch.Tensor) -> SamplingTensors:
         """The rows of the sequences in index (int64 [G])."""
         return SamplingTensors(*(getattr(self, f.name)[index] for f in fields(self)))
@@ -41,6 +45,9 @@ class SamplingTensors:  # one row per sequence, B sequences
 class SparseDraftProbs:
     token_ids: torch.Tensor  # int32 [num_draft_tokens, K]; padding entries have prob 0
     probs: torch.Tensor  # float32 [num_draft_tokens, K]
+
+    def to(self, device: torch.device) -> SparseDraftProbs:
+        return SparseDraftProbs(self.token_ids.to(device), self.probs.to(device))
 
 
 @dataclass

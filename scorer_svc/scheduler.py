@@ -526,7 +526,10 @@ class Scheduler:
             strategy=torch.tensor([s.strategy for s in specs], dtype=torch.int32),
             accept_policy=torch.tensor([s.accept_policy for s in specs], dtype=torch.int32),
         )
-        out = verify(target_logits, draft_token_ids, cu, sampling, _sparse_draft_probs(specs))
+        dev = target_logits.device  # a GPU engine's logits stay on the GPU: verified there (Triton)
+        probs = _sparse_draft_probs(specs)
+        out = verify(target_logits, draft_token_ids.to(dev), cu.to(dev), sampling.to(dev),
+                     None if probs is None else probs.to(dev))
         # one deliberate device->host sync for the whole batch
         output_ids = out.output_token_ids.tolist()
         num_accepted = out.num_accepted.tolist()

@@ -121,7 +121,7 @@ def test_filter_stats_dispatches_cpu_to_reference_and_use_triton_to_the_kernel(m
     assert calls == []
     for name in ("row_max", "threshold", "norm"):
         assert torch.equal(getattr(on_cpu, name), getattr(expected, name))
-    filter_stats(logits, temperature, top_k, top_p, use_triton=True)
+    filter_stats(*(t.to(DEVICE) for t in (logits, temperature, top_k, top_p)), use_triton=True)
     assert calls == ["kernel"]
 
 

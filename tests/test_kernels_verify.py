@@ -35,11 +35,11 @@ def run(backend: str, logits, drafts, cu, sampling, draft_probs=None):
 
 
 def make_sampling(num_seqs: int, temperature=0.0, top_k=0, top_p=0.0, seed=0, position=0,
-                  strategy=GREEDY, policy=POLICY_NORMAL) -> SamplingTensors:
+                  strategy=GREEDY, policy=POLICY_NORMAL, device: str = DEVICE) -> SamplingTensors:
     """Per-sequence parameters; each argument is a scalar or a list of num_seqs values."""
     def column(value, dtype):
         values = value if isinstance(value, list) else [value] * num_seqs
-        return torch.tensor(values, dtype=dtype, device=DEVICE)
+        return torch.tensor(values, dtype=dtype, device=device)
 
     return SamplingTensors(temperature=column(temperature, torch.float32), top_k=column(top_k, torch.int32),
                            top_p=column(top_p, torch.float32), seed=column(seed, torch.int64),
@@ -47,17 +47,17 @@ def make_sampling(num_seqs: int, temperature=0.0, top_k=0, top_p=0.0, seed=0, po
                            accept_policy=column(policy, torch.int32))
 
 
-def ragged(draft_lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def ragged(draft_lists: list[list[int]], device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
     """Flattened drafts (int32 [N]) and inclusive offsets (int32 [B])."""
     flat = [x for drafts in draft_lists for x in drafts]
     counts = torch.tensor([len(d) for d in draft_lists])
-    return (torch.tensor(flat, dtype=torch.int32, device=DEVICE),
-            counts.cumsum(0).to(torch.int32).to(DEVICE))
+    return (torch.tensor(flat, dtype=torch.int32, device=device),
+            counts.cumsum(0).to(torch.int32).to(device))
 
 
-def peaked_logits(argmaxes: list[int], vocab: int) -> torch.Tensor:
+def peaked_logits(argmaxes: list[int], vocab: int, device: str = DEVICE) -> torch.Tensor:
     """One row per entry, with a clear argmax there."""
-    logits = torch.zeros(len(argmaxes), vocab, device=DEVICE)
+    logits = torch.zeros(len(argmaxes), vocab, device=device)
     logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 5.0
     return logits
 
@@ -385,16 +385,17 @@ def test_triton_matches_reference_without_drafts():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_greedy_batches_on_the_host_equal_the_torch_reference(seed):
-    """verify() scans all-greedy CPU batches on the host; the tokens must be
-    the reference's: ties (few distinct logit values), out-of-range drafts,
-    sequences without drafts and drafts that are all right."""
+    """verify() scans all-greedy CPU batches on the host (so the batch is on
+    CPU on any machine); the tokens must be the reference's: ties (few
+    distinct logit values), out-of-range drafts, sequences without drafts and
+    drafts that are all right."""
     gen = torch.Generator().manual_seed(seed)
     vocab, num_seqs = 13, 9
     draft_lists = []
     for _ in range(num_seqs):
         k = int(torch.randint(0, 7, (1,), generator=gen))
         draft_lists.append(torch.randint(-1, vocab + 2, (k,), generator=gen).tolist())
-    drafts, cu = ragged(draft_lists)
+    drafts, cu = ragged(draft_lists, device="cpu")
     rows = sum(len(d) + 1 for d in draft_lists)
     logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()  # many ties
     # the first two sequences' drafts are the argmaxes, so that long acceptances occur
@@ -402,7 +403,8 @@ def test_greedy_batches_on_the_host_equal_the_torch_reference(seed):
         start = sum(len(d) + 1 for d in draft_lists[:b])
         for i in range(len(draft_lists[b])):
             drafts[sum(len(d) for d in draft_lists[:b]) + i] = int(logits[start + i].argmax())
-    sampling = make_sampling(num_seqs, temperature=[0.0] * num_seqs, strategy=[GREEDY, REJECTION, TARGET_MATCH] * 3)
+    sampling = make_sampling(num_seqs, temperature=[0.0] * num_seqs, strategy=[GREEDY, REJECTION, TARGET_MATCH] * 3,
+                             device="cpu")
     expected = verify_reference(logits, drafts, cu, sampling)
     got = verify(logits, drafts, cu, sampling, use_triton=False)
     assert got.output_token_ids.dtype == expected.output_token_ids.dtype == torch.int32
@@ -416,12 +418,13 @@ def test_greedy_on_the_host_is_taken_only_when_every_sequence_is_greedy(monkeypa
     taken = []
     real = verify_module._verify_greedy_on_host
     monkeypatch.setattr(verify_module, "_verify_greedy_on_host", lambda *a: taken.append(1) or real(*a))
-    logits = peaked_logits([3, 1, 4] + [1, 5], vocab=7)
-    drafts, cu = ragged([[3, 1], [2]])
-    verify(logits, drafts, cu, make_sampling(2), use_triton=False)
+    logits = peaked_logits([3, 1, 4] + [1, 5], vocab=7, device="cpu")  # the host path takes CPU batches
+    drafts, cu = ragged([[3, 1], [2]], device="cpu")
+    verify(logits, drafts, cu, make_sampling(2, device="cpu"), use_triton=False)
     assert taken == [1]
-    verify(logits, drafts, cu, make_sampling(2, temperature=[0.0, 1.0], strategy=REJECTION), use_triton=False)
-    verify(logits, drafts, cu, make_sampling(2, policy=[POLICY_NORMAL, POLICY_ACCEPT_ALL]), use_triton=False)
+    for sampled in (make_sampling(2, temperature=[0.0, 1.0], strategy=REJECTION, device="cpu"),
+                    make_sampling(2, policy=[POLICY_NORMAL, POLICY_ACCEPT_ALL], device="cpu")):
+        verify(logits, drafts, cu, sampled, use_triton=False)
     assert taken == [1]
-    verify(logits, drafts, cu, make_sampling(2, temperature=0.7, strategy=GREEDY), use_triton=False)
+    verify(logits, drafts, cu, make_sampling(2, temperature=0.7, strategy=GREEDY, device="cpu"), use_triton=False)
     assert taken == [1, 1]  # the GREEDY strategy ignores the temperature

@@ -1,0 +1,133 @@
+"""Forward passes of the Llama engine as CUDA graphs.
+
+A forward pass of a small model on a GPU is a few hundred kernel launches of
+microseconds each; launched one by one from Python, the host's launch work
+(tens of microseconds for a Triton kernel) is the pass's time, not the GPU's.
+A captured graph replays the whole pass in one launch.
+
+Which passes: every batch of at most ``MAX_ROWS`` new tokens (decode steps,
+verifications of k + 1 tokens per sequence, short prefills) without hidden
+states or feature layers. One graph per (padded rows, padded sequences),
+both rounded up to a power of two, captured the first time such a batch
+comes. Its inputs live in one static int32 buffer, filled by one
+host-to-device copy per pass:
+
+    [tokens | positions | row sequences | slot blocks | slot offsets | logits rows]  each [T_pad]
+    [block tables]                                                                    [B_pad + 1, W]
+
+W = max_model_len / block_size, so any sequence's table fits. Padding rows
+take token 0 at position 0 of the extra last table row, whose only block is
+the pool's scratch block (KVPool.scratch_block, which no sequence owns): they
+write and read nothing of a real sequence. The graph computes logits for all
+T_pad rows (the LM head over a few hundred rows costs microseconds on a GPU);
+the rows the items asked for are gathered after the replay.
+
+The graph runs the engine's own eager kernels (engine.gpu_ops), each
+row-invariant, so a row's logits are bitwise those of the eager pass, whatever
+the padding: tests/test_gpu_engine.py checks it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specdec.engine.base import ForwardItem
+from specdec.engine.kv_pool import DeviceRows, PagedBatch
+
+if TYPE_CHECKING:
+    from specdec.engine.llama import LlamaEngine
+
+#: Batches of more new tokens than this run eagerly (long prefills: there the
+#: GPU's work dwarfs the launches).
+MAX_ROWS = 512
+_FIELDS = 6  # per-row fields of the static buffer (module doc)
+
+
+def bucket(n: int) -> int:
+    """n rounded up to a power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    host: np.ndarray  # int32, the static buffer's next contents
+    device: torch.Tensor  # int32, the static buffer the graph reads
+    logits: torch.Tensor  # float32 [T_pad, vocab], the graph's output
+
+
+class ForwardGraphs:
+    """The CUDA graphs of one engine's forward passes (module doc)."""
+
+    def __init__(self, engine: LlamaEngine) -> None:
+        self.engine = engine
+        self.width = -(-engine.max_model_len // engine.pool.block_size)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._mem_pool = torch.cuda.graph_pool_handle()
+
+    def takes(self, items: list[ForwardItem]) -> bool:
+        """Whether a graph runs this batch: at most MAX_ROWS new tokens."""
+        return sum(len(it.token_ids) for it in items) <= MAX_ROWS
+
+    def captured(self) -> list[tuple[int, int]]:
+        """(padded rows, padded sequences) of the graphs captured so far."""
+        return sorted(self._graphs)
+
+    def run(self, tokens: np.ndarray, batch: PagedBatch, logit_rows: np.ndarray) -> torch.Tensor:
+        """Logits float32 [len(logit_rows), vocab] of a batch planned by the pool."""
+        T, B = len(tokens), len(batch.block_tables)
+        key = (bucket(T), bucket(B))
+        g = self._graphs.get(key) or self._capture(*key)
+        rows, host = key[0], g.host
+        self._fill_padding(host, *key)
+        fields = host[:_FIELDS * rows].reshape(_FIELDS, rows)
+        fields[0, :T] = tokens
+        fields[1, :T] = batch.row_pos
+        fields[2, :T] = batch.row_seq
+        fields[3, :T] = batch.slot_block
+        fields[4, :T] = batch.slot_offset
+        fields[5, :len(logit_rows)] = logit_rows
+        tables = host[_FIELDS * rows:].reshape(key[1] + 1, self.width)
+        tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
+        g.device.copy_(torch.from_numpy(host))  # pageable source: the host may refill it once this returns
+        g.graph.replay()
+        picked = g.device[5 * rows:5 * rows + len(logit_rows)]
+        return g.logits.index_select(0, picked)  # a new tensor: the next replay may overwrite g.logits
+
+    def _fill_padding(self, host: np.ndarray, rows: int, seqs: int) -> None:
+        """The whole buffer as padding rows (module doc)."""
+        host[:] = 0
+        fields = host[:_FIELDS * rows].reshape(_FIELDS, rows)
+        fields[2] = seqs  # the extra table row
+        fields[3] = self.engine.pool.scratch_block
+        host[_FIELDS * rows:].reshape(seqs + 1, self.width)[seqs, 0] = self.engine.pool.scratch_block
+
+    def _capture(self, rows: int, seqs: int) -> _Graph:
+        engine = self.engine
+        dev = engine.device
+        host = np.zeros(_FIELDS * rows + (seqs + 1) * self.width, dtype=np.int32)
+        self._fill_padding(host, rows, seqs)
+        ints = torch.from_numpy(host).to(dev)
+        fields = ints[:_FIELDS * rows].view(_FIELDS, rows)
+
+        def step() -> torch.Tensor:
+            # every tensor the graph reads is a view of ``ints`` or made inside it
+            placed = DeviceRows(slot_block=fields[3].long(), slot_offset=fields[4].long(),
+                                tables=ints[_FIELDS * rows:].view(seqs + 1, self.width), row_seq=fields[2],
+                                row_pos=fields[1])
+            h, _ = engine._decoder(fields[0].long(), fields[1].long(), placed, ())
+            return engine.lm_head(engine._norm(h, engine.final_norm)).float()
+
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: compiles every kernel for these shapes outside the capture
+            step()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._mem_pool):
+            logits = step()
+        self._graphs[(rows, seqs)] = g = _Graph(graph=graph, host=host, device=ints, logits=logits)
+        return g

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (a lent GPU machine has the
+# project's Python dependencies but not its pins: it runs its own torch,
+# triton and transformers). Installs this checkout into a scratch directory,
+# runs the Triton kernel tests and the GPU engine tests compiled for the GPU
+# (TRITON_INTERPRET=0), then benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
+#
+#   SPECDEC_MODELS_DIR=DIR OUT=DIR bash scripts/gpu_checks.sh
+#
+# SPECDEC_MODELS_DIR must hold stories260K (the engine tests' model). Logs
+# and the benchmark's JSON go to $OUT (default /tmp/specdec-gpu). WHEELS=DIR:
+# wheels installed beside the package first (the machine's own grpcio and
+# protobuf may be older than the generated code needs).
+set -u
+OUT=${OUT:-/tmp/specdec-gpu}
+mkdir -p "$OUT"
+site=$(mktemp -d)
+{ if [ -n "${WHEELS:-}" ]; then python3 -m pip install -q --no-index --no-deps --target "$site" "$WHEELS"/*.whl; fi
+  python3 -m pip install -q --no-deps --no-build-isolation --target "$site" .; } >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
+export PYTHONPATH="$site" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"; } | tee "$OUT/machine.txt"
+status=0
+timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --timeout 200 \
+    tests/test_gpu_engine.py tests/test_kernels_verify.py tests/test_kernels_sampling.py tests/test_kernels_rng.py \
+    >"$OUT/tests.log" 2>&1 || status=1
+tail -n 40 "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --out "$OUT/gpu.json" \
+    >"$OUT/bench.log" 2>&1 || status=1
+tail -n 30 "$OUT/bench.log"
+exit $status

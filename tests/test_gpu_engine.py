@@ -1,0 +1,224 @@
+"""The Llama engine on its GPU kernels (engine.gpu_ops, engine.cuda_graph).
+
+Here (no GPU) the Triton kernels run on CPU tensors under TRITON_INTERPRET=1,
+float32 only (the interpreter mis-reads bfloat16 loads). On a machine with
+CUDA, ``TRITON_INTERPRET=0 pytest tests/test_gpu_engine.py`` runs the same
+tests on the GPU, compiled, in float32 and bfloat16, plus the CUDA-graph
+tests: the kernels against torch, transformers' logits and greedy tokens,
+and the invariance that keeps speculation lossless (decoding token by token
+and verifying 6- or 17-row chunks give bitwise equal logits)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec.engine.gpu_ops defines any @triton.jit
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import hf_greedy, hf_model, random_model
+from test_llama_engine import STORY, check_invariance, engine_of, feed, greedy, hf_logits
+
+from specdec.engine import gpu_ops
+from specdec.engine.kv_pool import KVPool
+from specdec.engine.llama import LlamaEngine, rms_norm
+
+INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
+DEVICE = "cpu" if INTERPRETED else "cuda"
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+DTYPES = ["float32"] if INTERPRETED else ["float32", "bfloat16"]
+cuda_only = pytest.mark.skipif(INTERPRETED, reason="CUDA graphs need a CUDA device")
+#: whole decodes through the interpreter take a minute each: selected with -m slow here, always on a GPU
+slow_here = pytest.mark.slow if INTERPRETED else (lambda test: test)
+
+
+def gpu_engine(model, dtype: str = "float32", **kwargs) -> LlamaEngine:
+    return engine_of(model, dtype, device=DEVICE, gemm="auto" if DEVICE == "cuda" else "triton",
+                     attention="triton", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    model, tok = hf_model(stories_path)
+    return model, list(tok(STORY)["input_ids"])
+
+
+# ---- the kernels ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_and_rms_norm_match_torch_and_rows_never_depend_on_the_row_count(dtype):
+    gen = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    x = torch.randn(40, 200, generator=gen).to(DEVICE, dt)
+    w = torch.randn(130, 200, generator=gen).to(DEVICE, dt)
+    b = torch.randn(130, generator=gen).to(DEVICE, dt)
+    y = gpu_ops.linear(x, w, b, out_dtype=torch.float32)
+    expected = F.linear(x.double(), w.double(), b.double())
+    assert torch.allclose(y.double(), expected, rtol=1e-2 if dtype == "bfloat16" else 1e-5, atol=1e-3)
+    for n in (1, 2, 6, 17, 40):  # every row as computed alone, bit for bit
+        alone = torch.cat([gpu_ops.linear(x[i:i + 1], w, b, out_dtype=torch.float32) for i in range(n)])
+        assert torch.equal(gpu_ops.linear(x[:n], w, b, out_dtype=torch.float32), alone), n
+    norm_w = torch.rand(200, generator=gen).to(DEVICE, dt) + 0.5
+    normed = gpu_ops.rms_norm(x, norm_w, 1e-5)
+    assert normed.dtype == dt
+    tol = 1e-2 if dtype == "bfloat16" else 1e-5
+    assert torch.allclose(normed.float(), rms_norm(x, norm_w, 1e-5).float(), rtol=tol, atol=tol)
+    assert torch.equal(torch.cat([gpu_ops.rms_norm(x[i:i + 1], norm_w, 1e-5) for i in range(7)]), normed[:7])
+
+
+def test_write_kv_puts_each_row_in_its_slot():
+    pool = KVPool(1, 2, 8, 64, block_size=16, device=DEVICE)
+    pool.ensure_capacity("a", 20)
+    pool.ensure_capacity("b", 3)
+    batch = pool.plan(["a", "b"], [20, 3])
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(23, 2, 8, generator=gen).to(DEVICE) for _ in range(2))
+    rows = batch.rows(torch.device(DEVICE))
+    gpu_ops.write_kv(k, v, pool.key_cache[0], pool.value_cache[0], rows.slot_block, rows.slot_offset)
+    for t, (b, o) in enumerate(zip(batch.slot_block, batch.slot_offset)):
+        assert torch.equal(pool.key_cache[0, b, :, :, o], k[t]) and torch.equal(pool.value_cache[0, b, :, o], v[t])
+    assert int((pool.key_cache != 0).sum()) == k.numel()  # nothing else written
+
+
+@pytest.mark.parametrize("window", [0, 7])
+def test_paged_attention_matches_sdpa_and_rows_never_depend_on_the_batch(window):
+    pool = KVPool(2, 2, 8, 256, block_size=16, device=DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    lengths = {"a": 37, "b": 5, "c": 16}
+    for seq, n in lengths.items():
+        pool.ensure_capacity(seq, n)
+    batch = pool.plan(list(lengths), list(lengths.values()))
+    T = sum(lengths.values())
+    k, v = (torch.randn(T, 2, 8, generator=gen).to(DEVICE) for _ in range(2))
+    pool.write(1, k, v, batch)
+    q = torch.randn(T, 6, 8, generator=gen).to(DEVICE)
+    out = pool.attend_triton(1, q, batch, window)
+    assert torch.allclose(out, pool.attend_sdpa(1, q, batch, window), atol=1e-5)
+    pool.commit(list(lengths), list(lengths.values()))
+    # sequence a's last row, as a one-row decode of its own: the same bits
+    pool.truncate("a", 36)
+    alone = pool.plan(["a"], [1])
+    assert torch.equal(pool.attend_triton(1, q[36:37], alone, window), out[36:37])
+
+
+# ---- the engine on stories260K (real) --------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logits_match_transformers(stories_path, stories, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model, prompt = stories
+    logits = feed(gpu_engine(model, dtype), [("s", prompt, len(prompt))])[0]
+    assert logits.device.type == DEVICE
+    want = hf_logits(model, prompt)  # float32, CPU
+    if dtype == "float32":
+        assert (logits.cpu() - want).abs().max() < 2e-4
+    else:  # no worse than transformers' own bfloat16
+        hf_bf16 = AutoModelForCausalLM.from_pretrained(stories_path, dtype=torch.bfloat16).eval()
+        assert (logits.cpu() - want).abs().max() < 2 * (hf_logits(hf_bf16, prompt) - want).abs().max() + 0.05
+
+
+@slow_here
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_count_invariance(stories, dtype):
+    model, prompt = stories
+    engine = gpu_engine(model, dtype)
+    assert engine.gemm == "triton" and engine.attention == "triton"
+    check_invariance(engine, prompt)
+
+
+@slow_here
+def test_greedy_matches_transformers_generate(stories_path, stories):
+    model, prompt = stories
+    engine = gpu_engine(model)
+    assert greedy(engine, "g", prompt, 24) == hf_greedy(stories_path, tuple(prompt), 24)
+    if not INTERPRETED:
+        assert engine.graphs is not None and (1, 1) in engine.graphs.captured()  # the decode steps ran as a graph
+
+
+@slow_here
+def test_the_scheduler_on_the_gpu_engine_gives_plain_greedy(stories_path):
+    """The scorer's scheduler over the GPU engine: its logits stay on the
+    device and the verification kernels run there; drafts right and wrong
+    give transformers' greedy tokens."""
+    from test_scheduler import greedy_with_drafts, prompt_ids  # gRPC modules: imported by this test only
+
+    from specdec.scorer_svc.scheduler import Scheduler
+
+    model, _ = hf_model(stories_path)
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 16)
+    oracle = lambda tokens: expected[len(tokens) - len(prompt):][:5]  # always right
+    wrong = lambda tokens: [(t + 1) % 512 for t in oracle(tokens)]  # always wrong
+
+    async def run():
+        sched = Scheduler(gpu_engine(model), max_batch_size=8, max_tokens_per_forward=64)
+        try:
+            return (await greedy_with_drafts(sched, "r", prompt, 16, oracle),
+                    await greedy_with_drafts(sched, "w", prompt, 16, wrong))
+        finally:
+            sched.stop()
+
+    right, bad = asyncio.run(run())
+    assert right == expected and bad == expected
+
+
+def test_the_triton_paths_are_refused_on_cpu_without_the_interpreter(stories, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="run on CUDA"):
+        engine_of(stories[0], gemm="triton")
+    with pytest.raises(ValueError, match="run on CUDA"):
+        engine_of(stories[0], attention="triton")
+
+
+# ---- CUDA graphs and real shapes (GPU only) ------------------------------------------
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype):
+    """Prefills, three sequences decoding together (a graph padded to 4 rows,
+    one of them padding), verification chunks of 6 rows and a ragged batch,
+    against the same passes run eagerly."""
+    model, prompt = stories
+    graphs, eager = gpu_engine(model, dtype), gpu_engine(model, dtype, cuda_graphs=False)
+    assert eager.graphs is None
+    starts = {"a": prompt[:30], "b": prompt[:11], "c": prompt[:23]}
+    got, want = (feed(engine, [(s, p, 1) for s, p in starts.items()]) for engine in (graphs, eager))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    nxt = {s: int(w[-1].argmax()) for s, w in zip(starts, want)}
+    for _ in range(12):
+        step = [(s, [t], 1) for s, t in nxt.items()]
+        got, want = feed(graphs, step), feed(eager, step)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+        nxt = {s: int(w[-1].argmax()) for s, w in zip(nxt, want)}
+    one = [("a", [nxt["a"]], 1)]
+    assert torch.equal(feed(graphs, one)[0], feed(eager, one)[0])
+    chunk = [("b", prompt[11:17], 6)]  # a verification of 5 drafts: 6 rows, every row's logits
+    assert torch.equal(feed(graphs, chunk)[0], feed(eager, chunk)[0])
+    ragged = [("a", prompt[:3], 3), ("b", prompt[5:6], 1), ("c", prompt[1:10], 2)]  # 13 rows -> 16
+    for g, w in zip(feed(graphs, ragged), feed(eager, ragged)):
+        assert torch.equal(g, w)
+    assert graphs.graphs.captured() == [(1, 1), (4, 4), (8, 1), (16, 4), (64, 4)]
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_count_invariance_at_smollm2_shapes(dtype):
+    """SmolLM2-135M's widths (hidden 576, 9 / 3 heads, FFN 1536, vocab 49152;
+    4 of its 30 layers, random weights): the GEMM tiles and the LM head at the
+    real sizes, where cuBLAS would pick kernels by the row count."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    model = random_model(config)
+    prompt = torch.randint(0, 49152, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    check_invariance(gpu_engine(model, dtype), prompt)
