@@ -3,7 +3,8 @@
 # project's Python dependencies but not its pins: it runs its own torch,
 # triton and transformers). Installs this checkout into a scratch directory,
 # runs the Triton kernel tests and the GPU engine tests compiled for the GPU
-# (TRITON_INTERPRET=0), then benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
+# (TRITON_INTERPRET=0), the stories260K end-to-end tests with the scorer on
+# the GPU, then benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
 #
 #   SPECDEC_MODELS_DIR=DIR OUT=DIR bash scripts/gpu_checks.sh
 #
@@ -27,6 +28,10 @@ timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider --timeo
     tests/test_gpu_engine.py tests/test_kernels_verify.py tests/test_kernels_sampling.py tests/test_kernels_rng.py \
     >"$OUT/tests.log" 2>&1 || status=1
 tail -n 40 "$OUT/tests.log"
+# the whole stack (gateway, proposer, scorer processes, gRPC on loopback) with the scorer on the GPU
+SPECDEC_TEST_SCORER_ARGS="--device cuda" timeout "${E2E_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
+    --timeout 180 tests/test_e2e_stories.py >"$OUT/e2e.log" 2>&1 || status=1
+tail -n 30 "$OUT/e2e.log"
 timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --out "$OUT/gpu.json" \
     >"$OUT/bench.log" 2>&1 || status=1
 tail -n 30 "$OUT/bench.log"

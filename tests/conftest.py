@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ STORIES = str(MODELS / "stories260K") if MODELS else None
 SMOLLM = str(MODELS / "smollm2-135m-instruct-q4_1") if MODELS else None
 #: which scorer engine the integration tests run ("auto": own Llama runner)
 ENGINE = os.environ.get("SPECDEC_TEST_ENGINE", "auto")
+#: more arguments for the scorers the integration tests start, e.g. "--device cuda"
+#: (scripts/gpu_checks.sh runs the stories260K end-to-end tests so)
+SCORER_ARGS = shlex.split(os.environ.get("SPECDEC_TEST_SCORER_ARGS", ""))
 
 
 def _need(path: str | None) -> str:
@@ -133,6 +137,7 @@ def start_stack(model: str, tmp_path_factory, name: str, **kwargs):
     from specdec.launcher import Stack
 
     kwargs.setdefault("engine", ENGINE)
+    kwargs["extra_scorer_args"] = [*SCORER_ARGS, *kwargs.get("extra_scorer_args", ())]
     log_dir = str(tmp_path_factory.mktemp(f"logs-{name}"))
     stack = Stack(model=model, log_dir=log_dir, **kwargs)
     try:
