@@ -11,7 +11,9 @@ ENGINE_KINDS = ("auto", "llama", "hf")
 DEVICES = ("cpu", "cuda")
 #: CPU GEMM paths ``gemm`` may force (gemm_select.GEMM_PATHS); "auto" measures.
 GEMM_PATH_NAMES = ("onednn", "aten", "onednn-unpadded", "numba", "numba1", "numba6", "simd", "simd-dpbf16")
-GEMM_CHOICES = ("auto", *GEMM_PATH_NAMES)
+#: The GPU's GEMM path (engine.gpu_ops: "auto" on CUDA); "aten" runs there too.
+GPU_GEMM_PATH_NAMES = ("triton",)
+GEMM_CHOICES = ("auto", *GEMM_PATH_NAMES, *GPU_GEMM_PATH_NAMES)
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class EngineConfig:
     kv_memory_fraction: float | None = None  # or: this fraction of free memory (not both)
     max_model_len: int | None = None  # caps the model's context
     # Llama runner only (see llama.LlamaEngine):
-    gemm: str = "auto"  # "auto" (checked and timed on this CPU, gemm_select) | a GEMM_PATH_NAMES entry
+    gemm: str = "auto"  # "auto" (checked and timed on this CPU, gemm_select; "triton" on CUDA) | a GEMM_CHOICES entry
     attention: str = "auto"
     num_threads: int | None = None
     block_size: int = 16

@@ -19,11 +19,21 @@ from specdec.engine.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 
+def check_device(device: str) -> None:
+    """Raises ValueError when this machine cannot run ``device``."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"device 'cuda': torch {torch.__version__} ({build}) sees no CUDA device")
+
+
 def build_engine(config: EngineConfig) -> Engine:
     """Loads config.model once and builds the engine that runs it."""
     from specdec.engine.llama import LlamaEngine, unsupported_reason
 
     config.check()
+    check_device(config.device)
     hf_model = load_hf_model(config.model, config.dtype)
     reason = unsupported_reason(hf_model.config)
     if config.engine == "llama" and reason:

@@ -228,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the gateway's --decode-steps: plain decoding's tokens per Verify call (1 to "
                         f"{MAX_DECODE_STEPS})")
     p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="the scorer's device (cuda: the row-invariant Triton kernels and CUDA graphs)")
     p.add_argument("--kv-tokens", type=int, default=None)
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--tls-cert", help="every service serves TLS with this PEM certificate, which must name "

@@ -371,6 +371,12 @@ def serve_command(args) -> int:
         tls = StackTls(args.tls_cert, args.tls_key, args.tls_ca)
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:  # refused here, not by a gateway started minutes later
         raise SystemExit(f"serve: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    from specdec.engine.factory import check_device
+
+    try:
+        check_device(args.device)  # likewise, not by a scorer started after the proposers
+    except ValueError as e:
+        raise SystemExit(f"serve: --device: {e}") from None
     methods = args.methods
     if args.draft_model:  # a draft proposer process serves these
         from specdec.proposer_svc.registry import MODEL_METHODS
@@ -383,7 +389,8 @@ def serve_command(args) -> int:
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
                   draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
-                  extra_gateway_args=["--decode-steps", str(args.decode_steps)])
+                  extra_gateway_args=["--decode-steps", str(args.decode_steps)],
+                  extra_scorer_args=["--device", args.device])
     stopping = False
 
     def on_signal(signum, frame):

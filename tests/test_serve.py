@@ -9,8 +9,11 @@ import time
 import httpx
 import psutil
 import pytest
+import torch
 
 from specdec.client import make_request, stream
+from specdec.engine.config import EngineConfig
+from specdec.engine.factory import build_engine
 from specdec.launcher import free_port
 
 
@@ -40,6 +43,8 @@ def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
         assert len(children) >= 3 and all(s in names for s in ("scorer", "proposer", "gateway"))
         gateway = next(c.cmdline() for c in children if "gateway" in c.cmdline())
         assert gateway[gateway.index("--decode-steps") + 1] == "2"  # serve passes it on
+        scorer = next(c.cmdline() for c in children if "scorer" in c.cmdline())
+        assert scorer[scorer.index("--device") + 1] == "cpu"
         gen = stream(f"127.0.0.1:{port}", make_request("Once upon a time", max_tokens=8, method="ngram"))
         assert len(gen.token_ids) == 8
         body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
@@ -58,3 +63,13 @@ def test_serve_refuses_decode_steps_out_of_range():
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--decode-steps", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "serve: --decode-steps must be in 1..16, got 0" in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_serve_and_the_engine_refuse_cuda_without_a_cuda_device(stories_path):
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--device", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "serve: --device: device 'cuda': torch" in done.stderr
+    assert "sees no CUDA device" in done.stderr
+    with pytest.raises(ValueError, match="device 'cuda'.*sees no CUDA device"):
+        build_engine(EngineConfig(stories_path, device="cuda"))
