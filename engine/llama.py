@@ -26,8 +26,14 @@ that row alone, bit for bit:
   vectors. (The other elementwise ops here - add, mul, rsqrt, casts - are
   correctly rounded on either path.)
 - Attention is row-invariant by construction (see kv_pool).
+- On CUDA, cuBLAS picks its kernel by the row count, and torch's reductions
+  split a row by the tensor's shape: the GEMMs, norms, KV write and attention
+  there are engine.gpu_ops's Triton kernels, invariant by construction (one
+  tile shape and summation order for every row count), and passes of up to
+  512 tokens replay CUDA graphs of those same kernels (engine.cuda_graph).
 ``tests/test_llama_engine.py`` checks that decoding token by token and
-verifying 6-, 17- or 421-row chunks give bitwise equal logits.
+verifying 6-, 17- or 421-row chunks give bitwise equal logits;
+``tests/test_gpu_engine.py`` the same on the GPU kernels.
 
 GEMM paths (``gemm``), SmolLM2-135M on 2 cores of AMD EPYC
 (benchmarks/bench_forward.py): "auto" picks our own float32 kernel
