@@ -10,7 +10,8 @@ graphs (engine.cuda_graph); whether the engine's tokens equal transformers'
 graphs must be equal, and the script fails if not). Then the cost of
 verifying 5 drafts (one 6-row forward) relative to one decode step, and
 batched steps of B sequences: decode (one token each) with graphs and
-eagerly, verification (6 tokens each) with graphs.
+eagerly, verification (6 tokens each) with graphs. ``--fused`` adds the
+same rows with the engine's fused small steps (fuse_gpu_steps).
 
     python benchmarks/bench_gpu.py                          # SmolLM2 if found, bfloat16
     python benchmarks/bench_gpu.py --shapes smollm2         # SmolLM2-135M's shapes, random weights
@@ -38,6 +39,10 @@ import torch
 from specdec.engine.base import ForwardItem
 from specdec.engine.checkpoint import Checkpoint
 from specdec.engine.llama import LlamaEngine
+
+#: (name, CUDA graphs, fuse_gpu_steps) of the engine runs; the fused two with --fused only
+RUNS = (("eager", False, False), ("graphs", True, False), ("eager fused", False, True), ("graphs fused", True, True))
+nan = float("nan")
 
 
 def smollm2_config():
@@ -160,6 +165,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fused", action="store_true",
+                    help="also run the engine with fuse_gpu_steps (gpu_ops's fused small steps)")
     ap.add_argument("--out", default="bench_results/gpu.json")
     args = ap.parse_args()
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -184,14 +191,13 @@ def main() -> None:
         lines.append(f"| {dtype} | transformers generate | {hf_ms:.2f} | {1e3 / hf_ms:.0f} | 1.00 | | |")
         row = {"dtype": dtype, "transformers_ms_per_token": hf_ms}
         tokens_by_run = {}
-        for graphs in (False, True):
+        for run, graphs, fused in RUNS[:4 if args.fused else 2]:
             if graphs and DEVICE != "cuda":
                 continue
             kernels = "auto" if DEVICE == "cuda" else "triton"
             engine = LlamaEngine(Checkpoint.of_model(model, what), dtype, device=DEVICE, kv_capacity_tokens=1 << 16,
-                                 gemm=kernels, attention="triton", cuda_graphs=graphs)
+                                 gemm=kernels, attention="triton", cuda_graphs=graphs, fuse_gpu_steps=fused)
             total_s, steps_s, tokens = engine_decode(engine, prompt, args.tokens, args.reps)
-            run = "graphs" if graphs else "eager"
             tokens_by_run[run] = tokens
             ms = 1e3 * total_s / args.tokens
             same = tokens == hf_tokens
@@ -214,12 +220,15 @@ def main() -> None:
                     engine.release(s)
             del engine
             empty_cache()
-        if tokens_by_run.get("graphs", tokens_by_run["eager"]) != tokens_by_run["eager"]:
-            raise SystemExit(f"bench_gpu: {dtype}: graph replay changed a token (the invariant is broken)")
+        for eager, graphs in (("eager", "graphs"), ("eager fused", "graphs fused")):
+            if tokens_by_run.get(graphs, tokens_by_run.get(eager)) != tokens_by_run.get(eager):
+                raise SystemExit(f"bench_gpu: {dtype}: graph replay changed a token (the invariant is broken)")
         for b, r in row["batches"].items():
-            graph_ms, graph_verify = r.get("graphs", float("nan")), r.get("graphs_verify6", float("nan"))
-            batch_lines.append(f"| {dtype} | {b} | {graph_ms:.2f} | {r['eager']:.2f} | {int(b) * 1e3 / graph_ms:.0f} | "
-                               f"{graph_verify:.2f} | {graph_verify / graph_ms:.2f} |")
+            for suffix in ("", " fused") if args.fused else ("",):
+                graph_ms, graph_verify = r.get("graphs" + suffix, nan), r.get(f"graphs{suffix}_verify6", nan)
+                batch_lines.append(f"| {dtype}{suffix} | {b} | {graph_ms:.2f} | {r['eager' + suffix]:.2f} | "
+                                   f"{int(b) * 1e3 / graph_ms:.0f} | {graph_verify:.2f} | "
+                                   f"{graph_verify / graph_ms:.2f} |")
         results["rows"].append(row)
     print("\n".join(lines))
     print("\nbatched decode steps (one token per sequence, prompt cached):")

@@ -118,8 +118,8 @@ class ForwardGraphs:
             placed = DeviceRows(slot_block=fields[3].long(), slot_offset=fields[4].long(),
                                 tables=ints[_FIELDS * rows:].view(seqs + 1, self.width), row_seq=fields[2],
                                 row_pos=fields[1])
-            h, _ = engine._decoder(fields[0].long(), fields[1].long(), placed, ())
-            return engine.lm_head(engine._norm(h, engine.final_norm)).float()
+            normed, _ = engine._final_rows(fields[0].long(), fields[1].long(), placed, (), None)
+            return engine.lm_head(normed).float()
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

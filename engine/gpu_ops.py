@@ -202,12 +202,12 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, row_seq_ptr, row_po
         denom = denom * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, acc / denom, mask=dmask)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     tables: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Causal attention of each row over its sequence's cached keys
     (KVPool.attend's contract, on the pool's device).
 
@@ -219,7 +219,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     assert query.dtype == torch.float32 and query.stride(2) == 1
     assert key_cache.is_contiguous() and value_cache.is_contiguous()
     block_size = key_cache.shape[-1]
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=out_dtype, device=query.device)
     if T:
         _paged_attention_kernel[(T, H)](
             query, key_cache, value_cache, tables, row_seq, row_pos, out,
@@ -227,3 +227,120 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             value_cache.stride(0), value_cache.stride(1), tables.stride(0), out.stride(0), out.stride(1),
             window, H // key_cache.shape[1], D, BLOCK_D=triton.next_power_of_2(D), BS=block_size)
     return out
+
+
+# ---- fused small steps (LlamaEngine(fuse_gpu_steps=True)) --------------------------
+#
+# The steps between the GEMMs as one kernel each instead of several torch
+# ops: RoPE + the softmax scale + the KV write (``rope_write``), SiLU times up
+# (``silu_mul``), the residual add + the next RMSNorm (``add_rms_norm``). Each
+# program computes one row's values from that row alone, like the kernels
+# above. They compute in float32 and round once, so in bfloat16 their bits
+# differ from the torch ops' (which round after each op), within rounding.
+
+
+@triton.jit
+def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr, slot_block_ptr, slot_offset_ptr,
+                       stride_qkv, stride_cos, stride_qt, stride_qh, stride_cb, stride_ch, stride_vcb, stride_vch,
+                       num_heads, num_kv_heads, head_dim, scale,
+                       ROPE: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr):
+    t = tl.program_id(0)
+    j = tl.program_id(1)  # < num_heads: a query head, else a kv head
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_dim
+    row = qkv_ptr + t * stride_qkv + j * head_dim
+    x = tl.load(row + d, mask=dmask, other=0.0).to(tl.float32)
+    if ROPE:
+        half = head_dim // 2
+        swapped = tl.load(row + (d + half) % head_dim, mask=dmask, other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + t)
+        cos = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0)
+        sin = tl.load(sin_ptr + pos * stride_cos + d, mask=dmask, other=0.0)
+        x = x * cos + swapped * sin
+    if j < num_heads:
+        tl.store(q_ptr + t * stride_qt + j * stride_qh + d, x * scale, mask=dmask)
+    else:
+        kvh = j - num_heads
+        blk = tl.load(slot_block_ptr + t).to(tl.int64)
+        off = tl.load(slot_offset_ptr + t)
+        tl.store(kc_ptr + blk * stride_cb + kvh * stride_ch + d * BS + off, x, mask=dmask)  # keys transposed
+        value = tl.load(row + num_kv_heads * head_dim + d, mask=dmask, other=0.0).to(tl.float32)
+        tl.store(vc_ptr + blk * stride_vcb + kvh * stride_vch + off * head_dim + d, value, mask=dmask)
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, row_pos: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, slot_block: torch.Tensor,
+               slot_offset: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+               rope: bool = True) -> torch.Tensor:
+    """One decoder layer's attention inputs from its fused qkv projection
+    [T, (heads + 2 kv_heads) * head_dim]: the keys rotated and written to
+    their slots (``write_kv``'s layout), the values written, the queries
+    rotated and multiplied by ``scale`` returned, float32 [T, heads, head_dim].
+    cos, sin: llama.rope_tables' [max_len, head_dim] (sin signed); rope False:
+    a layer without positions (NoPE)."""
+    T = qkv.shape[0]
+    assert qkv.stride(1) == 1 and cos.is_contiguous() and sin.is_contiguous()
+    q = torch.empty(T, num_heads, head_dim, dtype=torch.float32, device=qkv.device)
+    if T:
+        _rope_write_kernel[(T, num_heads + num_kv_heads)](
+            qkv, cos, sin, row_pos, q, key_cache, value_cache, slot_block, slot_offset,
+            qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1),
+            value_cache.stride(0), value_cache.stride(1), num_heads, num_kv_heads, head_dim, scale,
+            ROPE=rope, BLOCK_D=triton.next_power_of_2(head_dim), BS=key_cache.shape[-1])
+    return q
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, width, stride_gu, stride_out, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < width
+    gate = tl.load(gu_ptr + t * stride_gu + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + t * stride_gu + width + c, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + t * stride_out + c, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's middle: silu(gate) * up of [T, 2 width] = [gate | up] -> [T, width], gate_up's dtype."""
+    T, two_width = gate_up.shape
+    width = two_width // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty(T, width, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if T:
+        _silu_mul_kernel[(T, triton.cdiv(width, block))](gate_up, out, width, gate_up.stride(0), out.stride(0),
+                                                          BLOCK=block)
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out_ptr, y_ptr, N, stride_h, stride_d, stride_ho, stride_y, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    delta = tl.load(d_ptr + row * stride_d + cols, mask=mask, other=0.0)
+    # the residual stream in its own dtype (torch's add: float32 sum, one rounding)
+    summed = (h.to(tl.float32) + delta.to(tl.float32)).to(h.dtype)
+    tl.store(h_out_ptr + row * stride_ho + cols, summed, mask=mask)
+    x32 = summed.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = w * (x32 * inv).to(h.dtype)
+    tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)): the residual add and the next norm
+    in one pass over each row of [T, n]."""
+    assert h.shape == delta.shape and h.stride(1) == 1 and delta.stride(1) == 1
+    T, n = h.shape
+    h_out = torch.empty_like(h)
+    y = torch.empty(T, n, dtype=torch.promote_types(h.dtype, weight.dtype), device=h.device)
+    if T:
+        _add_rms_norm_kernel[(T,)](h, delta, weight, h_out, y, n, h.stride(0), delta.stride(0), h_out.stride(0),
+                                   y.stride(0), eps, BLOCK=triton.next_power_of_2(n))
+    return h_out, y

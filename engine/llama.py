@@ -332,14 +332,19 @@ class LlamaEngine(Engine):
     cuda_graphs: on CUDA with the Triton kernels, passes of up to
       cuda_graph.MAX_ROWS tokens (decode steps, verifications, short
       prefills) replay CUDA graphs captured per padded shape
-      (engine.cuda_graph): no per-layer host work."""
+      (engine.cuda_graph): no per-layer host work.
+    fuse_gpu_steps: with the Triton kernels, run the small steps as
+      gpu_ops's fused kernels (RoPE + scale + KV write, SiLU x up, residual
+      add + RMSNorm: about half the kernels per layer); off by default until
+      timed on a GPU (benchmarks/bench_gpu.py --fused); not for layers that
+      normalise queries and keys (qwen3), which keep the separate steps."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
                  head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, fuse_gpu_steps: bool = False) -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
@@ -435,6 +440,8 @@ class LlamaEngine(Engine):
         self.pool = KVPool(n_layers, spec.num_kv_heads, spec.head_dim,
                            kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS,
                            block_size=block_size, device=device, num_threads=num_threads)
+        self.gpu_fused = (fuse_gpu_steps and self.triton and attention == "triton"
+                          and all(layer.q_norm is None for layer in self.layers))
         #: forward passes of up to cuda_graph.MAX_ROWS tokens replayed as CUDA graphs (engine.cuda_graph)
         self.graphs = ForwardGraphs(self) if (cuda_graphs and self.device.type == "cuda" and self.triton
                                              and attention == "triton") else None
@@ -495,9 +502,8 @@ class LlamaEngine(Engine):
                 torch.empty(0, self.facts.vocab_size)  # a prefill chunk: no LM head
         else:
             positions = torch.from_numpy(batch.row_pos).to(self.device).long()
-            h, states = self._decoder(torch.from_numpy(tokens).to(self.device), positions, batch,
-                                      feature_layers)  # [T, hidden], each [T, hidden]
-            normed = self._norm(h[torch.from_numpy(rows).to(self.device)], self.final_norm)
+            normed, states = self._final_rows(torch.from_numpy(tokens).to(self.device), positions, batch,
+                                              feature_layers, torch.from_numpy(rows).to(self.device))
             if len(rows):
                 logits = self.lm_head(normed).float()
             else:  # a prefill chunk: skip the LM head
@@ -534,6 +540,43 @@ class LlamaEngine(Engine):
         from specdec.engine import gpu_ops  # Triton: imported only where it runs
 
         return gpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.spec.rms_norm_eps).view(x.shape)
+
+    def _final_rows(self, tokens: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | DeviceRows,
+                    feature_layers: tuple[int, ...],
+                    rows: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The final-normed stream of ``rows`` (None: every row) and the
+        feature_layers' states of every row (``_decoder``'s)."""
+        if self.gpu_fused:
+            normed, states = self._decoder_fused(tokens, batch, feature_layers)
+            return (normed if rows is None else normed[rows]), states
+        h, states = self._decoder(tokens, positions, batch, feature_layers)
+        return self._norm(h if rows is None else h[rows], self.final_norm), states
+
+    def _decoder_fused(self, tokens: torch.Tensor, batch: PagedBatch | DeviceRows,
+                       feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``_decoder`` through gpu_ops's fused small steps (fuse_gpu_steps),
+        returning the final-normed stream of every row (the last residual
+        add and the final norm are one kernel)."""
+        from specdec.engine import gpu_ops  # Triton: imported only where it runs
+
+        eps, H, Hkv, D = self.spec.rms_norm_eps, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
+        rows = self.pool.device_rows(batch)
+        h = F.embedding(tokens, self.embed).to(self.act_dtype)
+        T = h.shape[0]
+        kept = {0: h} if 0 in feature_layers else {}
+        x = gpu_ops.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            keys, values = self.pool.key_cache[i], self.pool.value_cache[i]
+            q = gpu_ops.rope_write(layer.qkv(x), self.cos, self.sin, rows.row_pos, keys, values, rows.slot_block,
+                                   rows.slot_offset, H, Hkv, D, self.scale, layer.rope)
+            attn = gpu_ops.paged_attention(q, keys, values, rows.tables, rows.row_seq, rows.row_pos, layer.window,
+                                           out_dtype=self.act_dtype)
+            h, x = gpu_ops.add_rms_norm(h, layer.o(attn.view(T, H * D)), layer.post_norm, eps)
+            following = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h, x = gpu_ops.add_rms_norm(h, layer.down(gpu_ops.silu_mul(layer.gate_up(x))), following, eps)
+            if i + 1 in feature_layers:
+                kept[i + 1] = h
+        return x, [kept[i] for i in feature_layers]
 
     def _decoder(self, tokens: torch.Tensor, positions: torch.Tensor, batch: PagedBatch | DeviceRows,
                  feature_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -32,7 +32,7 @@ tail -n 40 "$OUT/tests.log"
 SPECDEC_TEST_SCORER_ARGS="--device cuda" timeout "${E2E_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider \
     --timeout 180 tests/test_e2e_stories.py >"$OUT/e2e.log" 2>&1 || status=1
 tail -n 30 "$OUT/e2e.log"
-timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --out "$OUT/gpu.json" \
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --fused --out "$OUT/gpu.json" \
     >"$OUT/bench.log" 2>&1 || status=1
 tail -n 30 "$OUT/bench.log"
 exit $status

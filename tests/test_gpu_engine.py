@@ -22,7 +22,7 @@ from test_llama_engine import STORY, check_invariance, engine_of, feed, greedy, 
 
 from specdec.engine import gpu_ops
 from specdec.engine.kv_pool import KVPool
-from specdec.engine.llama import LlamaEngine, rms_norm
+from specdec.engine.llama import LlamaEngine, apply_rope, rms_norm, rope_inv_freq, rope_tables
 
 INTERPRETED = os.environ["TRITON_INTERPRET"] == "1"
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -104,6 +104,46 @@ def test_paged_attention_matches_sdpa_and_rows_never_depend_on_the_batch(window)
     assert torch.equal(pool.attend_triton(1, q[36:37], alone, window), out[36:37])
 
 
+@pytest.mark.parametrize("rope", [True, False])
+def test_rope_write_rotates_scales_and_writes_like_the_separate_steps(rope):
+    """The fused RoPE + scale + KV write against apply_rope and write_kv."""
+    H, Hkv, D, T = 6, 2, 8, 23
+    gen = torch.Generator().manual_seed(4)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(rope_inv_freq({"rope_theta": 10000.0, "rope_type": "default"}, D),
+                                                  64))
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(DEVICE)
+    fused, separate = (KVPool(1, Hkv, D, 64, block_size=16, device=DEVICE) for _ in range(2))
+    for pool in (fused, separate):
+        pool.ensure_capacity("a", 20)
+        pool.ensure_capacity("b", 3)
+    batch = fused.plan(["a", "b"], [20, 3])
+    rows = batch.rows(torch.device(DEVICE))
+    q = gpu_ops.rope_write(qkv, cos, sin, rows.row_pos, fused.key_cache[0], fused.value_cache[0], rows.slot_block,
+                           rows.slot_offset, H, Hkv, D, 0.125, rope)
+    heads = qkv.view(T, H + 2 * Hkv, D)
+    qk = apply_rope(heads[:, :H + Hkv], cos[rows.row_pos.long()], sin[rows.row_pos.long()]) if rope \
+        else heads[:, :H + Hkv]
+    gpu_ops.write_kv(qk[:, H:].contiguous(), heads[:, H + Hkv:].contiguous(), separate.key_cache[0],
+                     separate.value_cache[0], rows.slot_block, rows.slot_offset)
+    assert torch.allclose(q, qk[:, :H] * 0.125, atol=1e-6)
+    assert torch.allclose(fused.key_cache, separate.key_cache, atol=1e-6)
+    assert torch.equal(fused.value_cache, separate.value_cache)
+
+
+def test_silu_mul_and_add_rms_norm_match_the_torch_steps():
+    gen = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(9, 2 * 300, generator=gen).to(DEVICE)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.allclose(gpu_ops.silu_mul(gate_up), F.silu(gate) * up, atol=1e-6)
+    h, delta = (torch.randn(9, 200, generator=gen).to(DEVICE) for _ in range(2))
+    weight = torch.rand(200, generator=gen).to(DEVICE) + 0.5
+    summed, normed = gpu_ops.add_rms_norm(h, delta, weight, 1e-5)
+    assert torch.equal(summed, h + delta)
+    assert torch.allclose(normed, rms_norm(h + delta, weight, 1e-5), atol=1e-5)
+    assert torch.equal(torch.cat([gpu_ops.add_rms_norm(h[i:i + 1], delta[i:i + 1], weight, 1e-5)[1]
+                                  for i in range(9)]), normed)
+
+
 # ---- the engine on stories260K (real) --------------------------------------------------
 
 
@@ -129,6 +169,23 @@ def test_row_count_invariance(stories, dtype):
     engine = gpu_engine(model, dtype)
     assert engine.gemm == "triton" and engine.attention == "triton"
     check_invariance(engine, prompt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_small_steps_give_the_separate_steps_logits(stories, dtype):
+    model, prompt = stories
+    fused = gpu_engine(model, dtype, fuse_gpu_steps=True)
+    assert fused.gpu_fused and not gpu_engine(model, dtype).gpu_fused
+    got = feed(fused, [("s", prompt, len(prompt))])[0]
+    want = feed(gpu_engine(model, dtype), [("s", prompt, len(prompt))])[0]
+    assert (got - want).abs().max() < (1e-4 if dtype == "float32" else 0.1)
+
+
+@slow_here
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_count_invariance_with_fused_small_steps(stories, dtype):
+    model, prompt = stories
+    check_invariance(gpu_engine(model, dtype, fuse_gpu_steps=True), prompt)
 
 
 @slow_here
@@ -179,13 +236,14 @@ def test_the_triton_paths_are_refused_on_cpu_without_the_interpreter(stories, mo
 
 
 @cuda_only
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype):
+def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype, fused):
     """Prefills, three sequences decoding together (a graph padded to 4 rows,
     one of them padding), verification chunks of 6 rows and a ragged batch,
     against the same passes run eagerly."""
     model, prompt = stories
-    graphs, eager = gpu_engine(model, dtype), gpu_engine(model, dtype, cuda_graphs=False)
+    graphs, eager = (gpu_engine(model, dtype, cuda_graphs=on, fuse_gpu_steps=fused) for on in (True, False))
     assert eager.graphs is None
     starts = {"a": prompt[:30], "b": prompt[:11], "c": prompt[:23]}
     got, want = (feed(engine, [(s, p, 1) for s, p in starts.items()]) for engine in (graphs, eager))
@@ -209,8 +267,9 @@ def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype):
 
 
 @cuda_only
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_count_invariance_at_smollm2_shapes(dtype):
+def test_row_count_invariance_at_smollm2_shapes(dtype, fused):
     """SmolLM2-135M's widths (hidden 576, 9 / 3 heads, FFN 1536, vocab 49152;
     4 of its 30 layers, random weights): the GEMM tiles and the LM head at the
     real sizes, where cuBLAS would pick kernels by the row count."""
@@ -221,4 +280,4 @@ def test_row_count_invariance_at_smollm2_shapes(dtype):
                          tie_word_embeddings=True)
     model = random_model(config)
     prompt = torch.randint(0, 49152, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-    check_invariance(gpu_engine(model, dtype), prompt)
+    check_invariance(gpu_engine(model, dtype, fuse_gpu_steps=fused), prompt)
