@@ -83,16 +83,19 @@ def choose_tokens(logits: torch.Tensor, temperatures: list[float], seeds: list[i
     gateway reads the draft's confidence from it (greedy verification ignores
     q, so greedy output does not depend on it)."""
     choices: list[TokenChoice] = []
-    greedy_probs = torch.softmax(logits.double(), dim=-1).max(dim=-1).values  # [n]
+    greedy_probs = torch.softmax(logits.double(), dim=-1).max(dim=-1).values.cpu()  # [n]
     k = min(top_k, logits.shape[-1])
+    scale = torch.tensor([1.0 if is_greedy(t) else t for t in temperatures], dtype=torch.float64,
+                         device=logits.device)
+    # every row's top-K at its temperature in one call, then to the host: on a GPU draft's logits, one copy
+    top_values, top_ids = (t.cpu() for t in torch.topk(logits.double() / scale[:, None], k, dim=-1))  # [n, K]
     for row, (t, seed, pos) in enumerate(zip(temperatures, seeds, positions)):
-        greedy = is_greedy(t)
-        values, ids = torch.topk(logits[row].double() / (1.0 if greedy else t), k)  # [K], [K], descending
+        values, ids = top_values[row], top_ids[row]  # [K], [K], descending
         q = torch.softmax(values, dim=-1).numpy()  # float64 [K]
         q32 = q.astype(np.float32)
         q32 /= q32.sum()
         sparse_ids = ids.numpy().astype(np.int32)
-        if greedy:
+        if is_greedy(t):
             choices.append(TokenChoice(int(ids[0]), float(greedy_probs[row]), sparse_ids, q32))
             continue
         j = int(np.searchsorted(np.cumsum(q32, dtype=np.float64), seeded_uniform(seed, pos), side="right"))

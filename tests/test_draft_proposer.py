@@ -60,6 +60,10 @@ def test_sampled_drafts_are_seeded_and_carry_top_k_q():
     a = choose_tokens(logits, [0.7, 0.7, 0.0], [5, 5, 5], [10, 11, 12], top_k=6)
     b = choose_tokens(logits, [0.7, 0.7, 0.0], [5, 5, 5], [10, 11, 12], top_k=6)
     assert [c.token for c in a] == [c.token for c in b]
+    # the rows are chosen in one call: each row's choice is the one it gets alone
+    alone = [choose_tokens(logits[i:i + 1], [t], [5], [10 + i], top_k=6)[0] for i, t in enumerate([0.7, 0.7, 0.0])]
+    assert [(c.token, c.prob, c.sparse_ids.tolist(), c.sparse_probs.tolist()) for c in alone] == \
+        [(c.token, c.prob, c.sparse_ids.tolist(), c.sparse_probs.tolist()) for c in a]
     q = torch.softmax(logits[0].double() / 0.7, -1)
     top = q.topk(6)
     assert a[0].sparse_ids.tolist() == top.indices.tolist()
