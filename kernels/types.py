@@ -33,7 +33,7 @@ class SamplingTensors:  # one row per sequence, B sequences
     accept_policy: torch.Tensor  # int32 [B]
 
     def to(self, device: torch.device) -> SamplingTensors:
-        """The same parameters on ``device`` (self where they are already there)."""
+        """The same parameters on ``device`` (the tensors themselves where they are there already)."""
         return SamplingTensors(*(getattr(self, f.name).to(device) for f in fields(self)))
 
     def select(self, index: torch.Tensor) -> SamplingTensors:
