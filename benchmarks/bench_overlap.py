@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES),
                     help="gateway --overlap values (off, the reference, among them)")
+    ap.add_argument("--scorer-args", default="",
+                    help="more arguments for the scorer, e.g. '--device cuda --dtype bfloat16' (a GPU scorer, whose "
+                         "short Verify is the case overlap is for)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
@@ -132,11 +136,13 @@ def main() -> None:
         ap.error(f"--modes: {'unknown ' + repr(unknown[0]) if unknown else 'off (lock-step) is missing'}; "
                  f"choose from {','.join(MODES)}")
     cpu = cpu_model()
-    result = {"model": args.model, "cpu": cpu, "k": args.k, "max_tokens": args.max_tokens,
-              "repeats": args.repeats, "rows": []}
+    result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "k": args.k,
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
-    print(f"CPU: {cpu}\nstarting the services on {args.model}; logs in {log_dir}", file=sys.stderr)
-    with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True) as stack:
+    print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}\nstarting the services on {args.model}; "
+          f"logs in {log_dir}", file=sys.stderr)
+    with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True,
+               extra_scorer_args=shlex.split(args.scorer_args)) as stack:
         gateways = start_services(stack, latencies, modes)
         services = {service.addr: service for service in stack.by_name("gateway-")}
         for addr in set(gateways.values()):
