@@ -171,6 +171,7 @@ def test_row_count_invariance(stories, dtype):
     check_invariance(engine, prompt)
 
 
+@slow_here
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_small_steps_give_the_separate_steps_logits(stories, dtype):
     model, prompt = stories
