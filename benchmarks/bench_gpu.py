@@ -11,7 +11,9 @@ graphs must be equal, and the script fails if not). Then the cost of
 verifying 5 drafts (one 6-row forward) relative to one decode step, and
 batched steps of B sequences: decode (one token each) with graphs and
 eagerly, verification (6 tokens each) with graphs. ``--fused`` adds the
-same rows with the engine's fused small steps (fuse_gpu_steps).
+same rows with the engine's fused small steps (fuse_gpu_steps). Engines with
+graphs first capture all of them as the scorer does at start-up
+(LlamaEngine.prepare): their number, seconds and memory are printed.
 
     python benchmarks/bench_gpu.py                          # SmolLM2 if found, bfloat16
     python benchmarks/bench_gpu.py --shapes smollm2         # SmolLM2-135M's shapes, random weights
@@ -43,6 +45,8 @@ from specdec.engine.llama import LlamaEngine
 #: (name, CUDA graphs, fuse_gpu_steps) of the engine runs; the fused two with --fused only
 RUNS = (("eager", False, False), ("graphs", True, False), ("eager fused", False, True), ("graphs fused", True, True))
 nan = float("nan")
+#: the scorer's default --max-batch-size and --max-tokens-per-forward: the graphs prepare captures
+PREPARE_SEQS, PREPARE_TOKENS = 256, 512
 
 
 def smollm2_config():
@@ -182,6 +186,7 @@ def main() -> None:
     lines = [header, "| --- " * 7 + "|"]
     batch_lines = ["| dtype | B | graphs ms / decode step | eager ms / decode step | graphs tok/s | "
                    "graphs ms / verify step (6 rows each) | verify / decode (graphs) |", "| --- " * 7 + "|"]
+    captures: list[str] = []
     for dtype in args.dtypes.split(","):
         hf = copy.deepcopy(model).to(DEVICE, getattr(torch, dtype))
         hf_s, hf_tokens = hf_decode(hf, prompt, args.tokens, args.reps)
@@ -197,6 +202,14 @@ def main() -> None:
             kernels = "auto" if DEVICE == "cuda" else "triton"
             engine = LlamaEngine(Checkpoint.of_model(model, what), dtype, device=DEVICE, kv_capacity_tokens=1 << 16,
                                  gemm=kernels, attention="triton", cuda_graphs=graphs, fuse_gpu_steps=fused)
+            if graphs:  # the scorer's start-up (LlamaEngine.prepare): every graph a default scorer can need
+                before, start = torch.cuda.memory_reserved(), time.perf_counter()
+                engine.prepare(PREPARE_SEQS, PREPARE_TOKENS)
+                capture_s, capture_mib = time.perf_counter() - start, (torch.cuda.memory_reserved() - before) / 2**20
+                captures.append(f"{dtype} {run}: {len(engine.graphs.captured())} graphs in {capture_s:.1f} s, "
+                                f"{capture_mib:.0f} MiB")
+                row[f"{run}_capture"] = dict(graphs=len(engine.graphs.captured()), seconds=capture_s,
+                                             reserved_mib=capture_mib)
             total_s, steps_s, tokens = engine_decode(engine, prompt, args.tokens, args.reps)
             tokens_by_run[run] = tokens
             ms = 1e3 * total_s / args.tokens
@@ -233,6 +246,9 @@ def main() -> None:
     print("\n".join(lines))
     print("\nbatched decode steps (one token per sequence, prompt cached):")
     print("\n".join(batch_lines))
+    if captures:
+        print(f"\nstart-up capture (prepare({PREPARE_SEQS}, {PREPARE_TOKENS}): the scorer's defaults):")
+        print("\n".join(captures))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))

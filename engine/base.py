@@ -107,3 +107,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def free_tokens(self) -> int:
         """Tokens that can still be reserved."""
+
+    def prepare(self, max_batch_size: int, max_tokens_per_forward: int | None = None) -> None:  # noqa: B027
+        """Readies the engine for forward passes of up to max_batch_size
+        sequences and max_tokens_per_forward new tokens (None: any number)
+        before the first one comes (LlamaEngine on a GPU: compiles its kernels
+        and captures its CUDA graphs); by default nothing."""

@@ -9,8 +9,8 @@ Which passes: every batch of at most ``MAX_ROWS`` new tokens (decode steps,
 verifications of k + 1 tokens per sequence, short prefills) without hidden
 states or feature layers. One graph per (padded rows, padded sequences),
 both rounded up to a power of two, captured the first time such a batch
-comes. Its inputs live in one static int32 buffer, filled by one
-host-to-device copy per pass:
+comes, or all of them at start-up (``capture_all``). Its inputs live in one
+static int32 buffer, filled by one host-to-device copy per pass:
 
     [tokens | positions | row sequences | slot blocks | slot offsets | logits rows]  each [T_pad]
     [block tables]                                                                    [B_pad + 1, W]
@@ -19,8 +19,12 @@ W = max_model_len / block_size, so any sequence's table fits. Padding rows
 take token 0 at position 0 of the extra last table row, whose only block is
 the pool's scratch block (KVPool.scratch_block, which no sequence owns): they
 write and read nothing of a real sequence. The graph computes logits for all
-T_pad rows (the LM head over a few hundred rows costs microseconds on a GPU);
-the rows the items asked for are gathered after the replay.
+T_pad rows (the LM head over a few hundred rows costs microseconds on a GPU)
+into the first T_pad rows of one float32 [MAX_ROWS, vocab] buffer that every
+graph shares (graphs replay one at a time); the rows the items asked for are
+gathered into a new tensor right after the replay. The graphs' other
+intermediates live in one shared memory pool too, so many graphs cost little
+more memory than the largest.
 
 The graph runs the engine's own eager kernels (engine.gpu_ops), each
 row-invariant, so a row's logits are bitwise those of the eager pass, whatever
@@ -51,12 +55,21 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def graph_keys(max_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every (padded rows, padded sequences) of a graphed batch of at most
+    max_seqs sequences and max_tokens new tokens: each sequence brings at
+    least one row, so the sequences' bucket never exceeds the rows'."""
+    top_rows = min(MAX_ROWS, bucket(max_tokens))
+    return [(1 << r, 1 << s) for r in range(top_rows.bit_length())
+            for s in range(min(1 << r, bucket(max_seqs)).bit_length())]
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     host: np.ndarray  # int32, the static buffer's next contents
     device: torch.Tensor  # int32, the static buffer the graph reads
-    logits: torch.Tensor  # float32 [T_pad, vocab], the graph's output
+    logits: torch.Tensor  # float32 [T_pad, vocab], the graph's output: a view of the shared buffer
 
 
 class ForwardGraphs:
@@ -67,10 +80,22 @@ class ForwardGraphs:
         self.width = -(-engine.max_model_len // engine.pool.block_size)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._mem_pool = torch.cuda.graph_pool_handle()
+        self._logits: torch.Tensor | None = None  # float32 [MAX_ROWS, vocab], every graph's output rows
 
     def takes(self, items: list[ForwardItem]) -> bool:
         """Whether a graph runs this batch: at most MAX_ROWS new tokens."""
         return sum(len(it.token_ids) for it in items) <= MAX_ROWS
+
+    def capture_all(self, max_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
+        """Captures the graph of every (padded rows, padded sequences) a batch
+        of at most max_seqs sequences and max_tokens new tokens can take
+        (graph_keys: at most 54), the largest first, so the smaller ones reuse
+        its pool memory. Returns the keys."""
+        keys = graph_keys(max_seqs, max_tokens)
+        for key in sorted(keys, reverse=True):
+            if key not in self._graphs:
+                self._capture(*key)
+        return keys
 
     def captured(self) -> list[tuple[int, int]]:
         """(padded rows, padded sequences) of the graphs captured so far."""
@@ -108,6 +133,9 @@ class ForwardGraphs:
     def _capture(self, rows: int, seqs: int) -> _Graph:
         engine = self.engine
         dev = engine.device
+        if self._logits is None:
+            self._logits = torch.empty(MAX_ROWS, engine.lm_head.out_features, dtype=torch.float32, device=dev)
+        out = self._logits[:rows]
         host = np.zeros(_FIELDS * rows + (seqs + 1) * self.width, dtype=np.int32)
         self._fill_padding(host, rows, seqs)
         ints = torch.from_numpy(host).to(dev)
@@ -119,7 +147,7 @@ class ForwardGraphs:
                                 tables=ints[_FIELDS * rows:].view(seqs + 1, self.width), row_seq=fields[2],
                                 row_pos=fields[1])
             normed, _ = engine._final_rows(fields[0].long(), fields[1].long(), placed, (), None)
-            return engine.lm_head(normed).float()
+            return out.copy_(engine.lm_head(normed))  # the head's dtype widened to float32, as eagerly (.float())
 
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))

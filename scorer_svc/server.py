@@ -199,6 +199,7 @@ def serve(args) -> None:
     except ValueError as e:
         raise SystemExit(f"scorer: {e}") from None
     export_gemm_choice(engine)
+    engine.prepare(args.max_batch_size, args.max_tokens_per_forward)  # before serving: e.g. CUDA graphs
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
                           idle_timeout_s=args.idle_timeout_s, decode_ahead=args.decode_ahead == "on")
     started = threading.Event()

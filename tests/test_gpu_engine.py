@@ -21,6 +21,7 @@ from conftest import hf_greedy, hf_model, random_model
 from test_llama_engine import STORY, check_invariance, engine_of, feed, greedy, hf_logits
 
 from specdec.engine import gpu_ops
+from specdec.engine.cuda_graph import MAX_ROWS, bucket, graph_keys
 from specdec.engine.kv_pool import KVPool
 from specdec.engine.llama import LlamaEngine, apply_rope, rms_norm, rope_inv_freq, rope_tables
 
@@ -174,19 +175,26 @@ def test_row_count_invariance(stories, dtype):
 @slow_here
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_small_steps_give_the_separate_steps_logits(stories, dtype):
+    """float32: the fused steps (the default) compute the separate steps'
+    function; bfloat16: they round fewer intermediates to bfloat16 (RoPE and
+    the scale in float32), so the bits differ, but they stand no further
+    from the float32 logits than the separate steps do."""
     model, prompt = stories
-    fused = gpu_engine(model, dtype, fuse_gpu_steps=True)
-    assert fused.gpu_fused and not gpu_engine(model, dtype).gpu_fused
-    got = feed(fused, [("s", prompt, len(prompt))])[0]
-    want = feed(gpu_engine(model, dtype), [("s", prompt, len(prompt))])[0]
-    assert (got - want).abs().max() < (1e-4 if dtype == "float32" else 0.1)
+    fused, separate = gpu_engine(model, dtype), gpu_engine(model, dtype, fuse_gpu_steps=False)
+    assert fused.gpu_fused and not separate.gpu_fused
+    got, want = (feed(engine, [("s", prompt, len(prompt))])[0] for engine in (fused, separate))
+    if dtype == "float32":
+        assert (got - want).abs().max() < 1e-4
+    else:
+        exact = feed(gpu_engine(model, "float32", fuse_gpu_steps=False), [("s", prompt, len(prompt))])[0]
+        assert (got - exact).abs().mean() <= 1.25 * (want - exact).abs().mean()
 
 
 @slow_here
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_count_invariance_with_fused_small_steps(stories, dtype):
+def test_row_count_invariance_with_separate_small_steps(stories, dtype):
     model, prompt = stories
-    check_invariance(gpu_engine(model, dtype, fuse_gpu_steps=True), prompt)
+    check_invariance(gpu_engine(model, dtype, fuse_gpu_steps=False), prompt)
 
 
 @slow_here
@@ -265,6 +273,38 @@ def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype, fused):
     for g, w in zip(feed(graphs, ragged), feed(eager, ragged)):
         assert torch.equal(g, w)
     assert graphs.graphs.captured() == [(1, 1), (4, 4), (8, 1), (16, 4), (64, 4)]
+
+
+@pytest.mark.parametrize("max_seqs,max_tokens", [(1, 1), (3, 6), (8, 64), (256, 512), (300, 4096)])
+def test_graph_keys_are_exactly_the_shapes_batches_can_take(max_seqs, max_tokens):
+    """Every batch of B <= max_seqs sequences and T <= max_tokens new tokens
+    (B <= T, T <= MAX_ROWS: the graphed ones) pads to one of the keys, and
+    every key is the padding of some such batch."""
+    reachable = {(bucket(T), bucket(B)) for T in range(1, min(max_tokens, MAX_ROWS) + 1)
+                 for B in range(1, min(T, max_seqs) + 1)}
+    keys = graph_keys(max_seqs, max_tokens)
+    assert len(keys) == len(set(keys)) and set(keys) == reachable
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prepare_captures_every_graph_before_the_first_pass(stories, dtype):
+    """After prepare (the scorer's start-up) no pass captures; every graph
+    writes its logits into one shared buffer, so a pass's result must stay
+    its own after later passes overwrite that buffer."""
+    model, prompt = stories
+    graphs, eager = (gpu_engine(model, dtype, cuda_graphs=on) for on in (True, False))
+    graphs.prepare(4, 32)
+    keys = graphs.graphs.captured()
+    assert keys == sorted(graph_keys(4, 32)) and (32, 4) in keys
+    passes = [[("a", prompt[:20], 2)], [("b", prompt[:7], 7), ("c", prompt[:3], 1)], [("a", prompt[20:21], 1)],
+              [("a", prompt[21:27], 6), ("b", prompt[7:8], 1), ("c", prompt[3:9], 6), ("d", prompt[:11], 1)]]
+    got = [feed(graphs, items) for items in passes]  # all kept until the end
+    want = [feed(eager, items) for items in passes]
+    for g_pass, w_pass in zip(got, want):
+        for g, w in zip(g_pass, w_pass):
+            assert torch.equal(g, w)
+    assert graphs.graphs.captured() == keys
 
 
 @cuda_only
