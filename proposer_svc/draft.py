@@ -171,6 +171,9 @@ class DraftModelProposer(Proposer):
         if config.top_k < 1 or config.max_batch < 1:
             raise ValueError(f"draft top_k and max_batch must be >= 1, got {config.top_k}, {config.max_batch}")
         self.engine = engine
+        # before the first round: a GPU draft compiles its kernels and captures its graphs here, not
+        # while a gateway waits (its proposer deadline is far shorter than a compile)
+        engine.prepare(config.max_batch)
         self.config = config
         self._head_ids = None if config.head_token_ids is None else np.asarray(config.head_token_ids, np.int32)
         self._contexts = ContextStore()

@@ -220,6 +220,7 @@ class Stack:
     eagle3: str | None = None  # the copying proposers also serve eagle3 with this EAGLE-3 head directory
     draft_dtype: str | None = None  # the draft model's dtype and the heads' projection weights (None: dtype)
     extra_proposer_args: list[str] = field(default_factory=list)
+    extra_draft_args: list[str] = field(default_factory=list)  # the draft proposer's only, e.g. --draft-device cuda
     log_dir: str | None = None  # children's output goes to files here, else inherited
     metrics: bool = False  # give every service a Prometheus port (Service.metrics())
     tls: StackTls | None = None  # None: plaintext everywhere
@@ -314,7 +315,7 @@ class Stack:
     def _draft_proposer_args(self, methods: list[str]) -> list[str]:
         assert self.draft_model is not None
         return [*self._proposer_args(methods), "--draft-model", self.draft_model, "--target-model", self.model,
-                "--draft-dtype", self.draft_dtype or self.dtype]
+                "--draft-dtype", self.draft_dtype or self.dtype, *self.extra_draft_args]
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
         try:

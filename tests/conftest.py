@@ -19,6 +19,8 @@ ENGINE = os.environ.get("SPECDEC_TEST_ENGINE", "auto")
 #: more arguments for the scorers the integration tests start, e.g. "--device cuda"
 #: (scripts/gpu_checks.sh runs the stories260K end-to-end tests so)
 SCORER_ARGS = shlex.split(os.environ.get("SPECDEC_TEST_SCORER_ARGS", ""))
+#: more arguments for the draft-model proposers they start, e.g. "--draft-device cuda"
+DRAFT_ARGS = shlex.split(os.environ.get("SPECDEC_TEST_DRAFT_ARGS", ""))
 
 
 def _need(path: str | None) -> str:
@@ -138,6 +140,7 @@ def start_stack(model: str, tmp_path_factory, name: str, **kwargs):
 
     kwargs.setdefault("engine", ENGINE)
     kwargs["extra_scorer_args"] = [*SCORER_ARGS, *kwargs.get("extra_scorer_args", ())]
+    kwargs["extra_draft_args"] = [*DRAFT_ARGS, *kwargs.get("extra_draft_args", ())]
     log_dir = str(tmp_path_factory.mktemp(f"logs-{name}"))
     stack = Stack(model=model, log_dir=log_dir, **kwargs)
     try:
