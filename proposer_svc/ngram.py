@@ -16,7 +16,7 @@ from numba import njit
 
 from specdec.drafts import Draft
 from specdec.limits import MAX_SPECULATIVE_TOKENS
-from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer
+from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer, SeqOptions
 
 
 @njit(cache=True)
@@ -92,18 +92,7 @@ def ngram_batch(pool, starts, lens, ref_pool, ref_starts, ref_lens, min_ns, max_
     offsets[slots.shape[0]] = num
 
 
-def _warm_up() -> None:
-    """Compiles (or loads from cache) the matcher once, before any request."""
-    tokens, out = np.array([1, 2, 3, 1, 2], dtype=np.int32), np.empty(4, dtype=np.int32)
-    ngram_draft(tokens, tokens[:3], 1, 2, 4, out)
-    contexts, references = ContextStore(), ContextStore()
-    slots = np.array([contexts.start("warm", tokens)])
-    ref_slots = np.array([references.start("warm", tokens[:0])])
-    contexts.append_many(slots, tokens[:1], np.array([0, 1]))
-    n_range, one = np.ones((1, 2), dtype=np.int64), np.ones(1, dtype=np.int64)
-    ngram_batch(contexts.pool, contexts.starts, contexts.lens, references.pool, references.starts, references.lens,
-                n_range[:, 0], n_range[:, 1], slots, ref_slots, one * 6, one * 4, np.empty(1, dtype=np.bool_), out,
-                np.empty(2, dtype=np.int64))
+_WARM_UP = "__warm_up__"  # the warm-up's sequence id (it lives only inside the constructor)
 
 
 class NgramProposer(Proposer):
@@ -117,7 +106,20 @@ class NgramProposer(Proposer):
         self._references = ContextStore()  # never extended
         self._n_range = np.zeros((16, 2), dtype=np.int64)  # by context slot: (min_n, max_n)
         self._out = np.empty(MAX_SPECULATIVE_TOKENS, dtype=np.int32)
-        _warm_up()
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiles (or loads from numba's cache) the matchers before any
+        request, through the very calls a round makes on the arrays it passes:
+        numba compiles once per argument layout (a strided column of
+        ``_n_range`` is not a contiguous array), and a first round that
+        compiles takes longer than a gateway waits for drafts."""
+        tokens = np.array([1, 2, 3, 1, 2], dtype=np.int32)
+        self.start(_WARM_UP, tokens, SeqOptions())
+        self._propose_one(_WARM_UP, 4)
+        one = np.ones(1, dtype=np.int64)
+        self.advance([_WARM_UP], tokens[:1], np.array([0, 1], dtype=np.int64), one * 6, one * 4)
+        self.stop(_WARM_UP, completed=False)
 
     def start(self, seq_id, context, options):
         slot = self._contexts.start(seq_id, np.asarray(context, dtype=np.int32))
