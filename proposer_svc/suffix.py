@@ -39,7 +39,9 @@ Invariants:
   stream's next tokens while depth <= D and the stream has them;
 - count(explicit c) = number of occurrences of its string; explicit nodes of
   count 1 exist only after an eviction;
-- BEST(c) is the child with the largest (count, stamp), or -1;
+- BEST(c) is the child with the largest (count, stamp), or -1; the root's
+  (never drafted from: matches have >= 1 token) only has to be one of its
+  children or -1 after removals (a lookup shortcut);
 - FIRST/NEXT chain each node's children; PREV links them back only in a
   trie with stamps (the two serve ``remove_stream``; the per-request tries
   never remove a stream and keep neither);
@@ -73,7 +75,7 @@ REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
 
 ROOT = 0
 _EMPTY = -1
-_STALE = -2  # BEST of a node whose best child is picked again later (remove_stream)
+_STALE = -2  # BEST of a node whose best child is picked again later (remove_stream; see _lost)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 #: guards ceil(m * factor) against round-off (10 * 0.3 -> 3.0000000000000004)
 SPEC_FACTOR_EPS = 1e-9
@@ -110,10 +112,19 @@ def _child(table, parent, tok):
 
 
 @njit(cache=True, inline="always")
+def _lost(c):
+    """BEST of a node whose best child c lost occurrences in remove_stream
+    and lives: <= -3, and _lost(_lost(c)) = c (see _settle)."""
+    return -3 - c
+
+
+@njit(cache=True, inline="always")
 def _find_child(nodes, table, parent, tok):
     """As _child, trying parent's best child first (usually the one wanted:
     that skips the hash probe, a cache miss in a large trie)."""
     c = nodes[parent, BEST]
+    if c <= _lost(0):  # (only while remove_stream runs)
+        c = _lost(c)
     if c < 0 or nodes[c, TOK] != tok:
         c = _child(table, parent, tok)
     return c
@@ -223,24 +234,25 @@ def _repick_best(nodes, stamps, parent):
 
 # ------------------------------------------------------------------ updates
 @njit(cache=True)
-def _step(nodes, stamps, table, hdr, pool, seqs, parent, tok, seq, pos, now, max_depth):
-    """Counts one more occurrence of parent's string + tok, ending at (seq, pos).
-
-    Returns the explicit node now matching it, or -1 if it lies in a leaf.
+def _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth):
+    """Counts one more occurrence of parent's string + tok, ending at (seq,
+    pos), where that child c (_find_child's) is absent (-1) or a leaf: a new
+    leaf, or the leaf materialised. Returns the explicit node now matching
+    it, or -1 if it lies in a leaf. (The usual step, on an explicit child,
+    is written out in append_tokens.)
     """
-    c = _find_child(nodes, table, parent, tok)
     if c < 0:
         c = _new_child(nodes, stamps, table, hdr, parent, tok, seq, pos, now)
         _child_incremented(nodes, parent, c)
         return -1
-    if nodes[c, LSEQ] >= 0:  # materialise the leaf: its chain continues below
-        old_seq, old_pos = nodes[c, LSEQ], nodes[c, LPOS]
-        nodes[c, LSEQ], nodes[c, LPOS] = -1, -1
-        if nodes[c, DEPTH] < max_depth and old_pos + 1 < seqs[old_seq, S_LEN]:
-            nxt = pool[seqs[old_seq, S_START] + old_pos + 1]
-            g = _new_child(nodes, stamps, table, hdr, c, nxt, old_seq, old_pos + 1,
-                           seqs[old_seq, S_TIME] + old_pos + 1)
-            nodes[c, BEST] = g
+    # materialise the leaf: its chain continues below
+    old_seq, old_pos = nodes[c, LSEQ], nodes[c, LPOS]
+    nodes[c, LSEQ], nodes[c, LPOS] = -1, -1
+    if nodes[c, DEPTH] < max_depth and old_pos + 1 < seqs[old_seq, S_LEN]:
+        nxt = pool[seqs[old_seq, S_START] + old_pos + 1]
+        g = _new_child(nodes, stamps, table, hdr, c, nxt, old_seq, old_pos + 1,
+                       seqs[old_seq, S_TIME] + old_pos + 1)
+        nodes[c, BEST] = g
     nodes[c, COUNT] += 1
     if stamps.shape[0]:
         stamps[c] = now
@@ -268,15 +280,20 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
             break
         tok = pool[start + pos]
         seqs[seq, S_LEN] = pos + 1
+        now = base + pos
         num = 0
-        c = _step(nodes, stamps, table, hdr, pool, seqs, root, tok, seq, pos, base + pos,
-                  max_depth)
-        if c >= 0 and nodes[c, DEPTH] < max_depth:
-            scratch[num] = c
-            num += 1
-        for i in range(n_active[0]):
-            c = _step(nodes, stamps, table, hdr, pool, seqs, active[i], tok, seq, pos,
-                      base + pos, max_depth)
+        for j in range(-1, n_active[0]):  # the root, then the active nodes
+            parent = root if j < 0 else active[j]
+            c = _find_child(nodes, table, parent, tok)
+            # the usual step written out: a call per step (arrays passed)
+            # costs more than the step itself
+            if c >= 0 and nodes[c, LSEQ] < 0:  # an explicit child: one more occurrence
+                nodes[c, COUNT] += 1
+                if stamps.shape[0]:
+                    stamps[c] = now
+                _child_incremented(nodes, parent, c)
+            else:
+                c = _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth)
             if c >= 0 and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
                 num += 1
@@ -287,6 +304,24 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
 
 
 @njit(cache=True)
+def _settle(nodes, stamps, unsettled):
+    """Gives each live node of unsettled (int32 [m]) its best child again:
+    the one it lost occurrences of when that still holds more than half of
+    the node's occurrences (a sibling's count is at most count(node) -
+    count(c) < count(c)), else the best of all its children (read one by one)."""
+    for i in range(unsettled.shape[0]):
+        node = unsettled[i]
+        if nodes[node, COUNT] == 0:  # freed since
+            continue
+        b = nodes[node, BEST]
+        c = _lost(b)
+        if b <= _lost(0) and 2 * nodes[c, COUNT] > nodes[node, COUNT]:
+            nodes[node, BEST] = c
+        else:
+            _repick_best(nodes, stamps, node)
+
+
+@njit(cache=True)
 def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
     the nodes left with count 0, bumping their rows' generation (gens: int32
@@ -294,38 +329,55 @@ def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
     stream is the oldest one (FIFO eviction): the latest occurrence of any
     surviving node lies in a newer stream.
 
-    A node whose best child lost an occurrence gets its best child picked
-    again once, after the whole stream (BEST is _STALE meanwhile, which
-    lookups take for "none"): the root and other nodes with thousands of
-    children lose occurrences of their best child many times a stream, and
-    each pick reads every child.
+    The occurrences are visited as append_tokens inserted them, token by
+    token: the active nodes (explicit, depth < max_depth) matching the
+    suffixes of the stream so far, each stepped by the next token. A step
+    does not depend on the others of its token, so their cache misses
+    overlap (one walk from the root per suffix would wait for each level).
+    Decrements commute, and a node reaches count 0 only at the visit of its
+    last occurrence, so the order changes nothing.
+
+    Best children are settled once, after the whole stream (``_settle``):
+    nodes with thousands of children lose occurrences of their best child
+    many times a stream. A node whose best child c lost an occurrence is
+    listed in unsettled once, its BEST then _lost(c) (still tried first by
+    _find_child), or _STALE once c is freed; the root is never listed (see
+    the module invariants).
     """
     start, n = seqs[seq, S_START], seqs[seq, S_LEN]
-    stale = np.empty(n * max_depth, dtype=np.int32)
-    n_stale = 0
-    for j in range(n):
-        node = ROOT
-        for i in range(j, min(j + max_depth, n)):
-            c = _find_child(nodes, table, node, pool[start + i])
-            leaf = nodes[c, LSEQ] >= 0  # a leaf: this very occurrence
+    unsettled = np.empty(n * max_depth, dtype=np.int32)
+    n_unsettled = 0
+    active, scratch = np.empty(max_depth + 1, dtype=np.int32), np.empty(max_depth + 1, dtype=np.int32)
+    n_active = 0
+    for i in range(n):
+        tok = pool[start + i]
+        num = 0
+        for j in range(-1, n_active):
+            node = ROOT if j < 0 else active[j]
+            c = _find_child(nodes, table, node, tok)
+            # one occurrence less (written out, as in append_tokens); a leaf: this very one
+            leaf = nodes[c, LSEQ] >= 0
             if not leaf:
                 nodes[c, COUNT] -= 1
-            # a node reaching 0 keeps only the child on this walk (the others
-            # reached 0 on earlier walks); its row is reused only by inserts
+            if nodes[node, BEST] == c and node != ROOT:  # listed once: BEST changes
+                nodes[node, BEST] = _lost(c)
+                unsettled[n_unsettled] = node
+                n_unsettled += 1
+            # a node reaching 0 keeps the children that this stream's pending
+            # occurrences still reach (their hash keys); rows are reused only by inserts
             if leaf or nodes[c, COUNT] == 0:
                 _free_child(nodes, table, hdr, c)
                 gens[c] += 1
-            if nodes[node, BEST] == c:
-                nodes[node, BEST] = _STALE
-                stale[n_stale] = node
-                n_stale += 1
-            if leaf:
-                break
-            node = c
-    for i in range(n_stale):
-        node = stale[i]
-        if node == ROOT or nodes[node, COUNT] > 0:  # (not freed since)
-            _repick_best(nodes, stamps, node)
+                if nodes[node, BEST] == _lost(c):
+                    nodes[node, BEST] = _STALE
+                elif nodes[node, BEST] == c:  # (the root's: never settled)
+                    nodes[node, BEST] = -1
+            if not leaf and nodes[c, DEPTH] < max_depth:
+                scratch[num] = c
+                num += 1
+        active[:num] = scratch[:num]
+        n_active = num
+    _settle(nodes, stamps, unsettled[:n_unsettled])
     seqs[seq, S_LEN] = 0
 
 

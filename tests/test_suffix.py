@@ -295,6 +295,44 @@ def test_trie_counts_exact_after_inserts_and_fifo_evictions():
     assert cache.trie.live_nodes() == 1 and int(cache.trie.hdr[suffix.H_KEYS]) == 0
 
 
+def _check_best_children(trie: SuffixTrie, slots: list[int]):
+    """Every explicit node but the root (see the module invariants) has the
+    reference's best child: the most frequent, ties to the most recent."""
+    streams = [(trie.tokens(s).tolist(), int(trie.seqs[s, suffix.S_TIME])) for s in slots]
+    stack = [([], build_tree(streams, trie.max_depth))]
+    checked = 0
+    while stack:
+        prefix, ref = stack.pop()
+        for tok, child in ref.children.items():
+            stack.append((prefix + [tok], child))
+        if not prefix or not ref.children:
+            continue
+        node, _ = suffix._walk(trie.nodes, trie.table, trie.pool, trie.seqs, _arr(prefix), trie.max_depth)
+        if trie.nodes[node, suffix.LSEQ] < 0:
+            best_tok = max(ref.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))[0]
+            assert trie.nodes[trie.nodes[node, suffix.BEST], suffix.TOK] == best_tok, prefix
+            checked += 1
+    return checked
+
+
+def test_best_children_exact_after_many_fifo_evictions():
+    """Evictions subtract a stream token by token and settle best children
+    once at the end (kept when still a majority, else picked among all):
+    after each, every best child is the reference's. Skewed small
+    vocabularies and long repeats give both kinds of settling."""
+    rng = np.random.default_rng(11)
+    cache = suffix._GlobalCache(max_requests=4, max_depth=7)
+    phrases = [rng.integers(0, 6, int(rng.integers(3, 12))) for _ in range(5)]
+    checked = 0
+    for _ in range(40):
+        parts = [phrases[int(i)] if rng.random() < 0.6 else rng.integers(0, 3, 4) for i in rng.integers(0, 5, 6)]
+        cache.add(np.concatenate(parts).astype(np.int32))
+        slots = list(cache.fifo)
+        _check_trie(cache.trie, [cache.trie.tokens(s).tolist() for s in slots])
+        checked += _check_best_children(cache.trie, slots)
+    assert checked > 1000
+
+
 def test_trie_growth_keeps_counts():
     rng = np.random.default_rng(6)
     trie = SuffixTrie(max_depth=5, num_streams=1, node_capacity=8, pool_capacity=4)
