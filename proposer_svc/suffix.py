@@ -13,8 +13,9 @@ latest occurrence was completed (token i of a stream with time base b is seen
 at time b + i).
 
 Layout. No Python object per node: row ``c`` of the int32 array ``nodes``
-holds node c's fields (columns below), ``stamps[c]`` its stamp (kept only by
-a trie that removes streams, see ``SuffixTrie``); children are
+holds node c's fields (columns below), ``stamps[c]`` its stamp (stamps and
+the GEN column are kept only by a trie that removes streams, see
+``SuffixTrie``); children are
 found through an open-addressing hash ``table`` keyed by (parent, token) and
 chained in a doubly linked sibling list (used only to re-pick the best child
 after a count decreases). Tokens live in one int32 ``pool``; row s of
@@ -62,8 +63,10 @@ from specdec.drafts import Draft
 from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence
 
 # columns of `nodes`: first the fields an insert or a draft reads at every
-# step, so that they usually share a cache line
-TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV = range(10)
+# step, so that they usually share a cache line; GEN (the row's generation,
+# bumped when it is freed: see follow_global) only in a trie that removes
+# streams, whose rows have NUM_FIELDS + 1 columns
+TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV, GEN = range(11)
 NUM_FIELDS = 10
 # entries of `hdr` (int64 [5]); H_POOL_END: end of the used part of the pool
 H_USED, H_FREE, H_LIVE, H_KEYS, H_POOL_END = range(5)
@@ -322,10 +325,10 @@ def _settle(nodes, stamps, unsettled):
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
+def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
-    the nodes left with count 0, bumping their rows' generation (gens: int32
-    [rows]; see follow_global). Stamps stay valid as long as the removed
+    the nodes left with count 0, bumping their rows' generation (GEN; see
+    follow_global). Stamps stay valid as long as the removed
     stream is the oldest one (FIFO eviction): the latest occurrence of any
     surviving node lies in a newer stream.
 
@@ -367,7 +370,7 @@ def remove_stream(nodes, stamps, gens, table, hdr, pool, seqs, seq, max_depth):
             # occurrences still reach (their hash keys); rows are reused only by inserts
             if leaf or nodes[c, COUNT] == 0:
                 _free_child(nodes, table, hdr, c)
-                gens[c] += 1
+                nodes[c, GEN] += 1
                 if nodes[node, BEST] == _lost(c):
                     nodes[node, BEST] = _STALE
                 elif nodes[node, BEST] == c:  # (the root's: never settled)
@@ -469,7 +472,7 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
 # Drafts then come from the listed positions exactly as from walks of every
 # suffix: O(max_match) steps a round instead of O(max_match^2).
 @njit(cache=True)
-def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match, old_len, changed,
+def follow_global(nodes, table, pool, seqs, max_depth, context, max_match, old_len, changed,
                   lst_node, lst_off, lst_gen, n):
     """Brings the lists of a sequence whose context was context[:old_len]
     (old_len < 0: no list yet) to the context (int32 [c]), the trie having
@@ -480,7 +483,7 @@ def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match,
     keep = 0
     while keep < n:  # entries still live, leaf offsets re-resolved
         node, off = lst_node[keep], lst_off[keep]
-        if gens[node] != lst_gen[keep]:
+        if nodes[node, GEN] != lst_gen[keep]:
             changed = True
             break
         if off > 0 and nodes[node, LSEQ] < 0:  # the leaf was materialised: walk its part below
@@ -492,7 +495,7 @@ def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match,
             if node < 0:  # (cannot happen: the string still has its occurrence)
                 changed = True
                 break
-            lst_node[keep], lst_off[keep], lst_gen[keep] = node, off, gens[node]
+            lst_node[keep], lst_off[keep], lst_gen[keep] = node, off, nodes[node, GEN]
         keep += 1
     n = keep
     for j in range(old_len, c):  # one step per appended token
@@ -501,18 +504,24 @@ def follow_global(nodes, table, pool, seqs, gens, max_depth, context, max_match,
         i = 0
         while node >= 0:
             nxt_node, nxt_off = (lst_node[i], lst_off[i]) if i < n else (-1, 0)
-            lst_node[i], lst_off[i], lst_gen[i] = node, off, gens[node]
+            lst_node[i], lst_off[i], lst_gen[i] = node, off, nodes[node, GEN]
             i += 1
             if i == max_match or nxt_node < 0:
                 break
-            node, off = _step_match(nodes, table, pool, seqs, max_depth, nxt_node, nxt_off, tok)
+            # _step_match written out (a call per step costs more than the step)
+            node, off = nxt_node, nxt_off + 1
+            if nodes[node, LSEQ] < 0:
+                node, off = _find_child(nodes, table, node, tok), 0
+            elif (nodes[node, DEPTH] + off > max_depth or nodes[node, LPOS] + off >= seqs[nodes[node, LSEQ], S_LEN]
+                  or pool[seqs[nodes[node, LSEQ], S_START] + nodes[node, LPOS] + off] != tok):
+                node, off = -1, 0
         n = i
     if changed:  # longer suffixes may be present now
         while n < min(max_match, c):
             node, off = _walk(nodes, table, pool, seqs, context[c - n - 1:], max_depth)
             if node < 0:
                 break
-            lst_node[n], lst_off[n], lst_gen[n] = node, off, gens[node]
+            lst_node[n], lst_off[n], lst_gen[n] = node, off, nodes[node, GEN]
             n += 1
     return n
 
@@ -594,7 +603,7 @@ def _touch(nodes, table, active, n_active, tok):
 @njit(cache=True)
 def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
                 active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
-                g_gens, g_depth, g_epoch, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
+                g_depth, g_epoch, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
                 first, sink):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
@@ -656,7 +665,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             drafted, score = int(local_best[1]), local_best[0]
             if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
-                g_n[s] = follow_global(g_nodes, g_table, g_pool, g_seqs, g_gens, g_depth, pool[start:start + length],
+                g_n[s] = follow_global(g_nodes, g_table, g_pool, g_seqs, g_depth, pool[start:start + length],
                                        depths[s], g_len[s], g_seen[s] != g_epoch, lst[0], lst[1], lst[2], g_n[s])
                 g_len[s], g_seen[s] = length, g_epoch
                 g_out = np.empty(k, dtype=np.int32)
@@ -683,9 +692,8 @@ class SuffixTrie:
     def __init__(self, max_depth: int, num_streams: int, node_capacity: int = 256,
                  pool_capacity: int = 256) -> None:
         self.max_depth = max_depth
-        self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS), dtype=np.int32)
+        self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS + 1), dtype=np.int32)  # with GEN
         self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
-        self.gens = np.zeros(self.nodes.shape[0], dtype=np.int32)  # bumped when a row is freed
         hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
         self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
@@ -725,7 +733,7 @@ class SuffixTrie:
             self.grow()
 
     def remove(self, seq: int) -> None:
-        remove_stream(self.nodes, self.stamps, self.gens, self.table, self.hdr, self.pool,
+        remove_stream(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                       self.seqs, seq, self.max_depth)
 
     def tokens(self, seq: int) -> np.ndarray:
@@ -754,13 +762,11 @@ class SuffixTrie:
         need = int(self.hdr[H_USED]) + self.max_depth + 2
         if need > len(self.nodes):
             size = max(2 * len(self.nodes), need)
-            nodes = np.zeros((size, NUM_FIELDS), dtype=np.int32)
+            nodes = np.zeros((size, NUM_FIELDS + 1), dtype=np.int32)
             nodes[:len(self.nodes)] = self.nodes
             stamps = np.zeros(size, dtype=np.int64)
             stamps[:len(self.stamps)] = self.stamps
-            gens = np.zeros(size, dtype=np.int32)
-            gens[:len(self.gens)] = self.gens
-            self.nodes, self.stamps, self.gens = nodes, stamps, gens
+            self.nodes, self.stamps = nodes, stamps
         if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
             table = np.full((2 * len(self.table), 2), _EMPTY, dtype=np.int64)
             rehash(self.table, table)
@@ -770,7 +776,7 @@ class SuffixTrie:
         return int(self.hdr[H_LIVE])
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.stamps, self.gens, self.table,
+        return sum(a.nbytes for a in (self.nodes, self.stamps, self.table,
                                       self.pool, self.seqs, self.hdr))
 
 
@@ -918,7 +924,7 @@ class RequestArena:
         while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
                                 self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
-                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.gens, g.max_depth, g.epoch,
+                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, g.epoch,
                                 glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync, out,
                                 offsets, scores, i, self._sink)) < n:
             if ends[i] < 0:
