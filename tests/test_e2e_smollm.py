@@ -81,9 +81,10 @@ def test_ignore_eos_keeps_generating_past_eos(smollm_stack, smollm_path):
     assert past.token_ids[:len(ended.token_ids)] == ended.token_ids
 
 
-# where bfloat16 is emulated (no native bf16: an AVX2-only CPU) this is minutes of start-up and decoding: the
-# slow suite there; the engine's bfloat16 row-invariance tests stay in every CPU's default run
-@(pytest.mark.slow if not native_bf16() else lambda f: f)
+# the slow suite (a minute of start-up and decoding here; minutes where bfloat16 is emulated): the engine's
+# bfloat16 row-invariance tests on SmolLM2 (test_llama_engine.py), which are what keeps this true, stay in
+# every CPU's default run
+@pytest.mark.slow
 def test_bfloat16_speculation_equals_bfloat16_plain_decoding(smollm_path, tmp_path_factory, expected):
     """The serving default for speed is bfloat16 (oneDNN): there the target is the
     bfloat16 model, and speculative output must equal its own plain decoding."""

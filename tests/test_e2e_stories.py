@@ -28,8 +28,9 @@ def _ids(path, text):
 
 
 @pytest.mark.parametrize("prompt", sorted(PROMPTS))
-@pytest.mark.parametrize("method,k", [("none", 0), ("naive", 1), ("naive", 3), ("naive", 8),
-                                      ("ngram", 1), ("ngram", 3), ("ngram", 8),
+@pytest.mark.parametrize("method,k", [("none", 0), pytest.param("naive", 1, marks=pytest.mark.slow), ("naive", 3),
+                                      pytest.param("naive", 8, marks=pytest.mark.slow),  # naive drafts nothing: k
+                                      ("ngram", 1), ("ngram", 3), ("ngram", 8),          # only sizes its rounds
                                       ("suffix", 5), ("hybrid", 5)])
 def test_greedy_matches_transformers(stories_stack, stories_path, prompt, method, k):
     gen = stream(stories_stack.gateway_addr,

@@ -83,8 +83,9 @@ def _moves(stack, kind: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_sequence_moves_total{{kind="{kind}"}}', 0.0)
 
 
-# lock-step runs in the slow suite
-@pytest.mark.parametrize("overlap", [pytest.param("off", marks=pytest.mark.slow), "always", "ahead"])
+# lock-step and two cohorts run in the slow suite (drafting ahead has the most in flight when the replica dies)
+@pytest.mark.parametrize("overlap", [pytest.param("off", marks=pytest.mark.slow),
+                                     pytest.param("always", marks=pytest.mark.slow), "ahead"])
 def test_killing_a_proposer_replica_mid_generation_changes_nothing(stories_path, tmp_path_factory, overlap):
     """Lock-step, overlapped (the replica may die while one cohort's
     Propose is in flight and the other's Verify runs) and drafting ahead
