@@ -456,6 +456,15 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
         best[0], best[1], best[2] = score, num, match_len
 
 
+@njit(cache=True, inline="always")
+def _latest(nodes, stamps, seqs, node, off):
+    """When the latest occurrence of the string at (node, off) (as _walk
+    gives it) was completed: its stamp, or in a leaf chain its one occurrence's."""
+    if nodes[node, LSEQ] >= 0:
+        return seqs[nodes[node, LSEQ], S_TIME] + nodes[node, LPOS] + off
+    return stamps[node]
+
+
 # A sequence's matches in the global trie. The global trie does not contain
 # the sequence's context, so its suffixes found there are kept per sequence:
 # entry i of (node, off, gen) lists is where context[c - i - 1 : c] lies (as
@@ -467,24 +476,28 @@ def _keep_if_better(num, score, match_len, best, tmp, out):
 # freed by an eviction (its generation bumped) ends the list there (the
 # strings past it have no occurrence left either), a leaf materialised by an
 # add moves the entries inside its chain to the explicit nodes now below it,
-# and adds can make longer suffixes present, so after any add (the trie's
-# epoch changed) or truncation the list is extended with walks from the root.
+# and adds can make longer suffixes present: after a truncation, or when the
+# longest listed string has an occurrence added since the lists were last
+# brought up to date (a new occurrence of a longer suffix holds one of it),
+# the list is extended with walks from the root.
 # Drafts then come from the listed positions exactly as from walks of every
 # suffix: O(max_match) steps a round instead of O(max_match^2).
 @njit(cache=True)
-def follow_global(nodes, table, pool, seqs, max_depth, context, max_match, old_len, changed,
+def follow_global(nodes, stamps, table, pool, seqs, max_depth, context, max_match, old_len, since,
                   lst_node, lst_off, lst_gen, n):
     """Brings the lists of a sequence whose context was context[:old_len]
-    (old_len < 0: no list yet) to the context (int32 [c]), the trie having
-    changed (adds) when ``changed``; returns the new n."""
+    (old_len < 0: no list yet) to the context (int32 [c]), the lists last
+    brought up to date at the trie's clock ``since`` (SuffixTrie.clock);
+    returns the new n."""
     c = context.shape[0]
+    cut = old_len < 0
     if old_len < 0:
-        n, old_len, changed = 0, c, True
+        n, old_len = 0, c
     keep = 0
     while keep < n:  # entries still live, leaf offsets re-resolved
         node, off = lst_node[keep], lst_off[keep]
         if nodes[node, GEN] != lst_gen[keep]:
-            changed = True
+            cut = True
             break
         if off > 0 and nodes[node, LSEQ] < 0:  # the leaf was materialised: walk its part below
             past, off = off, 0
@@ -493,7 +506,7 @@ def follow_global(nodes, table, pool, seqs, max_depth, context, max_match, old_l
                 if node < 0:
                     break
             if node < 0:  # (cannot happen: the string still has its occurrence)
-                changed = True
+                cut = True
                 break
             lst_node[keep], lst_off[keep], lst_gen[keep] = node, off, nodes[node, GEN]
         keep += 1
@@ -516,8 +529,8 @@ def follow_global(nodes, table, pool, seqs, max_depth, context, max_match, old_l
                   or pool[seqs[nodes[node, LSEQ], S_START] + nodes[node, LPOS] + off] != tok):
                 node, off = -1, 0
         n = i
-    if changed:  # longer suffixes may be present now
-        while n < min(max_match, c):
+    if cut or n == 0 or _latest(nodes, stamps, seqs, lst_node[n - 1], lst_off[n - 1]) >= since:
+        while n < min(max_match, c):  # longer suffixes may be present now
             node, off = _walk(nodes, table, pool, seqs, context[c - n - 1:], max_depth)
             if node < 0:
                 break
@@ -603,7 +616,7 @@ def _touch(nodes, table, active, n_active, tok):
 @njit(cache=True)
 def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
                 active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
-                g_depth, g_epoch, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
+                g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
                 first, sink):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
@@ -626,7 +639,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
     The global trie's matches of slot s (see follow_global): g_lists int32
     [slots, 3, max_depth + 1] its (node, off, gen) lists, g_n [slots] their
     length, g_len [slots] the context length they are for (-1: none yet),
-    g_seen [slots] the trie's epoch (g_epoch: counts its adds) then.
+    g_seen [slots] the trie's clock (g_clock, see SuffixTrie.clock) then.
     """
     local_best, g_best = np.zeros(3), np.zeros(3)
     no_stamps = np.zeros(0, dtype=np.int64)
@@ -665,9 +678,10 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             drafted, score = int(local_best[1]), local_best[0]
             if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
-                g_n[s] = follow_global(g_nodes, g_table, g_pool, g_seqs, g_depth, pool[start:start + length],
-                                       depths[s], g_len[s], g_seen[s] != g_epoch, lst[0], lst[1], lst[2], g_n[s])
-                g_len[s], g_seen[s] = length, g_epoch
+                g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_pool, g_seqs, g_depth,
+                                       pool[start:start + length], depths[s], g_len[s], g_seen[s], lst[0], lst[1],
+                                       lst[2], g_n[s])
+                g_len[s], g_seen[s] = length, g_clock
                 g_out = np.empty(k, dtype=np.int32)
                 speculate_listed(g_nodes, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
                                  min_probs[s], local_best[0], g_out, g_best)
@@ -701,7 +715,10 @@ class SuffixTrie:
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
         self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
-        self.epoch = 0  # counts appends (which may add strings; see follow_global)
+        # 1 + the latest time of an appended token: streams are appended in time
+        # order (a later one's tokens are seen at times >= the clock then), as
+        # _GlobalCache does (see follow_global)
+        self.clock = 0
 
     @property
     def pool_end(self) -> int:
@@ -727,7 +744,7 @@ class SuffixTrie:
         self.pool[self.pool_end:self.pool_end + len(tokens)] = tokens
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
-        self.epoch += 1
+        self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + end)
         while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool,
                             self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
@@ -839,7 +856,7 @@ class RequestArena:
     active[s, :n_active[s]] are the context's active nodes. Per-request
     tries never lose an occurrence, so they keep no stamps (nor PREV links).
     g_lists[s, :, :g_n[s]] are the slot's matches in the global trie (see
-    follow_global), for its first g_len[s] tokens and the trie's epoch
+    follow_global), for its first g_len[s] tokens and the trie's clock
     g_seen[s].
     """
 
@@ -924,7 +941,7 @@ class RequestArena:
         while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
                                 self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
-                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.max_depth, g.epoch,
+                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.stamps, g.max_depth, g.clock,
                                 glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync, out,
                                 offsets, scores, i, self._sink)) < n:
             if ends[i] < 0:

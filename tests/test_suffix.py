@@ -160,6 +160,27 @@ def test_per_request_tree_wins_ties_with_global_tree():
     assert _draft(prop, "b", k=1) == [9]
 
 
+def test_longer_global_match_found_after_an_add():
+    """A sequence's global matches are kept between rounds; an output added
+    since that holds a longer suffix of its context is found (the longest
+    listed match gained an occurrence), also without new tokens."""
+    props = _pair(max_cached_requests=4)
+    for prop in props:
+        prop.start("a", _arr([0]), SeqOptions())
+        prop.extend("a", _arr([8, 9, 20, 21]))
+        prop.stop("a", completed=True)
+        prop.start("q", _arr([1, 7, 8, 9]), SeqOptions())
+    assert _draft(props[0], "q", k=3) == _draft(props[1], "q", k=3) == [20, 21]  # "8 9" once
+    for prop in props:
+        # "8 9" -> 30 twice, 20 and 10 once; "7 8 9" -> 10 11 8
+        prop.start("b", _arr([0]), SeqOptions())
+        prop.extend("b", _arr([7, 8, 9, 10, 11, 8, 9, 30, 31, 8, 9, 30, 31]))
+        prop.stop("b", completed=True)
+    assert _draft(props[0], "q", k=3) == _draft(props[1], "q", k=3) == [10, 11, 8]
+    _both(props, "extend", "q", _arr([10]))
+    assert _draft(props[0], "q", k=3) == _draft(props[1], "q", k=3) == [11, 8, 9]
+
+
 def test_lifecycle_errors_and_stats():
     prop = SuffixProposer()
     prop.start("a", _arr([1, 2, 1]), SeqOptions())
