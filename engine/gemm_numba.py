@@ -76,6 +76,22 @@ _FASTMATH = {"reassoc", "contract"}
 # must not be entered by two threads at once; engines in one process (and
 # gemm_simd's kernel) take turns.
 LAUNCH_LOCK = threading.Lock()
+_team = threading.local()  # .size: the numba thread count last set on this thread
+
+
+def set_team(threads: int) -> None:
+    """Sets the team of the parallel kernels this thread launches next to
+    `threads` numba threads (at most numba's pool; numba keeps the count per
+    launching thread). Call it under LAUNCH_LOCK, with the number of parallel
+    chunks the kernel will run: by default every region takes the whole pool
+    (one thread per core), and its join waits for threads that have nothing to
+    do, each of which, on a loaded machine, may first wait for a time slice: a
+    0.3 ms stories260K decode step on one thread took 120-160 ms with one of
+    the two cores busy, and 0.3 ms with the team set to its one chunk."""
+    size = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    if getattr(_team, "size", None) != size:
+        numba.set_num_threads(size)
+        _team.size = size
 
 
 @intrinsic
@@ -322,6 +338,7 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, path: str = "numba") ->
         raise ValueError(f"no numba GEMM kernel {path!r}; one of {sorted(GROUP_ROWS)}")
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
+        set_team(chunks)
         if path == "numba6":
             _gemm6(x, weight, out, chunks)
         else:

@@ -57,7 +57,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK
+from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
 from specdec.engine.simd import LANES, mac, operand, prefetch_l2, total, width, zeros
 
 #: How far ahead of the step (in weight values, flat) the weight is prefetched into L2.
@@ -248,5 +248,6 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False) ->
     assert weight.flags.c_contiguous
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
+        set_team(chunks)
         _gemm(x, weight, out, chunks)
     return out

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine.base import PoolExhausted
-from specdec.engine.gemm_numba import LAUNCH_LOCK
+from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
 from specdec.engine.simd import LANES, add, fma, load, mul, pow2, splat, store, zeros
 
 #: Below this many (query row, head, visible key) triples the attention runs
@@ -306,6 +306,7 @@ class KVPool:
             _paged_attention(*args, 0, 1, out)
         else:
             with LAUNCH_LOCK:
+                set_team(self._num_threads)
                 _paged_attention_parallel(*args, self._num_threads, out)
         return out
 
@@ -353,6 +354,7 @@ def _warm_up() -> None:
             attention_units(np.zeros(1, np.int32), 1, 1))
     _paged_attention(*args, 0, 1, one)
     with LAUNCH_LOCK:
+        set_team(1)
         _paged_attention_parallel(*args, 1, one)
 
 

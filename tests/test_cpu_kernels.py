@@ -384,3 +384,21 @@ def test_the_dpbf16_path_is_refused_where_the_cpu_lacks_the_instruction(monkeypa
         Linear(w, None, GEMM_PATHS["simd-dpbf16"])
     failure = path_failure(GEMM_PATHS["simd-dpbf16"], [("w", w, None)], check_row_counts(8), torch.bfloat16)
     assert failure.startswith(gemm_select.UNSUPPORTED) and "AVX512-BF16" in failure
+
+
+def test_parallel_gemms_launch_a_team_of_their_chunks():
+    """A GEMM split into n chunks runs its parallel region on n numba threads,
+    not on the whole pool: the pool's idle threads would hold up the join on
+    a loaded machine (gemm_numba.set_team)."""
+    import numba
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    w = gemm_numba.pad_weight(rng.standard_normal((20, 64), dtype=np.float32))
+    want = x @ w.T
+    for chunks in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+        for run in (lambda: gemm_numba.gemm(x, w, chunks, "numba"), lambda: gemm_simd.gemm(x, w, chunks)):
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # the pool, as a fresh thread has it
+            gemm_numba._team.size = None
+            assert np.allclose(run(), want, atol=1e-4)
+            assert numba.get_num_threads() == chunks
