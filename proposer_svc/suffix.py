@@ -15,14 +15,13 @@ at time b + i).
 Layout. No Python object per node: row ``c`` of the int32 array ``nodes``
 holds node c's fields (columns below), ``stamps[c]`` its stamp (stamps and
 the GEN column are kept only by a trie that removes streams, see
-``SuffixTrie``); children are
-found through an open-addressing hash ``table`` keyed by (parent, token) and
-chained in a doubly linked sibling list (used only to re-pick the best child
-after a count decreases). Tokens live in one int32 ``pool``; row s of
-``seqs`` gives stream s's start in the pool, the number of its tokens
-inserted so far and its time base. The per-request tries of all live
-requests are regions of one such set of arrays (``RequestArena``), so a
-round of many requests is one kernel call.
+``SuffixTrie``); children are found through an open-addressing hash
+``table`` keyed by (parent, token) and chained in a doubly linked sibling
+list (used only to re-pick the best child after a count decreases). Tokens
+live in one int32 ``pool``; row s of ``seqs`` gives stream s's start in the
+pool, the number of its tokens inserted so far and its time base. The
+per-request tries of all live requests are regions of one such set of arrays
+(``RequestArena``), so a round of many requests is one kernel call.
 
 Leaf compression. A node seen once (count 1) implies a chain of count-1
 descendants that simply follows its single occurrence; such a node is stored
