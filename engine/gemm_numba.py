@@ -88,7 +88,7 @@ def set_team(threads: int) -> None:
     do, each of which, on a loaded machine, may first wait for a time slice: a
     0.3 ms stories260K decode step on one thread took 120-160 ms with one of
     the two cores busy, and 0.3 ms with the team set to its one chunk."""
-    size = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    size = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]  # set at runtime
     if getattr(_team, "size", None) != size:
         numba.set_num_threads(size)
         _team.size = size

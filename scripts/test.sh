@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"  # the slowest 25: what to look at when the run grows
