@@ -153,6 +153,8 @@ async def serve(args) -> None:
 
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:
         raise SystemExit(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    if args.max_stalled_rounds < 0:
+        raise SystemExit(f"--max-stalled-rounds must be >= 0, got {args.max_stalled_rounds}")
     tokenizer = load_tokenizer(resolve_model(args.model))
     admission = admission_from_args(args, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
     security = server_security(args, api_keys=True)
@@ -161,7 +163,8 @@ async def serve(args) -> None:
     discovery.start()
     loop = SpecLoop(scorers, proposers, vocab_size=0,
                     config=LoopConfig(propose_timeout_s=args.propose_timeout_ms / 1000,
-                                      overlap=Overlap(args.overlap), decode_steps=args.decode_steps),
+                                      overlap=Overlap(args.overlap), decode_steps=args.decode_steps,
+                                      max_stalled_rounds=args.max_stalled_rounds),
                     conns=Connections(client_tls_from_args(args)))
     limits = await fetch_limits(loop, tokenizer, args.scorer_wait_s)
     loop.vocab_size = limits.vocab_size

@@ -81,10 +81,12 @@ def test_plain_decoding_comes_several_tokens_per_verify(stories_stack, stories_p
     assert short.token_ids == expected[:6] and short.finish_reason == "length"
 
 
-def test_gateway_refuses_decode_steps_out_of_range(stories_path):
+@pytest.mark.parametrize("flag,value,message", [("--decode-steps", "17", "--decode-steps must be in 1..16, got 17"),
+                                                ("--max-stalled-rounds", "-1", "--max-stalled-rounds must be >= 0")])
+def test_gateway_refuses_flags_out_of_range(stories_path, flag, value, message):
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "gateway", "--model", stories_path, "--scorer",
-                           "127.0.0.1:1", "--decode-steps", "17"], capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "--decode-steps must be in 1..16, got 17" in done.stderr
+                           "127.0.0.1:1", flag, value], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and message in done.stderr
 
 
 def test_ngram_speculates_on_repetitive_text(stories_stack):

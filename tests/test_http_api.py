@@ -299,8 +299,9 @@ def test_concurrent_streaming_clients_equal_solo(stack, client, chat_model):
 
 
 def test_full_kv_pool_is_429_and_no_scorer_is_503(chat_model, tmp_path_factory):
+    # a refused request first waits out its stalled rounds (the pool may free): 20 x 50 ms here, not 200
     small = start_stack(chat_model, tmp_path_factory, "http-small-pool", methods="naive", default_method="naive",
-                        kv_tokens=64, http_port=free_port())
+                        kv_tokens=64, http_port=free_port(), extra_gateway_args=["--max-stalled-rounds", "20"])
     try:
         url = f"{small.http_url}/completions"
         too_long = {"prompt": "dog " * 150, "max_tokens": 8, "temperature": 0}  # fits the context, not the pool
