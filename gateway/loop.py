@@ -103,7 +103,7 @@ from specdec.gateway.wire import (
     verdicts_from_response,
     verify_request,
 )
-from specdec.limits import DEFAULT_DECODE_STEPS
+from specdec.limits import DEFAULT_DECODE_STEPS, DEFAULT_MAX_STALLED_ROUNDS, STALL_SLEEP_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,8 +123,8 @@ class LoopConfig:
     propose_timeout_s: float = 0.5
     verify_timeout_s: float = 120.0
     replica_down_s: float = 5.0  # keep new work off a replica whose call failed
-    max_stalled_rounds: int = 200  # rounds without progress before a request fails
-    stall_sleep_s: float = 0.05
+    max_stalled_rounds: int = DEFAULT_MAX_STALLED_ROUNDS  # rounds without progress before a request fails
+    stall_sleep_s: float = STALL_SLEEP_S
     overlap: Overlap = Overlap.ON
     decode_steps: int = DEFAULT_DECODE_STEPS  # plain decoding: tokens per Verify call (Sequence.decode_steps)
 

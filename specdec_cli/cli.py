@@ -94,12 +94,13 @@ def replica_settings(args):
 def build_parser() -> argparse.ArgumentParser:
     from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, DTYPE_NAMES, ENGINE_KINDS, GEMM_CHOICES
     from specdec.gateway.admission import AdmissionConfig
-    from specdec.gateway.loop import LoopConfig
     from specdec.limits import (
         DEFAULT_DECODE_STEPS,
+        DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
         MAX_DECODE_STEPS,
         MAX_SPECULATIVE_TOKENS,
+        STALL_SLEEP_S,
     )
     from specdec.models import default_model
 
@@ -164,9 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="num_speculative_tokens (draft tokens per round) of requests that name none")
     p.add_argument("--propose-timeout-ms", type=float, default=500.0,
                    help="a proposer slower than this costs the round its drafts")
-    p.add_argument("--max-stalled-rounds", type=int, default=LoopConfig.max_stalled_rounds,
+    p.add_argument("--max-stalled-rounds", type=int, default=DEFAULT_MAX_STALLED_ROUNDS,
                    help="rounds in a row a request may make no progress (KV pool full, no scorer replica), each "
-                        f"followed by a {LoopConfig.stall_sleep_s * 1000:.0f} ms pause, before it fails with "
+                        f"followed by a {STALL_SLEEP_S * 1000:.0f} ms pause, before it fails with "
                         "RESOURCE_EXHAUSTED or UNAVAILABLE")
     p.add_argument("--overlap", default="on", choices=["on", "always", "ahead", "off"],
                    help="on: while it pays (measured), verify one half of the sequences while the proposers "

@@ -25,6 +25,11 @@ MAX_DECODE_STEPS = 16
 #: trip (gRPC calls, the gateway's and the client's work) is paid once per
 #: this many tokens, and the client gets them in groups of this size.
 DEFAULT_DECODE_STEPS = 4
+#: Rounds in a row a request may make no progress (KV pool full, no scorer
+#: replica) before it fails, gateway ``--max-stalled-rounds``; the gateway
+#: pauses STALL_SLEEP_S after each (200 x 50 ms: about 10 s of waiting for room).
+DEFAULT_MAX_STALLED_ROUNDS = 200
+STALL_SLEEP_S = 0.05
 #: Output tokens when a request names no ``max_tokens`` (capped by the context).
 DEFAULT_MAX_TOKENS = 256
 #: Most choices (``n``) one OpenAI-API request may ask for: each is its own
