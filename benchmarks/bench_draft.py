@@ -10,8 +10,8 @@ speculative output is checked token for token against plain decoding.
 Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR [--eagle3 HEAD] \\
-        [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--overlap ahead] [--vllm-python PY] \\
-        [--out bench_results/draft.json]
+        [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--overlap ahead] [--draft-threads N] \\
+        [--vllm-python PY] [--out bench_results/draft.json]
 
 The draft must share the target's tokenizer (e.g. made by `specdec distill`).
 With --eagle3 (an EAGLE-3 head for the target, e.g. `specdec distill --kind
@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the draft model's dtype and the eagle3 head's projection weights (default: float32)")
+    ap.add_argument("--draft-threads", type=int, default=None,
+                    help="the draft model's CPU threads (specdec proposer --draft-threads; default: its own)")
     ap.add_argument("--decode-ahead", choices=["on", "off"], default="on",
                     help="the scorer's decode-ahead (specdec scorer --decode-ahead)")
     ap.add_argument("--overlap", choices=["off", "on", "always", "ahead"], default="on",
@@ -184,7 +186,7 @@ def main() -> None:
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
     results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
                      "decode_ahead": args.decode_ahead, "overlap": args.overlap,
-                     "draft_dtype": args.draft_dtype or "float32",
+                     "draft_dtype": args.draft_dtype or "float32", "draft_threads": args.draft_threads,
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
           f"{args.max_tokens} tokens", flush=True)
@@ -193,6 +195,7 @@ def main() -> None:
     # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
                draft_dtype=args.draft_dtype,
+               extra_draft_args=["--draft-threads", str(args.draft_threads)] if args.draft_threads else [],
                extra_proposer_args=["--max-cached-requests", "0"],
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
                extra_gateway_args=["--overlap", args.overlap],
