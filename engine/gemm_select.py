@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,17 @@ log = logging.getLogger(__name__)
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
 CACHE_VERSION = 6
+#: Environment variables that cap the instruction sets the GEMM paths' code
+#: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
+#: same CPU then runs other kernels, so those that are set join the cache key
+#: (a verdict cached without the cap may name a path the capped process
+#: cannot build: simd-dpbf16 under NUMBA_CPU_NAME=cascadelake).
+ISA_CAP_ENV = ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA",
+               "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+#: oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) below its native
+#: bfloat16 kernels (AVX512_CORE_BF16 and up): with one of them set, oneDNN
+#: emulates bfloat16 whatever the CPU has.
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 #: Distinct input rows whose one-row results every larger input is compared with.
 CHECK_BASE_ROWS = 32
 #: Inputs of more rows than this are checked on at most SLICE_OUT_FEATURES
@@ -229,8 +241,15 @@ def cpu_flags() -> set[str]:
 
 
 def native_bf16() -> bool:
-    """Whether the CPU computes bfloat16 products natively (AVX512-BF16 or AMX)."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    """Whether the CPU computes bfloat16 products natively (AVX512-BF16 or
+    AMX) and oneDNN is not capped below them (ONEDNN_ISAS_WITHOUT_BF16)."""
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and cap not in ONEDNN_ISAS_WITHOUT_BF16
+
+
+def isa_caps() -> dict[str, str]:
+    """The ISA_CAP_ENV variables this process runs with."""
+    return {name: os.environ[name] for name in ISA_CAP_ENV if os.environ.get(name)}
 
 
 def cpu_model() -> str:
@@ -386,8 +405,12 @@ def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts
         shapes[name] = shapes.get(name, 0) + 1
     # the model name alone does not tell CPUs apart ("AMD EPYC" with and without AVX-512): the flags do
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    return {"version": CACHE_VERSION, "cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__,
-            "dtype": str(dtype), "threads": num_threads, "shapes": shapes, "row_counts": list(row_counts)}
+    # numba compiles the numba/simd paths through its own LLVM (simd-dpbf16 needs LLVM 17)
+    key = {"version": CACHE_VERSION, "cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__,
+           "numba": numba.__version__, "dtype": str(dtype), "threads": num_threads, "shapes": shapes,
+           "row_counts": list(row_counts)}
+    caps = isa_caps()
+    return {**key, "isa_caps": caps} if caps else key
 
 
 def _cache_file(key: dict) -> Path:

@@ -5,6 +5,9 @@ cached on disk. The real paths on real models: test_llama_engine.py."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -211,3 +214,63 @@ def test_a_path_the_cpu_cannot_run_is_refused_by_name_and_skipped_by_auto(cache,
     assert gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32)) == stored
     monkeypatch.setattr(gemm_select, "cpu_flags", lambda: {"avx2", "avx512f"})
     assert gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32)) != stored
+
+
+def test_an_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):
+    monkeypatch.setattr(gemm_select, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    assert gemm_select.native_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "avx512_core_bf16")
+    assert gemm_select.native_bf16()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")  # what an Intel Xeon without bfloat16 runs
+    assert not gemm_select.native_bf16()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")
+    assert not gemm_select.native_bf16()
+    monkeypatch.setattr(gemm_select, "cpu_flags", lambda: {"avx512f"})
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    assert not gemm_select.native_bf16()
+
+
+def test_isa_caps_join_the_cache_key(monkeypatch):
+    for name in gemm_select.ISA_CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    plain = gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32))
+    assert "isa_caps" not in plain  # the keys cached before caps were counted stay valid
+    keys = []
+    for name in gemm_select.ISA_CAP_ENV:
+        monkeypatch.setenv(name, "x")
+        keys.append(json.dumps(gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32))))
+        monkeypatch.delenv(name)
+    assert len(set(keys)) == len(keys) and json.dumps(plain) not in keys
+
+
+CAPPED_SELECT = """
+import json, sys, torch
+from specdec.engine.gemm_select import check_row_counts, select
+gen = torch.Generator().manual_seed(3)
+w = [("qkv", torch.randn(48, 64, generator=gen).to(torch.bfloat16), None)]
+print(json.dumps(select(w, torch.bfloat16, 1, "auto", max_rows=32).path.name))
+"""
+
+
+def test_a_verdict_cached_without_an_isa_cap_is_not_used_under_it(cache, monkeypatch):
+    """A cache written without a cap says simd-dpbf16 is fastest (as on an
+    AMD EPYC with AVX512-BF16); a process started with numba compiling for an
+    Intel Xeon without it (NUMBA_CPU_NAME=cascadelake) cannot build that path:
+    it must select again, not take the cached verdict and fail to start."""
+    for name in gemm_select.ISA_CAP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    gen = torch.Generator().manual_seed(3)
+    w = [("qkv", torch.randn(48, 64, generator=gen).to(torch.bfloat16), None)]
+    key = gemm_select.cache_key(w, torch.bfloat16, 1, check_row_counts(32))
+    paths = {name: {"failure": None, "ms": {"1": 1.0}, "score_ms": 0.5 if name == "simd-dpbf16" else 1.0}
+             for name in gemm_select.GEMM_PATHS}
+    gemm_select._save({"key": key, "paths": paths})
+    env = {**os.environ, "NUMBA_CPU_NAME": "cascadelake", gemm_select.CACHE_ENV: str(cache)}
+    done = subprocess.run([sys.executable, "-c", CAPPED_SELECT], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) != "simd-dpbf16"
+    assert len(list(cache.glob("*.json"))) == 2  # the capped process's own entry beside the uncapped one
