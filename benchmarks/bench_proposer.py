@@ -25,7 +25,9 @@ gateway would, then one exchange: write the message, read the response, as
 gateway/clients.ProposerStream does), µs per sequence-round (round / B), the
 exchange alone in µs per sequence-round (from writing the built message to
 the response: the proposer service's part, transport included) and the
-proposer's compute share (its reported compute_s / round).
+proposer's compute share (its reported compute_s / round); the 99th
+percentile and the worst round (ms) show stalls the mean hides (e.g. an
+array of the proposer's growing in one round).
 
 ``--replicas 1,2,4`` (fan-out): the B sequences of one method are spread over
 n proposer processes with the gateway's own consistent hashing
@@ -287,6 +289,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
     compute = np.asarray(computes)  # [rounds, replicas]
     return {"method": workload.method, "batch": workload.batch, "replicas": len(addrs), "rounds": len(rounds),
             "ms_per_round": 1e3 * round_s, "median_ms_per_round": 1e3 * float(np.median(rounds)),
+            "p99_ms_per_round": 1e3 * float(np.percentile(rounds, 99)), "max_ms_per_round": 1e3 * float(max(rounds)),
             "us_per_seq_round": 1e6 * round_s / workload.batch,
             "exchange_us_per_seq_round": 1e6 * float(np.mean(exchanges)) / workload.batch,
             "compute_share": float(compute.max(axis=1).mean() / round_s),
@@ -316,7 +319,8 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
                     row["code"], row["columns"] = label, columns
                     rows.append(row)
                     print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
-                          f"{row['us_per_seq_round']:7.1f} us/seq-round  compute share {row['compute_share']:.2f}",
+                          f"{row['us_per_seq_round']:7.1f} us/seq-round  p99 {row['p99_ms_per_round']:7.2f} ms  "
+                          f"max {row['max_ms_per_round']:7.2f} ms  compute share {row['compute_share']:.2f}",
                           flush=True)
         finally:
             procs.stop()
@@ -334,11 +338,12 @@ def git_commit() -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'us/seq-rnd':>10s} "
-          f"{'exchange':>8s} {'compute':>7s}  replica compute ms")
+    print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'p99 ms':>8s} {'max ms':>8s} "
+          f"{'us/seq-rnd':>10s} {'exchange':>8s} {'compute':>7s}  replica compute ms")
     for r in rows:
         print(f"{r['code']:9s} {r['method']:7s} {r['batch']:4d} {r['replicas']:4d} {r['ms_per_round']:9.2f} "
-              f"{r['us_per_seq_round']:10.1f} {r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f}  "
+              f"{r['p99_ms_per_round']:8.2f} {r['max_ms_per_round']:8.2f} {r['us_per_seq_round']:10.1f} "
+              f"{r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f}  "
               f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])}")
 
 

@@ -373,9 +373,23 @@ def test_trie_growth_keeps_counts():
 @pytest.mark.parametrize("seed", range(4))
 def test_rounds_draft_as_one_sequence_at_a_time(seed):
     """advance_scored over many live requests at once (one arena, one kernel
-    call a round, arrays growing and the pool compacting mid-round) drafts
+    call a round, regions growing and the pool compacting mid-round) drafts
     what the reference does driven one call at a time, with the scores
     propose_scored gives for each request on its own."""
+    _check_rounds(seed)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_rounds_draft_the_same_when_the_arena_outgrows_its_reservation(seed, monkeypatch):
+    """As above with a reservation of 1024 rows (see _Regions): the arena's
+    region arrays move to larger reservations mid-round, every request's
+    trie with them, and drafts stay the reference's round after round."""
+    monkeypatch.setattr(suffix, "ARENA_RESERVE_BYTES", 1)
+    batched = _check_rounds(seed)
+    assert len(batched._arena._nodes.array) >= 4 * 1024 and len(batched._arena._table.array) >= 4 * 1024
+
+
+def _check_rounds(seed: int) -> SuffixProposer:
     rng = np.random.default_rng(seed)
     vocab, depth = int(rng.integers(3, 12)), int(rng.choice([4, 64]))
     batched = SuffixProposer(SuffixConfig(max_cached_requests=3, max_tree_depth=depth))
@@ -415,6 +429,7 @@ def test_rounds_draft_as_one_sequence_at_a_time(seed):
     for seq_id in live:
         _both((batched, single), "stop", seq_id, False)
     assert batched.stats()["live_sequences"] == 0 and batched.stats()["tree_nodes"] == single.stats()["tree_nodes"]
+    return batched
 
 
 def test_released_trees_are_freed():
