@@ -825,9 +825,10 @@ def _reserve(rows: int, row_shape: tuple[int, ...], dtype: type) -> np.ndarray:
     large reservation costs nothing until used and using more of it costs
     only the pages touched."""
     nbytes = rows * math.prod(row_shape) * np.dtype(dtype).itemsize
+    # 4 KiB pages, no MADV_HUGEPAGE (numpy's choice for its large arrays):
+    # a transparent huge page faulted in mid-round cost up to 5-8 ms here
+    # (B=256 round p99 6-7 ms against 3.1 with 4 KiB pages, same run)
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses (~5% a round)
-        memory.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(memory, dtype=dtype).reshape(rows, *row_shape)
 
 
@@ -840,7 +841,7 @@ class _Regions:
     Growth: cutting a region commits only its own pages; the rows cut so
     far are never copied while the reservation (``reserve_bytes``) lasts.
     (Doubling one array whose rows were all written cost a round at B=256
-    over 150 ms: the new array's every page faulted in and written, the old
+    130-170 ms: the new array's every page faulted in and written, the old
     rows copied.) Past the reservation the rows move once to a reservation
     twice as large.
     """
