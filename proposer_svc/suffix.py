@@ -814,9 +814,13 @@ class SuffixConfig:
 
 
 #: address space reserved for each of a RequestArena's two region arrays (its
-#: node rows and its hash rows): a quarter of the machine's memory, committed
-#: by the OS only as rows are first written (see _reserve)
-ARENA_RESERVE_BYTES = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+#: node rows and its hash rows), committed by the OS only as rows are first
+#: written (see _reserve): a quarter of the machine's memory, at most 1 GiB
+#: (27M node rows; B=256 sequences of ~1k tokens use about 1M). The cap keeps
+#: several proposers' reservations small where the kernel counts address
+#: space (vm.overcommit_memory=2) and on hosts whose RAM a container's limit
+#: does not show
+ARENA_RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 1 << 30)
 
 
 def _reserve(rows: int, row_shape: tuple[int, ...], dtype: type) -> np.ndarray:
