@@ -165,3 +165,37 @@ def plan_draft_lengths(gains: list[list[float]], base_tokens: list[int],
         expected += g
         time += per_token
     return take
+
+
+def plan_draft_steps(gains: list[list[float]], base_tokens: int, verify: tuple[float, float],
+                     propose: tuple[float, float]) -> int:
+    """Draft tokens to ask a model proposer for, per sequence, this round.
+
+    A model proposer pays one forward per draft token (its sequences draft
+    together, so a round costs as many steps as the longest draft asked),
+    before the Verify can start: ask for K tokens where the expected output
+    per second of the round is highest,
+
+        E(K) = n + sum over sequences of their gains up to K
+        T(K) = [K > 0] (propose_fixed + propose_per_step K) + verify_fixed + verify_per_token (base + drafts)
+
+    (asked for nothing, a model proposer runs no forward: the tokens it
+    missed are fed with the next draft it makes, in that draft's first one).
+
+    gains: per sequence, the expected acceptance of each draft position up to
+    its budget (non-increasing, from its history: the draft's own confidence
+    only exists once drafted); base_tokens: rows the Verify feeds anyway;
+    verify / propose: (fixed_s, per_token_s) and (fixed_s, per_step_s).
+    K = 0 asks for nothing (plain decoding this round)."""
+    v_fixed, v_token = verify
+    p_fixed, p_step = propose
+    best_k, best_rate = 0, 0.0
+    expected, fed = float(len(gains)), base_tokens
+    for k in range(max((len(g) for g in gains), default=0) + 1):
+        if k:
+            expected += sum(g[k - 1] for g in gains if len(g) >= k)
+            fed += sum(1 for g in gains if len(g) >= k)
+        rate = expected / ((p_fixed + p_step * k if k else 0.0) + v_fixed + v_token * fed)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k

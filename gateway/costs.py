@@ -12,14 +12,17 @@ lock-step ones.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
 
 from specdec.drafts import Draft
 from specdec.gateway import metrics
-from specdec.gateway.adaptive import CostModel, plan_draft_lengths
+from specdec.gateway.adaptive import CostModel, plan_draft_lengths, plan_draft_steps
 from specdec.gateway.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,64 @@ class VerifyCosts:
                     metrics.VERIFY_COST.remove(addr, part)
                 except KeyError:
                     pass
+
+
+class DraftBudgets:
+    """How many draft tokens to ask a model proposer for (adaptive sequences
+    whose drafts carry the model's probabilities: ``Sequence.model_drafts``):
+    each proposer replica's propose time is fitted as ``fixed + per_step *
+    steps`` (steps: the longest draft it answered), and ``plan_draft_steps``
+    weighs it against the Verify time and the sequences' acceptance so far.
+    A copy proposer's time does not grow with the draft length; it is not
+    planned (its sequences ask for their whole budget, as before).
+
+    When the plan asks for nothing, every EXPLORE_EVERY-th round asks for one
+    token anyway: acceptance is only learnt from drafts made, and a context
+    the model starts to follow must be noticed."""
+
+    EXPLORE_EVERY = 8
+
+    def __init__(self) -> None:
+        self.models: dict[str, CostModel] = {}
+        # the last fit of each replica: rounds planned to one length cannot refit it (their steps do not
+        # vary), and the fit must not vanish when the plan starts to work
+        self._fits: dict[str, tuple[float, float]] = {}
+        self._idle_rounds: dict[str, int] = {}
+
+    def observe(self, addr: str, steps: int, seconds: float) -> None:
+        """One answered propose call of ``addr`` whose longest draft had
+        ``steps`` tokens (a call that drafted nothing tells nothing of a step)."""
+        model = self.models.setdefault(addr, CostModel())
+        model.observe(steps, seconds)
+        fit = model.estimate()
+        if fit is not None:
+            self._fits[addr] = fit
+
+    def plan(self, addr: str, seqs: list[Sequence], verify: tuple[float, float] | None) -> None:
+        """Sets ``planned_budget`` of ``seqs`` (those proposed on ``addr`` this
+        round): the planned K for the adaptive ones with model drafts, None
+        (their whole budget) for the others and while a fit is missing."""
+        planned = [s for s in seqs if s.params.adaptive and s.model_drafts and s.num_speculative_tokens() > 0]
+        for seq in seqs:
+            seq.planned_budget = None
+        propose = self._fits.get(addr)
+        if not planned or verify is None or propose is None:
+            return
+        k = plan_draft_steps([s.acceptance.gains(s.num_speculative_tokens()) for s in planned],
+                             sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
+        idle = self._idle_rounds.get(addr, 0) + 1 if k == 0 else 0
+        if idle >= self.EXPLORE_EVERY:
+            k, idle = 1, 0
+        self._idle_rounds[addr] = idle
+        for seq in planned:
+            seq.planned_budget = k
+        metrics.PLANNED_DRAFT_STEPS.labels(addr).set(k)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("draft budgets on %s: propose %.2f ms + %.2f ms/step, verify %.2f ms + %.2f ms/token, "
+                      "first gains %s: asking %d", addr, 1e3 * propose[0], 1e3 * propose[1], 1e3 * verify[0],
+                      1e3 * verify[1], [round(s.acceptance.gains(1)[0], 2) for s in planned[:4]], k)
+
+    def forget(self, addr: str) -> None:
+        """Drops a replica that discovery removed."""
+        for table in (self.models, self._fits, self._idle_rounds):
+            table.pop(addr, None)

@@ -63,7 +63,8 @@ A proposer that is slow, down or wrong only costs drafts (the round goes on
 with zero drafts); a lost scorer replica costs a re-prefill on another one.
 Neither changes a token. Where state lives is ``Placement``'s business, what
 a failure costs ``FailurePolicy``'s, freeing state ``Releases``', the
-adaptive draft length ``VerifyCosts``/``plan_drafts``'; messages are built
+adaptive draft length ``VerifyCosts``/``plan_drafts``' (what a model
+proposer is asked for: ``DraftBudgets``'); messages are built
 and read in gateway/wire.py.
 """
 from __future__ import annotations
@@ -72,6 +73,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -83,6 +85,7 @@ from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
 from specdec.gateway.costs import (
+    DraftBudgets,
     VerifyCosts,
     apply_plan,
     draft_gains,
@@ -142,6 +145,7 @@ class SpecLoop:
                                       self.config.max_stalled_rounds)
         self.releases = Releases(self.conns)
         self.costs = VerifyCosts()
+        self.budgets = DraftBudgets()  # model proposers: draft tokens worth asking for
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
         self._live: list[Sequence] = []
         self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
@@ -171,6 +175,7 @@ class SpecLoop:
         # an in-flight Verify may still finish (its sequences then move next round)
         asyncio.get_running_loop().create_task(self.conns.drop(addr, grace_s=self.config.verify_timeout_s))
         self.costs.forget(addr)
+        self.budgets.forget(addr)
 
     async def stop(self) -> None:
         """Stops the rounds; sequences still live end with UNAVAILABLE and
@@ -363,6 +368,8 @@ class SpecLoop:
         return drafts
 
     async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
+        if not ahead:  # (drafting ahead hides the proposer's time: nothing to plan)
+            self.budgets.plan(addr, seqs, self._verify_estimate(seqs))
         message = propose_request(seqs, self.releases.take_proposer(addr), ahead)
         start = time.perf_counter()
         try:
@@ -386,11 +393,20 @@ class SpecLoop:
             draft = self._checked(seq, answer.draft, seq.propose_budget(drafting_ahead))
             seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
             seq.drafts_offered = _moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
+            if draft:
+                seq.model_drafted = _moving_average(seq.model_drafted, float(draft.confidence() is not None),
+                                                    decay=0.8)
             if drafting_ahead:
                 self._ahead[seq.seq_id] = (len(seq.tokens), draft)
                 draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
+        self.budgets.observe(addr, max(map(len, drafts.values()), default=0), elapsed)
         return drafts
+
+    def _verify_estimate(self, seqs: list[Sequence]) -> tuple[float, float] | None:
+        """The wall-time Verify fit of the scorer replica holding most of ``seqs``."""
+        on_scorer = Counter(s.scorer_addr for s in seqs if s.scorer_addr is not None)
+        return self.costs.wall_estimate(on_scorer.most_common(1)[0][0]) if on_scorer else None
 
     def _checked(self, seq: Sequence, draft: Draft, budget: int) -> Draft:
         """A proposer returning garbage (more drafts than the budget asked,

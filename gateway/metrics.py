@@ -48,6 +48,9 @@ VERIFY_COST = Gauge("specdec_gateway_verify_cost_seconds",
 TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
                          "Proposed draft tokens not verified because the adaptive draft length "
                          "judged them not worth their cost", ["method"])
+PLANNED_DRAFT_STEPS = Gauge("specdec_gateway_planned_draft_steps",
+                            "Draft tokens the adaptive draft length last asked a model proposer replica for "
+                            "(gateway/costs.DraftBudgets; 0: plain decoding)", ["proposer"])
 FEATURE_BYTES = Counter("specdec_gateway_feature_bytes_total",
                         "Target feature bytes (bfloat16 hidden states) relayed from scorers to proposers "
                         "(eagle3, mtp)", ["method"])

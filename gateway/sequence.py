@@ -229,6 +229,10 @@ class IncrementalDecoder:
 
 
 # verification strategies whose output does not depend on the drafts
+#: ``Sequence.model_drafts`` from this share of its recent drafts (moving
+#: average, decay 0.8) made by a model: after one copy a hybrid's sequence
+#: needs four model drafts in a row to count again
+MODEL_DRAFTED = 0.9
 _DRAFT_INDEPENDENT = (pb.VERIFY_STRATEGY_GREEDY, pb.VERIFY_STRATEGY_TARGET_MATCH)
 
 
@@ -271,6 +275,10 @@ class Sequence:
         self.features = FeatureRelay()  # target features for the proposer (eagle3, mtp)
         self.acceptance = AcceptanceEstimate()  # how well this sequence's drafts do
         self.drafts_offered = 1.0  # moving average: how often its proposer answered with any draft
+        # moving average: how often its drafts carried a model's probabilities (draft, eagle3; a hybrid's
+        # copies carry none)
+        self.model_drafted: float | None = None
+        self.planned_budget: int | None = None  # draft tokens this round asks for (costs.DraftBudgets); None: all
 
     # ------------------------------------------------------------- queries
 
@@ -294,11 +302,13 @@ class Sequence:
     def decode_steps(self, most: int) -> int:
         """Tokens one Verify call may decode for this sequence (plain
         decoding, VerifySequence.decode_steps): up to ``most`` for a sequence
-        that never drafts (method none), asks no target features and whose
-        scorer holds its context (a first touch answers one token: the first
-        token comes as early as without), cut so that a call never makes more
-        output than max_tokens or the context allow; 1 otherwise."""
-        if self.params.num_speculative_tokens or self.features.layers or not self.scorer_primed:
+        that drafts nothing this round (method none, or a model proposer
+        asked for nothing: ``planned_budget``), asks no target features and
+        whose scorer holds its context (a first touch answers one token: the
+        first token comes as early as without), cut so that a call never
+        makes more output than max_tokens or the context allow; 1 otherwise."""
+        drafting = self.params.num_speculative_tokens and self.planned_budget != 0
+        if drafting or self.features.layers or not self.scorer_primed:
             return 1
         return max(1, min(most, self._tokens_left()))
 
@@ -315,12 +325,21 @@ class Sequence:
         p = self.params
         return p.verify_strategy in _DRAFT_INDEPENDENT and p.accept_policy == pb.ACCEPT_POLICY_NORMAL
 
+    @property
+    def model_drafts(self) -> bool:
+        """Its drafts come from a model (not from a copy, nor from a hybrid
+        that copies where it can): each draft token costs its proposer a forward."""
+        return self.model_drafted is not None and self.model_drafted >= MODEL_DRAFTED
+
     def propose_budget(self, ahead: bool) -> int:
-        """Draft tokens to ask the proposer for: this round's budget, or when
+        """Draft tokens to ask the proposer for: this round's budget (cut to
+        ``planned_budget`` when the adaptive length planned one), or when
         drafting ahead enough for this round, its target token and the next
         round (2k + 1, at most MAX_SPECULATIVE_TOKENS)."""
         k = self.num_speculative_tokens()
-        return min(2 * k + 1, MAX_SPECULATIVE_TOKENS) if ahead and k else k
+        if ahead and k:
+            return min(2 * k + 1, MAX_SPECULATIVE_TOKENS)
+        return k if self.planned_budget is None else min(k, self.planned_budget)
 
     def proposer_opened(self, feature_layers: tuple[int, ...], features_from: int) -> None:
         """The proposer answered this sequence's open, declaring the target

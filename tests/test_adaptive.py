@@ -241,3 +241,30 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
     assert sum(s.stats.draft_tokens for s in fixed) > sum(s.stats.draft_tokens for s in adaptive)
     for seq in fixed:
         assert seq.params.adaptive is False
+
+
+def test_draft_steps_weigh_a_model_proposer_against_the_verify():
+    from specdec.gateway.adaptive import plan_draft_steps
+
+    verify = (0.020, 0.0004)  # a 2-core CPU's SmolLM2 Verify: 20 ms, 0.4 ms per row
+    good, poor = [0.9, 0.8, 0.7, 0.6, 0.5], [0.3, 0.1, 0.03, 0.01, 0.003]
+    # a proposer with no cost per step: every position worth its Verify row
+    # (0.01 * 20 ms < 0.4 ms * the 1.4 tokens expected: not the 4th)
+    assert plan_draft_steps([good], 1, verify, (0.001, 0.0)) == 5
+    assert plan_draft_steps([poor], 1, verify, (0.001, 0.0)) == 3
+    # a draft model at 6.6 ms per step (2 cores shared with the scorer):
+    # E/T at K = 4: 4.0 / 49.4 ms; at 5: 4.5 / 56.4 ms
+    assert plan_draft_steps([good], 1, verify, (0.001, 0.0066)) == 4
+    assert plan_draft_steps([poor], 1, verify, (0.001, 0.0066)) == 0  # plain decoding pays more
+    # K = 1: 1.9 / 28.4 ms, 2: 2.5 / 35.4, 3: 2.7 / 42.4
+    assert plan_draft_steps([[0.9, 0.6, 0.2, 0.05, 0.01]], 1, verify, (0.001, 0.0066)) == 2
+    assert plan_draft_steps([[0.5, 0.4]], 1, verify, (0.001, 0.0066)) == 2  # a shorter budget: at most its length
+    assert plan_draft_steps([[0.45, 0.2]], 1, verify, (0.001, 0.0066)) == 1
+    # the steps serve every sequence of the round: eight share them (K = 1: 12 / 44 ms, 0: 8 / 33.2)
+    assert plan_draft_steps([[0.5, 0.2, 0.05]] * 8, 8, (0.030, 0.0004), (0.001, 0.0066)) == 1
+    assert plan_draft_steps([poor] * 8, 8, (0.030, 0.0004), (0.001, 0.0066)) == 0
+    assert plan_draft_steps([], 1, verify, (0.001, 0.0066)) == 0
+    # asked for nothing, the proposer costs nothing: a fixed part (the catch-up forward, the call) weighs
+    # against drafting at all (as fitted for a 4-layer SmolLM2 draft beside its scorer)
+    assert plan_draft_steps([[0.45, 0.2]], 1, verify, (0.008, 0.003)) == 0
+    assert plan_draft_steps([[0.6, 0.3]], 1, verify, (0.008, 0.003)) == 2

@@ -381,3 +381,60 @@ def test_a_scorer_stub_is_built_once_per_channel_and_dropped_with_it():
         await conns.close()
 
     asyncio.run(run())
+
+
+def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
+    """DraftBudgets: only adaptive sequences whose drafts come from a model
+    are planned; nothing is planned until the proposer's and the scorer's
+    times are fitted; a plan of zero asks for one token every
+    EXPLORE_EVERY-th round; the plan reaches the proposer's message."""
+    from specdec.gateway.costs import DraftBudgets
+    from specdec.gateway.wire import sequence_update
+
+    model = Sequence("model", _params("draft", 5), _Tokenizer(), (2,), 512)
+    copying = Sequence("copy", _params("ngram", 5), _Tokenizer(), (2,), 512)
+    fixed = Sequence("fixed", _params("draft", 5, adaptive=False), _Tokenizer(), (2,), 512)
+    seqs = [model, copying, fixed]
+    for seq in seqs:
+        seq.scorer_primed, seq.proposer_len = True, len(seq.tokens)
+    model.model_drafted = fixed.model_drafted = 1.0
+    for _ in range(30):  # the model's history: its drafts' first tokens are rarely right
+        model.acceptance.record(0, 5)
+    budgets = DraftBudgets()
+    verify = (0.020, 0.0004)
+    budgets.plan("p:1", seqs, verify)
+    assert [s.planned_budget for s in seqs] == [None] * 3  # the proposer's time is not fitted yet
+    for steps in [1, 2, 3, 4, 5] * 4:  # 1 ms a call + 6.6 ms a draft step
+        budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
+    budgets.plan("p:1", seqs, None)
+    assert model.planned_budget is None  # nor the scorer's
+    asked = []
+    for _ in range(2 * DraftBudgets.EXPLORE_EVERY):
+        budgets.plan("p:1", seqs, verify)
+        assert copying.planned_budget is None and fixed.planned_budget is None
+        asked.append(sequence_update(model, ahead=False).num_speculative_tokens)
+    assert asked == ([0] * (DraftBudgets.EXPLORE_EVERY - 1) + [1]) * 2
+    budgets.plan("p:1", seqs, verify)
+    # asked for nothing, it decodes like method none: several tokens per Verify call
+    assert model.planned_budget == 0 and model.decode_steps(4) == 4 and fixed.decode_steps(4) == 1
+    assert sequence_update(copying, ahead=False).num_speculative_tokens == 5
+    assert sequence_update(fixed, ahead=False).num_speculative_tokens == 5
+    for _ in range(30):  # the model now follows the context
+        model.acceptance.record(5, 5)
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget == 5 and sequence_update(model, ahead=False).num_speculative_tokens == 5
+    assert model.decode_steps(4) == 1
+    assert model.propose_budget(ahead=True) == 11  # drafting ahead asks for 2k + 1 whatever the plan
+    # calls that drafted nothing leave the fit alone; the fit survives rounds of one length
+    for _ in range(100):
+        budgets.observe("p:1", 1, 0.0076)
+        budgets.observe("p:1", 0, 0.001)
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget == 5
+    model.model_drafted = 0.8  # a hybrid that just copied: it may copy far, the plan would cut it
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget is None
+    model.model_drafted = 1.0
+    budgets.forget("p:1")
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget is None
