@@ -228,11 +228,11 @@ class IncrementalDecoder:
             self._at, self._text, self._head = at, known, head
 
 
-# verification strategies whose output does not depend on the drafts
 #: ``Sequence.model_drafts`` from this share of its recent drafts (moving
 #: average, decay 0.8) made by a model: after one copy a hybrid's sequence
 #: needs four model drafts in a row to count again
 MODEL_DRAFTED = 0.9
+# verification strategies whose output does not depend on the drafts
 _DRAFT_INDEPENDENT = (pb.VERIFY_STRATEGY_GREEDY, pb.VERIFY_STRATEGY_TARGET_MATCH)
 
 
