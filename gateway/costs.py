@@ -163,7 +163,12 @@ class DraftBudgets:
     steps`` (steps: the longest draft it answered), and ``plan_draft_steps``
     weighs it against the Verify time and the sequences' acceptance so far.
     A copy proposer's time does not grow with the draft length; it is not
-    planned (its sequences ask for their whole budget, as before).
+    planned (its sequences ask for their whole budget, as before). Nor is a
+    feature head's (eagle3, mtp): its sequences take the target's features
+    every round and cannot decode several tokens per Verify, so asking for
+    nothing saves little of its time (bench_draft, SmolLM2 eagle3 head:
+    planned, 0.90x / 0.58x plain on chat / copy prompts against 0.94x /
+    0.62x at a fixed k).
 
     When the plan asks for nothing, every EXPLORE_EVERY-th round asks for one
     token anyway: acceptance is only learnt from drafts made, and a context
@@ -191,7 +196,8 @@ class DraftBudgets:
         """Sets ``planned_budget`` of ``seqs`` (those proposed on ``addr`` this
         round): the planned K for the adaptive ones with model drafts, None
         (their whole budget) for the others and while a fit is missing."""
-        planned = [s for s in seqs if s.params.adaptive and s.model_drafts and s.num_speculative_tokens() > 0]
+        planned = [s for s in seqs if s.params.adaptive and s.model_drafts and not s.features.layers
+                   and s.num_speculative_tokens() > 0]
         for seq in seqs:
             seq.planned_budget = None
         propose = self._fits.get(addr)

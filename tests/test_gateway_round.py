@@ -385,7 +385,7 @@ def test_a_scorer_stub_is_built_once_per_channel_and_dropped_with_it():
 
 def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     """DraftBudgets: only adaptive sequences whose drafts come from a model
-    are planned; nothing is planned until the proposer's and the scorer's
+    (not a feature head) are planned; nothing is planned until the proposer's and the scorer's
     times are fitted; a plan of zero asks for one token every
     EXPLORE_EVERY-th round; the plan reaches the proposer's message."""
     from specdec.gateway.costs import DraftBudgets
@@ -431,6 +431,10 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
         budgets.observe("p:1", 0, 0.001)
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget == 5
+    model.features.opened((1, 2), 0)  # a feature head: features every round, no decode_steps: not planned
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget is None
+    model.features.opened((), 0)
     model.model_drafted = 0.8  # a hybrid that just copied: it may copy far, the plan would cut it
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget is None
