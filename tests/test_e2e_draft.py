@@ -125,6 +125,68 @@ def test_adaptive_length_cuts_unconfident_drafts(weak_draft_stack, stories_path)
     assert cut.stats.draft_tokens / cut.stats.rounds < full.stats.draft_tokens / full.stats.rounds
 
 
+def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draft_stack, stories_path):
+    """The gateway's loop against the real scorer and draft proposer, with a
+    draft step made (on paper) far dearer than a Verify: adaptive draft
+    sequences are asked for nothing (DraftBudgets), decode several tokens
+    per Verify, draft only in the exploration rounds, and every output is
+    plain greedy decoding of the target."""
+    import asyncio
+
+    from specdec.gateway import metrics
+    from specdec.gateway.adaptive import CostModel
+    from specdec.gateway.costs import DraftBudgets
+    from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
+    from specdec.gateway.loop import LoopConfig, SpecLoop
+    from specdec.gateway.request import ModelLimits, parse_request
+    from specdec.gateway.sequence import Delta, Sequence
+    from specdec.models import load_tokenizer, resolve_model
+
+    scorer = weak_draft_stack.by_name("scorer")[0].addr
+    proposer = weak_draft_stack.by_name("proposer-draft")[0].addr
+    tokenizer = load_tokenizer(resolve_model(stories_path))
+    limits = ModelLimits(512, 512, (2,))
+
+    def sequence(text: str) -> Sequence:
+        request = make_request(_prompt_ids(stories_path, text), max_tokens=MAX_TOKENS, method="draft", k=4,
+                               min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
+        params = parse_request(request, tokenizer, limits, ("draft",), "draft", 4)
+        return Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+
+    async def run() -> list[Sequence]:
+        scorers, drafts = ReplicaSet("scorer"), ReplicaSet("proposer-draft")
+        StaticDiscovery({"scorer": (scorers, [scorer]), "draft": (drafts, [proposer])}).start()
+        loop = SpecLoop(scorers, {"draft": drafts}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
+        # fitted (on paper): a Verify 10 ms + 1 ms a row, a draft step 1 s; kept whatever the real calls say
+        loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
+        for t in range(1, 1001):
+            verify.observe(t % 8 + 1, 0.010 + 0.001 * (t % 8 + 1))
+        loop.budgets = budgets = DraftBudgets()
+        budgets.observe = lambda addr, steps, seconds: None  # type: ignore[method-assign]
+        budgets._fits[proposer] = (0.001, 1.0)
+        seqs = [sequence(p) for p in PROMPTS]
+        loop.start()
+        try:
+            for seq in seqs:  # one at a time: each output is compared alone
+                loop.submit(seq)
+                while not (isinstance(item := await seq.out.get(), Delta) and item.finish_reason):
+                    assert isinstance(item, Delta), item
+        finally:
+            await loop.stop()
+        return seqs
+
+    seqs = asyncio.run(run())
+    for seq in seqs:
+        ids = tuple(seq.tokens[:seq.num_prompt])
+        assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, MAX_TOKENS)
+    assert metrics.PLANNED_DRAFT_STEPS.labels(proposer)._value.get() in (0, 1)
+    drafted = sum(s.stats.draft_tokens for s in seqs)
+    # the first round asks for the whole budget (no history says it is a model's yet), then every
+    # EXPLORE_EVERY-th round one token; the rounds between decode several tokens per Verify
+    assert 0 < drafted <= len(seqs) * (4 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
+    assert all(s.planned_budget in (0, 1) for s in seqs)
+
+
 def test_concurrent_streams_equal_solo_runs(weak_draft_stack, stories_path):
     reqs = [make_request(_prompt_ids(stories_path, t), max_tokens=MAX_TOKENS, method=m, k=4)
             for t in PROMPTS for m in ("draft", "draft_hybrid")]
