@@ -24,7 +24,8 @@ Recipe (all offline; nothing but the target and this package is needed):
    constant`` keeps it); matmuls in bfloat16 with float32 weights and
    optimiser (autocast) on a CPU with native bfloat16 (``--train-dtype``);
    a checkpoint (student, optimiser, data, step) every
-   ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that;
+   ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that
+   (also while step 1 makes the data: the finished answers are kept);
 4. acceptance: greedy speculation simulated on held-out prompts (target
    greedy answers, student drafts of k tokens), printed and written to the
    model card;
@@ -48,6 +49,7 @@ import math
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -207,7 +209,8 @@ def train_dtype(cfg: DistillConfig) -> torch.dtype:
 
 
 @torch.inference_mode()
-def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tuple[int, ...] = ()) -> dict:
+def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tuple[int, ...] = (),
+                 resume: dict | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """Target answers to the recipe's prompts and the target's top-K
     next-token distribution (its logits as it generated, before temperature)
     at every answer position: row ``j`` of top_ids/top_logp predicts token
@@ -217,39 +220,48 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     feature_layers "features": [bfloat16 [len(tokens) - 1, len(feature_layers)
     * hidden]], the target's hidden states after those layers at every
     position but the last, from the same forwards (as the scorer computes
-    and sends them: no second pass over the data).
+    and sends them: no second pass over the data); answer i of the list
+    answers prompt i of the recipe's order.
 
     The answers come from the serving engine (``teacher_engine``: the Llama
     runner where it runs the target), ``TEACHER_BATCH`` of them in flight:
     a finished answer's place goes to the next prompt at once. On 2 cores
     that makes ~4x the tokens per minute of ``transformers.generate`` in
     batches of 8, so the same minutes give the student far more text.
-    Draws come from one generator seeded with cfg.seed, in a fixed order
-    (the engine's rows do not depend on the batch), so a seed gives the
-    same data."""
+
+    Answer i draws its tokens with uniforms of its own generator (seeded by
+    cfg.seed and i, ``answer_generator``), and the engine's rows do not
+    depend on the batch, so an answer is the same whatever else is in
+    flight: a seed gives the same data, and so does a run resumed from a
+    checkpoint. ``save`` (if given) is called every ``CHECKPOINT_EVERY_S``
+    seconds and at the end with {"answers": {i: answer i}}, what ``resume``
+    takes back; answers in flight at a checkpoint are not in it (a resumed
+    run starts them again: at most a few seconds of the target's work)."""
     from specdec.engine.base import ForwardItem
 
-    torch.manual_seed(cfg.seed)
     all_prompts = prompts(tokenizer, TOPICS)
-    todo = [all_prompts[i % len(all_prompts)] for i in range(cfg.samples)]
-    width = min(TEACHER_BATCH, len(todo))
-    longest = max(map(len, todo), default=1) + cfg.max_new_tokens
+    answers: dict[int, dict] = dict(resume["answers"]) if resume else {}
+    todo = [i for i in range(cfg.samples) if i not in answers]
+    width = min(TEACHER_BATCH, max(len(todo), 1))
+    longest = max((len(all_prompts[i % len(all_prompts)]) for i in todo), default=1) + cfg.max_new_tokens
     engine = teacher_engine(target, cfg.target, width * (longest + 64), cfg.threads)  # + 64: whole KV blocks
-    gen = torch.Generator().manual_seed(cfg.seed)
     eos = tokenizer.eos_token_id
-    data: dict = {"tokens": [], "start": [], "top_ids": [], "top_logp": []}
-    if feature_layers:
-        data["features"] = []
-    live: dict[str, dict] = {}  # seq id -> {"prompt", "answer", "ids", "logp", "feed", "feats"}, admission order
-    admitted, started, reported = 0, time.monotonic(), time.monotonic()
+    if answers:
+        log(f"data: resumed with {len(answers)}/{cfg.samples} target answers")
+    live: dict[int, dict] = {}  # answer index -> {"prompt", "answer", "ids", "logp", "feed", "feats", "gen"}
+    admitted, started, reported, saved = 0, time.monotonic(), time.monotonic(), time.monotonic()
+    made = sum(len(a["tokens"]) - a["start"] - 1 for a in answers.values())
+    made_before = made
     while admitted < len(todo) or live:
         while len(live) < width and admitted < len(todo):
-            seq_id, prompt = f"teacher-{admitted}", todo[admitted]
-            engine.ensure_capacity(seq_id, len(prompt) + cfg.max_new_tokens)
-            live[seq_id] = {"prompt": prompt, "answer": [], "ids": [], "logp": [], "feed": prompt, "feats": []}
+            index = todo[admitted]
+            prompt = all_prompts[index % len(all_prompts)]
+            engine.ensure_capacity(f"teacher-{index}", len(prompt) + cfg.max_new_tokens)
+            live[index] = {"prompt": prompt, "answer": [], "ids": [], "logp": [], "feed": prompt, "feats": [],
+                           "gen": answer_generator(cfg.seed, index)}
             admitted += 1
-        out = engine.forward([ForwardItem(i, np.asarray(s["feed"], np.int32), 1) for i, s in live.items()],
-                             feature_layers=feature_layers)
+        out = engine.forward([ForwardItem(f"teacher-{i}", np.asarray(s["feed"], np.int32), 1)
+                              for i, s in live.items()], feature_layers=feature_layers)
         if feature_layers:  # out.features: [fed tokens of all items, in item order, width]
             fed = np.cumsum([0] + [len(s["feed"]) for s in live.values()])
             for j, s in enumerate(live.values()):
@@ -257,41 +269,53 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
         logits = out.logits.float()  # [len(live), V], one row per sequence, admission order
         top = torch.log_softmax(logits, -1).topk(TEACHER_TOP_K, dim=-1)  # [B, K]
         if cfg.teacher_temperature > 0:
-            drawn = draw(torch.softmax(logits / cfg.teacher_temperature, -1), gen)
+            uniforms = torch.cat([torch.rand(1, generator=s["gen"]) for s in live.values()])  # [B]
+            drawn = draw(torch.softmax(logits / cfg.teacher_temperature, -1), uniforms)
         else:  # greedy answers: the text a greedy request's drafts are checked against
             drawn = logits.argmax(-1)
-        for row, (seq_id, s) in enumerate(list(live.items())):
+        for row, (index, s) in enumerate(list(live.items())):
             token = int(drawn[row])
             s["answer"].append(token)
             s["ids"].append(top.indices[row].int())
             s["logp"].append(top.values[row])
             s["feed"] = [token]
             if token == eos or len(s["answer"]) == cfg.max_new_tokens:
-                engine.release(seq_id)
-                del live[seq_id]
-                data["tokens"].append(s["prompt"] + s["answer"])
-                data["start"].append(len(s["prompt"]) - 1)
-                data["top_ids"].append(torch.stack(s["ids"]))
-                data["top_logp"].append(torch.stack(s["logp"]))
+                engine.release(f"teacher-{index}")
+                del live[index]
+                answer = {"tokens": s["prompt"] + s["answer"], "start": len(s["prompt"]) - 1,
+                          "top_ids": torch.stack(s["ids"]), "top_logp": torch.stack(s["logp"])}
                 if feature_layers:  # every position but the last answer token (never fed)
-                    data["features"].append(torch.cat(s["feats"]))
-        if time.monotonic() - reported >= 10 or (admitted == len(todo) and not live):
+                    answer["features"] = torch.cat(s["feats"])
+                answers[index] = answer
+                made += len(s["answer"])
+        finished = admitted == len(todo) and not live
+        if save is not None and (finished or time.monotonic() - saved >= CHECKPOINT_EVERY_S):
+            save({"answers": answers})
+            saved = time.monotonic()
+        if time.monotonic() - reported >= 10 or finished:
             reported = time.monotonic()
             elapsed = reported - started
-            made = sum(len(t) - st - 1 for t, st in zip(data["tokens"], data["start"]))
-            log(f"data: {len(data['tokens'])}/{cfg.samples} target answers, {made} tokens, "
-                f"{made / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f}s")
-    return data
+            log(f"data: {len(answers)}/{cfg.samples} target answers, {made} tokens, "
+                f"{(made - made_before) / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f}s")
+    keys = ["tokens", "start", "top_ids", "top_logp"] + (["features"] if feature_layers else [])
+    return {key: [answers[i][key] for i in range(cfg.samples)] for key in keys}
 
 
-def draw(probs: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def answer_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of answer ``index``'s draws (one uniform per token).
+    (torch's CPU generator keeps 32 bits of a seed: the pair is mixed into
+    32 bits, not packed into 64.)"""
+    return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, index]).generate_state(1)[0]))
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] (rows summing to ~1), drawn by
-    inverting each row's cumulative distribution at a uniform draw from
-    ``gen``: one uniform per row, so a seed gives the same draws.
+    inverting each row's cumulative distribution at ``uniforms`` [B] (in
+    [0, 1)): seeded uniforms give the same draws.
     (torch.multinomial takes ~33 ms for 32 rows of a 49k vocabulary on 2
     cores, a third of a teacher step; this takes ~1 ms.)"""
     cdf = probs.float().cumsum(-1)  # [B, V]
-    u = torch.rand(len(probs), 1, generator=gen) * cdf[:, -1:]  # [B, 1], scaled to the row's total
+    u = uniforms.float()[:, None] * cdf[:, -1:]  # [B, 1], scaled to the row's total
     return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
@@ -419,11 +443,20 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     tokenizer = load_tokenizer(resolve_model(cfg.target))
     step, trained_s, data_s = 0, 0.0, 0.0
     state = torch.load(ckpt_path, weights_only=False) if resume and ckpt_path.exists() else None
+    if state and "teacher" in state:  # a checkpoint of the target's answers: the data goes on from it
+        state, teacher = None, state
+    else:
+        teacher = None
     if state:
         data, data_s = state["data"], state["data_s"]
     else:
-        data_started = time.monotonic()
-        data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target))
+        data_started = time.monotonic() - (teacher["data_s"] if teacher else 0.0)
+
+        def save_teacher(partial: dict) -> None:
+            _save_atomically(ckpt_path, {"teacher": partial, "data_s": time.monotonic() - data_started})
+
+        data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target),
+                            resume=teacher and teacher["teacher"], save=save_teacher)
         data_s = time.monotonic() - data_started
     head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.kind == "draft" and cfg.draft_vocab else None
     student, loss_of = _student(cfg, target, data, head_ids)
@@ -526,9 +559,13 @@ def _student(cfg: DistillConfig, target, data: dict, head_ids: list[int] | None 
 
 
 def _save_checkpoint(path: Path, student, optimizer, data, data_s: float, step: int, trained_s: float) -> None:
+    _save_atomically(path, {"student": student.state_dict(), "optimizer": optimizer.state_dict(), "data": data,
+                            "data_s": data_s, "step": step, "trained_s": trained_s, "rng": torch.get_rng_state()})
+
+
+def _save_atomically(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".partial")
-    torch.save({"student": student.state_dict(), "optimizer": optimizer.state_dict(), "data": data, "data_s": data_s,
-                "step": step, "trained_s": trained_s, "rng": torch.get_rng_state()}, tmp)
+    torch.save(state, tmp)
     tmp.replace(path)  # atomic: a crash mid-save keeps the previous checkpoint
 
 

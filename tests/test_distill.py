@@ -136,6 +136,86 @@ def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path, monk
     assert not all(torch.allclose(a[k], two[k], rtol=0, atol=1e-5) for k in a)
 
 
+def _same_data(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and a["tokens"] == b["tokens"] and a["start"] == b["start"] and all(
+        len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
+        for k in a if k not in ("tokens", "start"))
+
+
+def test_each_teacher_answer_is_the_same_whatever_else_is_in_flight(stories_path, monkeypatch):
+    """Answer i draws from its own seeded generator and the engine's rows do
+    not depend on the batch: 3 answers in flight give the data of 32, in
+    the recipe's order (what lets a resumed run make the same data); another
+    seed gives other answers."""
+    import dataclasses
+
+    import specdec.distill as mod
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    target, tokenizer = load_hf_model(stories_path), load_tokenizer(resolve_model(stories_path))
+    cfg = _config(stories_path, "unused", steps=1)
+    wide = mod.teacher_data(target, tokenizer, cfg, lambda *_: None, (0, 2))
+    monkeypatch.setattr(mod, "TEACHER_BATCH", 3)
+    narrow = mod.teacher_data(target, tokenizer, cfg, lambda *_: None, (0, 2))
+    assert len(wide["tokens"]) == 8 and _same_data(wide, narrow)
+    recipe = mod.prompts(tokenizer, mod.TOPICS)
+    assert all(t[:s + 1] == recipe[i] for i, (t, s) in enumerate(zip(wide["tokens"], wide["start"])))
+    other = mod.teacher_data(target, tokenizer, dataclasses.replace(cfg, seed=4), lambda *_: None)
+    assert other["tokens"] != wide["tokens"]
+
+
+@pytest.mark.parametrize("kind", ["draft", "eagle3"])
+def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(stories_path, tmp_path, monkeypatch,
+                                                                             kind):
+    """Ctrl-C while the target answers: the checkpoint holds the answers
+    finished so far, --resume makes only the others, and the data (hence
+    the draft) is the uninterrupted run's."""
+    import dataclasses
+
+    import specdec.distill as mod
+
+    cfg = dataclasses.replace(_config(stories_path, tmp_path / "whole", steps=1), kind=kind,
+                              draft_vocab=200 if kind == "eagle3" else 0)
+    monkeypatch.setattr(mod, "TEACHER_BATCH", 3)  # answers finish along the way
+    mod.distill(cfg, log=lambda *_: None)
+    whole = torch.load(tmp_path / "whole" / CHECKPOINT_FILE, weights_only=False)["data"]
+
+    calls = {"n": 0}
+    real_draw = mod.draw
+
+    def interrupting_draw(probs, uniforms):
+        calls["n"] += 1
+        if calls["n"] == 30:
+            raise KeyboardInterrupt
+        return real_draw(probs, uniforms)
+
+    cut = dataclasses.replace(cfg, out=str(tmp_path / "cut"))
+    with monkeypatch.context() as m:
+        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
+        m.setattr(mod, "draw", interrupting_draw)
+        with pytest.raises(KeyboardInterrupt):
+            mod.distill(cut, log=lambda *_: None)
+    saved = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)
+    kept = set(saved["teacher"]["answers"])
+    assert 0 < len(kept) < 8 and saved["data_s"] > 0
+    lines: list[str] = []
+    remade = {"n": 0}
+
+    def counting_draw(probs, uniforms):
+        remade["n"] += len(probs)
+        return real_draw(probs, uniforms)
+
+    monkeypatch.setattr(mod, "draw", counting_draw)
+    mod.distill(cut, resume=True, log=lines.append)
+    assert f"data: resumed with {len(kept)}/8 target answers" in lines
+    answers_left = sum(len(t) - s - 1 for i, (t, s) in enumerate(zip(whole["tokens"], whole["start"]))
+                       if i not in kept)
+    assert remade["n"] == answers_left  # only the answers not kept were made again
+    resumed = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)["data"]
+    assert _same_data(whole, resumed)
+
+
 def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
     """teacher_data takes the eagle3 features from its own forwards: row i of
     a sequence's features is the target's state at position i (the prompt's
@@ -222,16 +302,16 @@ def test_the_teachers_draws_follow_the_distribution_and_repeat_with_the_seed():
                           [0.1, 0.2, 0.3, 0.0, 0.4], [0.2, 0.2, 0.2, 0.2, 0.2]])
     n = 40000
     gen = torch.Generator().manual_seed(7)
-    drawn = torch.stack([draw(probs, gen) for _ in range(n)], 1)  # [4, n]
+    drawn = torch.stack([draw(probs, torch.rand(4, generator=gen)) for _ in range(n)], 1)  # [4, n]
     for row, p in enumerate(probs):
         counts = torch.bincount(drawn[row], minlength=len(p)).double()
         assert counts[p == 0].sum() == 0
         expected = n * p[p > 0].double()
         chi2 = float(((counts[p > 0] - expected) ** 2 / expected).sum())
         assert chi2 < 18.5, (row, counts.tolist())  # 0.1 % point at 4 degrees of freedom
-    assert torch.equal(draw(probs, torch.Generator().manual_seed(7)), drawn[:, 0])
+    assert torch.equal(draw(probs, torch.rand(4, generator=torch.Generator().manual_seed(7))), drawn[:, 0])
     skewed = torch.tensor([[0.9, 0.1, 0.0, 0.0, 0.0]]).expand(4, -1)  # a wrong sampler (uniform) fails this
-    counts = torch.bincount(torch.cat([draw(skewed, gen) for _ in range(2500)]), minlength=5)
+    counts = torch.bincount(torch.cat([draw(skewed, torch.rand(4, generator=gen)) for _ in range(2500)]), minlength=5)
     assert 8700 < counts[0] < 9300 and counts[2:].sum() == 0
 
 
