@@ -12,7 +12,12 @@ A copy draft that fills the sequence's whole budget (k tokens of verbatim
 continuation) is kept without running the model for that sequence: the model
 could at most match it, and its k steps (a forward each) would sit on the
 round's critical path for nothing. On copy work that is most rounds; the
-model's cache catches up in one forward when it drafts again.
+model's cache catches up in one forward when it drafts again. Nor does the
+model run for a shorter copy worth at least what the model's own drafts of
+that sequence have recently been worth (``model_expect``, a running mean of
+their scores): most rounds of copy work find a copy of a few tokens, and the
+model would rarely beat it. A sequence without a copy always asks the model,
+so its running mean keeps learning.
 """
 from __future__ import annotations
 
@@ -21,6 +26,9 @@ from specdec.proposer_svc.draft import DraftModelProposer
 from specdec.proposer_svc.hybrid import HybridConfig, ngram_score
 from specdec.proposer_svc.ngram import NgramProposer
 from specdec.proposer_svc.suffix import SuffixProposer
+
+#: weight of the newest model score in a sequence's running mean (model_expect)
+MODEL_EXPECT_WEIGHT = 0.5
 
 
 class DraftHybridProposer(Proposer):
@@ -34,11 +42,14 @@ class DraftHybridProposer(Proposer):
         self.ngram = NgramProposer()
         self.suffix = SuffixProposer(config.suffix)
         self._parts: tuple[Proposer, ...] = (self.model, self.ngram, self.suffix)
-        self.model_skipped = 0  # sequence-rounds answered by a full-budget copy without the model
+        self.model_skipped = 0  # sequence-rounds answered by a copy without the model
+        # per sequence: running mean of its model drafts' scores (absent until the model drafts for it)
+        self.model_expect: dict[str, float] = {}
 
     def start(self, seq_id, context, options):
         for part in self._parts:
             part.start(seq_id, context, options)
+        self.model_expect.pop(seq_id, None)
 
     def extend(self, seq_id, token_ids):
         for part in self._parts:
@@ -51,17 +62,31 @@ class DraftHybridProposer(Proposer):
         copies: list[tuple[float, Draft]] = [  # the better copy draft; ties go to the suffix draft
             max((s_score, s_draft), (ngram_score(len(n.token_ids), q), n), key=lambda c: c[0])
             for n, (s_draft, s_score) in zip(ngram, suffix)]
-        asked = [i for i, ((_, k), (_, copy)) in enumerate(zip(requests, copies)) if len(copy.token_ids) < k]
+        asked = [i for i, ((seq_id, k), (score, copy)) in enumerate(zip(requests, copies))
+                 if self._asks_model(seq_id, k, len(copy.token_ids), score)]
         self.model_skipped += len(requests) - len(asked)
         out = [copy for _, copy in copies]
         for i, m in zip(asked, self.model.propose_scored([requests[i] for i in asked])):
+            seq_id = requests[i][0]
+            expect = self.model_expect.get(seq_id)
+            self.model_expect[seq_id] = m.score if expect is None else (
+                MODEL_EXPECT_WEIGHT * m.score + (1 - MODEL_EXPECT_WEIGHT) * expect)
             if m.score >= copies[i][0]:  # ties go to the model
                 out[i] = m.draft
         return out
 
+    def _asks_model(self, seq_id: str, k: int, copy_len: int, copy_score: float) -> bool:
+        """Whether the model drafts for seq_id this round, given its best copy
+        draft: always without a copy, never for a copy of the whole budget,
+        else while the copy is worth less than the model's recent drafts."""
+        if copy_len == 0:
+            return True
+        return copy_len < k and copy_score < self.model_expect.get(seq_id, float("inf"))
+
     def stop(self, seq_id, completed):
         for part in self._parts:
             part.stop(seq_id, completed)
+        self.model_expect.pop(seq_id, None)
 
     def between_messages(self):
         for part in self._parts:

@@ -16,6 +16,7 @@ import torch
 from specdec.engine.config import EngineConfig
 from specdec.proposer_svc.base import SeqOptions
 from specdec.proposer_svc.draft import DraftConfig, DraftModelProposer, choose_tokens, seeded_uniform
+from specdec.proposer_svc.hybrid import ngram_score
 
 PROMPT = np.array([1, 403, 261, 429, 407, 261, 378], dtype=np.int32)
 NO_CUT = SeqOptions(min_token_prob=0.0)
@@ -209,3 +210,45 @@ def test_draft_hybrid_runs_the_model_only_where_no_copy_fills_the_budget(engine)
         hybrid.stop(seq_id, completed=False)
     for seq_id in ("fresh", "whole"):
         alone.stop(seq_id, completed=False)
+
+
+def test_draft_hybrid_keeps_a_short_copy_worth_more_than_the_models_recent_drafts(engine):
+    """A copy shorter than k is kept without a model forward once the
+    model's drafts of that sequence have been worth less (model_expect, a
+    running mean of their scores); while they are worth more, or before the
+    model has drafted for the sequence, the model runs; a sequence without a
+    copy always asks the model."""
+    from specdec.proposer_svc.draft_hybrid import MODEL_EXPECT_WEIGHT, DraftHybridProposer
+    from specdec.proposer_svc.hybrid import HybridConfig
+
+    hybrid = DraftHybridProposer(_proposer(engine), HybridConfig())
+    alone = _proposer(engine)
+    repeated = np.concatenate([PROMPT, PROMPT[:3]]).astype(np.int32)  # a copy of 7 tokens, k = 12
+    hybrid.start("copy", repeated, NO_CUT)
+    alone.start("copy", repeated, NO_CUT)
+    model_score = alone.propose_scored([("copy", 12)])[0].score
+    hybrid.propose([("copy", 12)])  # no running mean yet: the model drafts
+    assert hybrid.model_skipped == 0 and engine.cached_len("copy") > 0
+    assert hybrid.model_expect["copy"] == pytest.approx(model_score)
+    copy_score = max(hybrid.suffix.propose_scored([("copy", 12)])[0][1],
+                     ngram_score(7, HybridConfig().ngram_token_prob))
+    assert 0 < copy_score < 12
+
+    hybrid.model_expect["copy"] = copy_score - 0.01  # the model's drafts were worth a little less: skipped
+    cached = engine.cached_len("copy")
+    copy = hybrid.propose([("copy", 12)])[0]
+    assert hybrid.model_skipped == 1 and engine.cached_len("copy") == cached
+    assert copy.token_ids.tolist() == repeated[3:].tolist() and copy.probs == ()  # one-hot: the copy
+    hybrid.model_expect["copy"] = copy_score + 0.01  # worth a little more: the model runs and updates the mean
+    hybrid.propose([("copy", 12)])
+    assert hybrid.model_skipped == 1
+    assert hybrid.model_expect["copy"] == pytest.approx(
+        MODEL_EXPECT_WEIGHT * model_score + (1 - MODEL_EXPECT_WEIGHT) * (copy_score + 0.01))
+
+    hybrid.start("fresh", PROMPT, NO_CUT)  # no copy: the model drafts whatever its running mean
+    hybrid.model_expect["fresh"] = 0.0
+    assert len(hybrid.propose([("fresh", 4)])[0].token_ids) and hybrid.model_skipped == 1
+    for seq_id in ("copy", "fresh"):
+        hybrid.stop(seq_id, completed=False)
+    assert not hybrid.model_expect
+    alone.stop("copy", completed=False)
