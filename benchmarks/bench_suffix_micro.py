@@ -19,9 +19,19 @@ dependency), driven by this same file in ``--driver`` mode:
     PIP_CONSTRAINT=/tmp/constraints.txt /tmp/arctic-venv/bin/pip install \
         torch==2.13.0 arctic-inference numpy
 
+``--upkeep N`` measures instead the global trie's upkeep while its cache
+fills from empty: a SuffixProposer (1000 cached requests, depth 64) finishes
+2 requests a round, each with an output of 496 tokens of stdlib text (N in
+all), and the round's stops, which put the outputs into the global trie and
+evict the oldest, are timed (the worst round shows the trie's arrays growing);
+``--baseline-src DIR`` times another copy of the proposer_svc package too,
+each code in its own process.
+
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
         [--repeats 3] [--k 8] [--out bench_results/suffix_micro.json]
+    python benchmarks/bench_suffix_micro.py --upkeep 2400 [--baseline-src /tmp/old/proposer_svc]
+        [--out bench_results/suffix_upkeep.json]
 """
 from __future__ import annotations
 
@@ -209,6 +219,95 @@ def run_arctic_subprocess(python: str, requests, schedule, k: int, max_cached: i
         return json.loads(out_path.read_text())
 
 
+# ------------------------------------------------------------------ upkeep
+UPKEEP_OUTPUT, UPKEEP_PER_ROUND, UPKEEP_CACHED = 512, 2, 1000
+
+#: loads ``specdec.proposer_svc`` from argv[1] (a copy of the package) before
+#: running this file's upkeep driver with the rest of the command line
+_BOOT = """
+import importlib.util, runpy, sys
+src = sys.argv.pop(1)
+spec = importlib.util.spec_from_file_location("specdec.proposer_svc", src + "/__init__.py",
+                                              submodule_search_locations=[src])
+mod = importlib.util.module_from_spec(spec)
+sys.modules["specdec.proposer_svc"] = mod
+spec.loader.exec_module(mod)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _text_stream(min_tokens: int) -> np.ndarray:
+    """Python stdlib sources as one int32 token stream (SmolLM2 tokenizer)."""
+    from specdec.models import default_model, load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(default_model()))
+    files = sorted(p for p in Path(os.__file__).parent.rglob("*.py") if 12_000 < p.stat().st_size < 200_000)
+    ids: list[int] = []
+    for path in files:
+        ids.extend(tok.encode(path.read_text(errors="replace")))
+        if len(ids) >= min_tokens:
+            break
+    return np.asarray(ids, dtype=np.int32)
+
+
+def run_upkeep(outputs: np.ndarray) -> list[float]:
+    """Each round: UPKEEP_PER_ROUND requests open (the first 16 tokens of a
+    row of outputs, int32 [n, UPKEEP_OUTPUT], as the prompt), get the rest and
+    finish; the round's stops are timed (ms)."""
+    from specdec.proposer_svc.base import SeqOptions
+    from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
+
+    prop = SuffixProposer(SuffixConfig(UPKEEP_CACHED, MAX_TREE_DEPTH))
+    rounds = []
+    gc.disable()
+    for r in range(0, len(outputs), UPKEEP_PER_ROUND):
+        seqs = [str(i) for i in range(r, min(r + UPKEEP_PER_ROUND, len(outputs)))]
+        for seq in seqs:
+            prop.start(seq, outputs[int(seq), :16], SeqOptions())
+            prop.extend(seq, outputs[int(seq), 16:])
+        t0 = time.perf_counter()
+        for seq in seqs:
+            prop.stop(seq, completed=True)
+        rounds.append(1e3 * (time.perf_counter() - t0))
+    gc.enable()
+    return rounds
+
+
+def _upkeep_driver(in_path: str, out_path: str) -> None:
+    outputs = np.load(in_path)
+    Path(out_path).write_text(json.dumps(run_upkeep(outputs)))
+
+
+def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
+    stream = _text_stream(count * UPKEEP_OUTPUT)
+    outputs = stream[:count * UPKEEP_OUTPUT].reshape(count, UPKEEP_OUTPUT)
+    results = {"outputs": count, "output_len": UPKEEP_OUTPUT, "per_round": UPKEEP_PER_ROUND,
+               "cached_requests": UPKEEP_CACHED, "baseline_src": baseline_src, "rows": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp, "outputs.npy"), outputs)
+        for label, src in (("baseline", baseline_src), ("this", None)):
+            if label == "baseline" and not src:
+                continue
+            result = Path(tmp, f"{label}.json")
+            driver = [__file__, "--upkeep-driver", str(Path(tmp, "outputs.npy")), str(result)]
+            subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
+            ms = np.array(json.loads(result.read_text()))
+            full = ms[UPKEEP_CACHED // UPKEEP_PER_ROUND:]  # rounds once the cache is full (evictions too)
+            results["rows"][label] = {
+                "rounds": len(ms), "mean_ms": float(ms.mean()), "p50_ms": float(np.median(ms)),
+                "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "max_round": int(ms.argmax()),
+                "full_mean_ms": float(full.mean()) if len(full) else None}
+    print(f"{'code':9s} {'rounds':>6s} {'mean ms':>8s} {'p50':>6s} {'p99':>6s} {'max':>7s} {'at round':>8s} "
+          f"{'full mean':>9s}")
+    for label, r in results["rows"].items():
+        print(f"{label:9s} {r['rounds']:6d} {r['mean_ms']:8.2f} {r['p50_ms']:6.2f} {r['p99_ms']:6.2f} "
+              f"{r['max_ms']:7.1f} {r['max_round']:8d} {r['full_mean_ms'] or float('nan'):9.2f}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
 # ------------------------------------------------------------------ report
 def _summary(runs: list[dict], output_tokens: list[list[int]], schedule) -> dict:
     """Latencies (µs) of the fastest repeat (this 2-core machine is shared,
@@ -258,12 +357,24 @@ def main() -> None:
     parser.add_argument("--max-cached", type=int, default=8, help="max_cached_requests")
     parser.add_argument("--repeats", type=int, default=3, help="timed replays (best kept)")
     parser.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
-    parser.add_argument("--out", default="bench_results/suffix_micro.json")
+    parser.add_argument("--upkeep", type=int, metavar="N",
+                        help="time the global trie's upkeep over N outputs, the cache filling from empty")
+    parser.add_argument("--baseline-src", help="--upkeep: another proposer_svc package directory to time too")
+    parser.add_argument("--out", help="JSON results (default bench_results/suffix_micro.json, "
+                                      "with --upkeep bench_results/suffix_upkeep.json)")
     parser.add_argument("--driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--upkeep-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.driver:
         _driver_main(*args.driver)
         return
+    if args.upkeep_driver:
+        _upkeep_driver(*args.upkeep_driver)
+        return
+    if args.upkeep:
+        upkeep_main(args.upkeep, args.baseline_src, args.out or "bench_results/suffix_upkeep.json")
+        return
+    args.out = args.out or "bench_results/suffix_micro.json"
 
     workloads = build_workloads(args.requests)
     have_arctic = Path(args.arctic_python).exists()

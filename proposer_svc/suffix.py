@@ -47,7 +47,8 @@ Invariants:
   never remove a stream and keep neither);
 - an *active* node list holds, by increasing depth, the explicit nodes of
   depth < D matching the suffixes of a growing stream;
-- the hash table is at most half full; free node rows are chained via NEXT.
+- each hash shard is at most half full (see the hash table); free node
+  rows are chained via NEXT.
 """
 from __future__ import annotations
 
@@ -69,8 +70,11 @@ from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownS
 # streams, whose rows have NUM_FIELDS + 1 columns
 TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV, GEN = range(11)
 NUM_FIELDS = 10
-# entries of `hdr` (int64 [5]); H_POOL_END: end of the used part of the pool
-H_USED, H_FREE, H_LIVE, H_KEYS, H_POOL_END = range(5)
+# entries of `hdr` (int64 [5]): H_TIGHT the number of tight hash shards (see
+# the hash table), H_POOL_END the end of the used part of the pool
+H_USED, H_FREE, H_LIVE, H_TIGHT, H_POOL_END = range(5)
+# columns of a hash table's shards (int64 [S, 4]; see the hash table)
+T_BASE, T_SIZE, T_KEYS, T_LIMIT = range(4)
 # columns of `seqs` (int64 [S, 3]; a RequestArena's has S_CAP too: [S, 4])
 S_START, S_LEN, S_TIME, S_CAP = range(4)
 
@@ -81,36 +85,56 @@ ROOT = 0
 _EMPTY = -1
 _STALE = -2  # BEST of a node whose best child is picked again later (remove_stream; see _lost)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_LOW32 = np.uint64(0xFFFFFFFF)
 #: guards ceil(m * factor) against round-off (10 * 0.3 -> 3.0000000000000004)
 SPEC_FACTOR_EPS = 1e-9
 
 
 # ---------------------------------------------------------------- hash table
+# The table is int64 [rows, 2]: row i holds a key (_EMPTY: free) and its
+# value, so that a probe reads one cache line. Its keys are spread over
+# *shards*, rows of an int64 [S, 4] array (columns T_*): shard s is the
+# open-addressing table table[base:base + size] (size a power of 2) holding
+# keys keys. It is *tight* when keys > limit (at most size / 2 - (max_depth
+# + 2), see _limit): one more insert step (at most max_depth + 2 new keys)
+# could leave it more than half full; hdr[H_TIGHT] counts the tight shards,
+# and inserts stop while there is one. Shards grow one at a time, each a
+# rehash of its own keys only, so a large table never doubles (and
+# rehashes) in one go. A per-request trie has one shard; the global trie
+# TABLE_SHARDS.
 @njit(cache=True, inline="always")
 def _key(parent, tok):
     return (np.int64(parent) << 32) | np.int64(tok)
 
 
 @njit(cache=True, inline="always")
-def _home(key, mask):
-    """Home slot in a table of mask + 1 (a power of 2) rows: the hash's top
-    32 bits scaled to the size, so homes keep their order when the size
-    doubles (home h becomes 2h or 2h + 1) and ``rehash`` writes the new table
-    almost sequentially."""
-    return np.int64((((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(mask + 1)) >> np.uint64(32))
+def _home(shards, key):
+    """(shard, home slot in the shard) of key: the hash's top 32 bits scaled
+    to the number of shards pick the shard, the fraction left scaled to its
+    size the home. So homes keep their order when a shard doubles (home h
+    becomes 2h or 2h + 1) and ``rehash`` writes the new rows almost
+    sequentially."""
+    x = ((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(shards.shape[0])
+    s = np.int64(x >> np.uint64(32))
+    return s, np.int64(((x & _LOW32) * np.uint64(shards[s, T_SIZE])) >> np.uint64(32))
 
 
-# The table is int64 [size, 2]: row i holds a key (_EMPTY: free) and its
-# value, so that a probe reads one cache line.
+@njit(cache=True, inline="always")
+def _at(base, i):
+    """Table row base + i as an unsigned index (numba then skips the check
+    for a negative index: a third of a probe's time)."""
+    return np.uint64(base + i)
+
+
 @njit(cache=True)
-def _child(table, parent, tok):
+def _child(table, shards, parent, tok):
     """The child of ``parent`` reached by ``tok``, or -1."""
     key = _key(parent, tok)
-    mask = table.shape[0] - 1
-    i = _home(key, mask)
-    while table[i, 0] != _EMPTY:
-        if table[i, 0] == key:
-            return table[i, 1]
+    s, i = _home(shards, key)
+    base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
+    while table[_at(base, i), 0] != _EMPTY:
+        if table[_at(base, i), 0] == key:
+            return table[_at(base, i), 1]
         i = (i + 1) & mask
     return -1
 
@@ -123,58 +147,90 @@ def _lost(c):
 
 
 @njit(cache=True, inline="always")
-def _find_child(nodes, table, parent, tok):
+def _find_child(nodes, table, shards, parent, tok):
     """As _child, trying parent's best child first (usually the one wanted:
     that skips the hash probe, a cache miss in a large trie)."""
     c = nodes[parent, BEST]
     if c <= _lost(0):  # (only while remove_stream runs)
         c = _lost(c)
     if c < 0 or nodes[c, TOK] != tok:
-        c = _child(table, parent, tok)
+        c = _child(table, shards, parent, tok)
     return c
 
 
 @njit(cache=True)
-def _hash_put(table, key, val):
-    mask = table.shape[0] - 1
-    i = _home(key, mask)
-    while table[i, 0] != _EMPTY:
+def _hash_put(table, shards, hdr, key, val):
+    s, i = _home(shards, key)
+    base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
+    while table[_at(base, i), 0] != _EMPTY:
         i = (i + 1) & mask
-    table[i, 0] = key
-    table[i, 1] = val
+    table[_at(base, i), 0] = key
+    table[_at(base, i), 1] = val
+    shards[s, T_KEYS] += 1
+    if shards[s, T_KEYS] == shards[s, T_LIMIT] + 1:
+        hdr[H_TIGHT] += 1
 
 
 @njit(cache=True)
-def _hash_del(table, key):
+def _hash_del(table, shards, hdr, key):
     """Linear-probing delete with backward shift (no tombstones)."""
-    mask = table.shape[0] - 1
-    i = _home(key, mask)
-    while table[i, 0] != key:
+    s, i = _home(shards, key)
+    base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
+    while table[_at(base, i), 0] != key:
         i = (i + 1) & mask
-    table[i, 0] = _EMPTY
+    if shards[s, T_KEYS] == shards[s, T_LIMIT] + 1:
+        hdr[H_TIGHT] -= 1
+    shards[s, T_KEYS] -= 1
+    table[_at(base, i), 0] = _EMPTY
     j = i
     while True:
         j = (j + 1) & mask
-        if table[j, 0] == _EMPTY:
+        moved = table[_at(base, j), 0]
+        if moved == _EMPTY:
             return
         # the entry at j may fill the hole at i if i lies on its probe path
-        if ((j - _home(table[j, 0], mask)) & mask) >= ((j - i) & mask):
-            table[i, 0], table[i, 1] = table[j, 0], table[j, 1]
-            table[j, 0] = _EMPTY
+        if ((j - _home(shards, moved)[1]) & mask) >= ((j - i) & mask):
+            table[_at(base, i), 0], table[_at(base, i), 1] = moved, table[_at(base, j), 1]
+            table[_at(base, j), 0] = _EMPTY
             i = j
 
 
 @njit(cache=True)
-def rehash(old, new):
-    """Moves every entry into a (larger, empty) table."""
-    for i in range(old.shape[0]):
-        if old[i, 0] != _EMPTY:
-            _hash_put(new, old[i, 0], old[i, 1])
+def rehash(table, shards, s, old):
+    """Moves the entries of old (int64 [m, 2]: shard s's rows before it was
+    resized) into shard s's rows (all _EMPTY)."""
+    base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
+    for r in range(old.shape[0]):
+        key = old[r, 0]
+        if key != _EMPTY:
+            i = _home(shards, key)[1]
+            while table[_at(base, i), 0] != _EMPTY:
+                i = (i + 1) & mask
+            table[_at(base, i), 0], table[_at(base, i), 1] = key, old[r, 1]
+
+
+def _resize_shard(table: np.ndarray, shards: np.ndarray, s: int, base: int, size: int, room: int) -> None:
+    """Moves shard s to table[base:base + size] (its old rows may be among
+    them), with room keys per insert step (max_depth + 2)."""
+    at = int(shards[s, T_BASE])
+    old = table[at:at + int(shards[s, T_SIZE])].copy()
+    table[base:base + size] = _EMPTY
+    shards[s, T_BASE], shards[s, T_SIZE], shards[s, T_LIMIT] = base, size, _limit(s, len(shards), size, room)
+    rehash(table, shards, s, old)
+
+
+def _limit(s: int, num_shards: int, size: int, room: int) -> int:
+    """Keys shard s of size rows holds before it is tight. The shards'
+    maximum loads fall from 1/2 (shard 0) towards 3/8 geometrically, so that
+    they grow at moments spread over a quarter of the keys added while the
+    table doubles (with one load for all, they would double within a few
+    percent of the keys added, 2M keys: 30-45 ms a round)."""
+    return max(int(size * 0.5 * 0.75 ** (s / num_shards)) - room, 0)
 
 
 # ----------------------------------------------------------------- node rows
 @njit(cache=True)
-def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
+def _new_child(nodes, stamps, table, shards, hdr, parent, tok, lseq, lpos, stamp):
     """Allocates a count-1 child (a leaf when lseq >= 0) and links it."""
     c = hdr[H_FREE]
     if c >= 0:
@@ -194,13 +250,12 @@ def _new_child(nodes, stamps, table, hdr, parent, tok, lseq, lpos, stamp):
         if first >= 0:
             nodes[first, PREV] = c
     nodes[parent, FIRST] = c
-    _hash_put(table, _key(parent, tok), c)
-    hdr[H_KEYS] += 1
+    _hash_put(table, shards, hdr, _key(parent, tok), c)
     return c
 
 
 @njit(cache=True)
-def _free_child(nodes, table, hdr, c):
+def _free_child(nodes, table, shards, hdr, c):
     """Unlinks node c from its parent and puts its row on the free list."""
     parent, nxt, prev = nodes[c, PARENT], nodes[c, NEXT], nodes[c, PREV]
     if prev >= 0:
@@ -209,8 +264,7 @@ def _free_child(nodes, table, hdr, c):
         nodes[parent, FIRST] = nxt
     if nxt >= 0:
         nodes[nxt, PREV] = prev
-    _hash_del(table, _key(parent, nodes[c, TOK]))
-    hdr[H_KEYS] -= 1
+    _hash_del(table, shards, hdr, _key(parent, nodes[c, TOK]))
     hdr[H_LIVE] -= 1
     nodes[c, NEXT] = hdr[H_FREE]
     hdr[H_FREE] = c
@@ -238,7 +292,7 @@ def _repick_best(nodes, stamps, parent):
 
 # ------------------------------------------------------------------ updates
 @njit(cache=True)
-def _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth):
+def _step_new(nodes, stamps, table, shards, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth):
     """Counts one more occurrence of parent's string + tok, ending at (seq,
     pos), where that child c (_find_child's) is absent (-1) or a leaf: a new
     leaf, or the leaf materialised. Returns the explicit node now matching
@@ -246,7 +300,7 @@ def _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, n
     is written out in append_tokens.)
     """
     if c < 0:
-        c = _new_child(nodes, stamps, table, hdr, parent, tok, seq, pos, now)
+        c = _new_child(nodes, stamps, table, shards, hdr, parent, tok, seq, pos, now)
         _child_incremented(nodes, parent, c)
         return -1
     # materialise the leaf: its chain continues below
@@ -254,7 +308,7 @@ def _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, n
     nodes[c, LSEQ], nodes[c, LPOS] = -1, -1
     if nodes[c, DEPTH] < max_depth and old_pos + 1 < seqs[old_seq, S_LEN]:
         nxt = pool[seqs[old_seq, S_START] + old_pos + 1]
-        g = _new_child(nodes, stamps, table, hdr, c, nxt, old_seq, old_pos + 1,
+        g = _new_child(nodes, stamps, table, shards, hdr, c, nxt, old_seq, old_pos + 1,
                        seqs[old_seq, S_TIME] + old_pos + 1)
         nodes[c, BEST] = g
     nodes[c, COUNT] += 1
@@ -265,12 +319,12 @@ def _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, n
 
 
 @njit(cache=True)
-def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active, n_active,
+def append_tokens(nodes, stamps, table, shards, hdr, pool, seqs, seq, root, end, active, n_active,
                   max_depth):
     """Inserts stream ``seq``'s tokens from position seqs[seq, S_LEN] up to
     ``end`` (already written in the pool) into the tree under ``root``,
-    stopping early when the node or hash arrays might overflow; returns the
-    new seqs[seq, S_LEN].
+    stopping early when the node rows might run out or a hash shard is
+    tight; returns the new seqs[seq, S_LEN].
 
     active: int32 [max_depth + 1], its first n_active[0] entries the stream's
     active nodes (updated in place).
@@ -279,8 +333,7 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
     scratch = np.empty(max_depth + 1, dtype=np.int32)
     pos = seqs[seq, S_LEN]
     while pos < end:
-        if (hdr[H_USED] + max_depth + 2 > nodes.shape[0]
-                or 2 * (hdr[H_KEYS] + max_depth + 2) > table.shape[0]):
+        if hdr[H_USED] + max_depth + 2 > nodes.shape[0] or hdr[H_TIGHT] > 0:
             break
         tok = pool[start + pos]
         seqs[seq, S_LEN] = pos + 1
@@ -288,7 +341,7 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
         num = 0
         for j in range(-1, n_active[0]):  # the root, then the active nodes
             parent = root if j < 0 else active[j]
-            c = _find_child(nodes, table, parent, tok)
+            c = _find_child(nodes, table, shards, parent, tok)
             # the usual step written out: a call per step (arrays passed)
             # costs more than the step itself
             if c >= 0 and nodes[c, LSEQ] < 0:  # an explicit child: one more occurrence
@@ -297,7 +350,7 @@ def append_tokens(nodes, stamps, table, hdr, pool, seqs, seq, root, end, active,
                     stamps[c] = now
                 _child_incremented(nodes, parent, c)
             else:
-                c = _step_new(nodes, stamps, table, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth)
+                c = _step_new(nodes, stamps, table, shards, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth)
             if c >= 0 and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
                 num += 1
@@ -326,7 +379,7 @@ def _settle(nodes, stamps, unsettled):
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
+def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, max_depth):
     """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
     the nodes left with count 0, bumping their rows' generation (GEN; see
     follow_global). Stamps stay valid as long as the removed
@@ -358,7 +411,7 @@ def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
         num = 0
         for j in range(-1, n_active):
             node = ROOT if j < 0 else active[j]
-            c = _find_child(nodes, table, node, tok)
+            c = _find_child(nodes, table, shards, node, tok)
             # one occurrence less (written out, as in append_tokens); a leaf: this very one
             leaf = nodes[c, LSEQ] >= 0
             if not leaf:
@@ -370,7 +423,7 @@ def remove_stream(nodes, stamps, table, hdr, pool, seqs, seq, max_depth):
             # a node reaching 0 keeps the children that this stream's pending
             # occurrences still reach (their hash keys); rows are reused only by inserts
             if leaf or nodes[c, COUNT] == 0:
-                _free_child(nodes, table, hdr, c)
+                _free_child(nodes, table, shards, hdr, c)
                 nodes[c, GEN] += 1
                 if nodes[node, BEST] == _lost(c):
                     nodes[node, BEST] = _STALE
@@ -421,7 +474,7 @@ def _max_draft_len(match_len, k, max_spec_factor):
 
 
 @njit(cache=True)
-def _step_match(nodes, table, pool, seqs, max_depth, node, off, tok):
+def _step_match(nodes, table, shards, pool, seqs, max_depth, node, off, tok):
     """Where the string at (node, off) followed by tok lies in the tree:
     (node, tokens past it in its leaf chain), or (-1, 0) when absent."""
     if nodes[node, LSEQ] >= 0:
@@ -431,16 +484,16 @@ def _step_match(nodes, table, pool, seqs, max_depth, node, off, tok):
                 or pool[seqs[seq, S_START] + pos] != tok):
             return -1, 0
         return node, off + 1
-    return _find_child(nodes, table, node, tok), 0
+    return _find_child(nodes, table, shards, node, tok), 0
 
 
 @njit(cache=True)
-def _walk(nodes, table, pool, seqs, tokens, max_depth):
+def _walk(nodes, table, shards, pool, seqs, tokens, max_depth):
     """Locates ``tokens`` in the tree: (node, tokens past it in its leaf
     chain), or (-1, 0) when absent."""
     node, off = ROOT, 0
     for i in range(tokens.shape[0]):
-        node, off = _step_match(nodes, table, pool, seqs, max_depth, node, off, tokens[i])
+        node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, node, off, tokens[i])
         if node < 0:
             return -1, 0
     return node, off
@@ -484,7 +537,7 @@ def _latest(nodes, stamps, seqs, node, off):
 # Drafts then come from the listed positions exactly as from walks of every
 # suffix: O(max_match) steps a round instead of O(max_match^2).
 @njit(cache=True)
-def follow_global(nodes, stamps, table, pool, seqs, max_depth, context, max_match, old_len, since,
+def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, max_match, old_len, since,
                   lst_node, lst_off, lst_gen, n):
     """Brings the lists of a sequence whose context was context[:old_len]
     (old_len < 0: no list yet) to the context (int32 [c]), the lists last
@@ -503,7 +556,7 @@ def follow_global(nodes, stamps, table, pool, seqs, max_depth, context, max_matc
         if off > 0 and nodes[node, LSEQ] < 0:  # the leaf was materialised: walk its part below
             past, off = off, 0
             for j in range(old_len - past, old_len):
-                node, off = _step_match(nodes, table, pool, seqs, max_depth, node, off, context[j])
+                node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, node, off, context[j])
                 if node < 0:
                     break
             if node < 0:  # (cannot happen: the string still has its occurrence)
@@ -514,7 +567,7 @@ def follow_global(nodes, stamps, table, pool, seqs, max_depth, context, max_matc
     n = keep
     for j in range(old_len, c):  # one step per appended token
         tok = context[j]
-        node, off = _step_match(nodes, table, pool, seqs, max_depth, ROOT, 0, tok)
+        node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, ROOT, 0, tok)
         i = 0
         while node >= 0:
             nxt_node, nxt_off = (lst_node[i], lst_off[i]) if i < n else (-1, 0)
@@ -525,14 +578,14 @@ def follow_global(nodes, stamps, table, pool, seqs, max_depth, context, max_matc
             # _step_match written out (a call per step costs more than the step)
             node, off = nxt_node, nxt_off + 1
             if nodes[node, LSEQ] < 0:
-                node, off = _find_child(nodes, table, node, tok), 0
+                node, off = _find_child(nodes, table, shards, node, tok), 0
             elif (nodes[node, DEPTH] + off > max_depth or nodes[node, LPOS] + off >= seqs[nodes[node, LSEQ], S_LEN]
                   or pool[seqs[nodes[node, LSEQ], S_START] + nodes[node, LPOS] + off] != tok):
                 node, off = -1, 0
         n = i
     if cut or n == 0 or _latest(nodes, stamps, seqs, lst_node[n - 1], lst_off[n - 1]) >= since:
         while n < min(max_match, c):  # longer suffixes may be present now
-            node, off = _walk(nodes, table, pool, seqs, context[c - n - 1:], max_depth)
+            node, off = _walk(nodes, table, shards, pool, seqs, context[c - n - 1:], max_depth)
             if node < 0:
                 break
             lst_node[n], lst_off[n], lst_gen[n] = node, off, nodes[node, GEN]
@@ -585,7 +638,7 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
 # The per-request tries of all live sequences live in one set of shared
 # arrays (see RequestArena): request s owns a region of node rows
 # (nodes[nbase[s]:nbase[s] + ncap[s]], its root at local row 0) and a region
-# of the hash table (table[tbase[s]:tbase[s] + tcap[s]]), both power-of-2
+# of the hash table, its one shard tshards[s] (base and size), both power-of-2
 # sized, node ids local to the region; its two streams are rows
 # 2 * s + REFERENCE_STREAM / CONTEXT_STREAM of a shared ``seqs`` over a shared
 # pool. So each trie is a plain SuffixTrie view for the kernels above, a round
@@ -597,28 +650,28 @@ TOUCH_AHEAD = 4
 
 
 @njit(cache=True)
-def _touch(nodes, table, active, n_active, tok):
+def _touch(nodes, table, shards, active, n_active, tok):
     """Reads what inserting tok into a trie reads first: for its root and
     active nodes, the row, the best child's row and the hash slot of (node,
     tok) with the child it holds. The reads of one level do not depend on
     each other, so their cache misses overlap (numba has no prefetch)."""
-    mask = table.shape[0] - 1
     acc = 0
     for j in range(-1, n_active):
         a = ROOT if j < 0 else active[j]
         key = _key(a, tok)
-        home = _home(key, mask)
+        s, home = _home(shards, key)
+        at = _at(shards[s, T_BASE], home)
         b = nodes[a, BEST]
-        c = table[home, 1] if table[home, 0] == key else b
+        c = table[at, 1] if table[at, 0] == key else b
         acc += (nodes[c, COUNT] if c >= 0 else 0) + (nodes[b, TOK] if b >= 0 else 0)
     return acc
 
 
 @njit(cache=True)
-def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, seqs, depths, factors, min_probs,
-                active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_pool, g_seqs,
-                g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets, scores,
-                first, sink):
+def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, depths, factors, min_probs,
+                active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_shards, g_pool,
+                g_seqs, g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets,
+                scores, first, sink):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
     SuffixTrie.append), then, when its context length equals context_lens[i]
@@ -629,7 +682,8 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
     (float64 [n]) to scores. Inserting and drafting one request after the
     other keeps its rows in cache between the two.
 
-    hdrs: int64 [slots, 5], each request's trie header; pool_hdr: int64 [5],
+    hdrs: int64 [slots, 5], each request's trie header; tshards: int64
+    [slots, 1, 4], each request's hash shard; pool_hdr: int64 [5],
     H_POOL_END the end of the pool's used part. ends: int64 [n], the context
     length once i's tokens are in the pool (-1: not yet; in/out). Returns the
     first i that needs room, for the caller to grow the pool (ends[i] < 0) or
@@ -651,8 +705,8 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
         ahead = i + TOUCH_AHEAD
         if ahead < slots.shape[0] and bounds[ahead + 1] > bounds[ahead]:
             t = slots[ahead]
-            touched += _touch(nodes[nbase[t]:nbase[t] + ncap[t]], table[tbase[t]:tbase[t] + tcap[t]], active[t],
-                              n_active[t], tokens[bounds[ahead]])
+            touched += _touch(nodes[nbase[t]:nbase[t] + ncap[t]], table, tshards[t], active[t], n_active[t],
+                              tokens[bounds[ahead]])
         if ends[i] < 0:
             length, num = seqs[ctx, S_LEN], bounds[i + 1] - bounds[i]
             if length + num > seqs[ctx, S_CAP]:  # move the stream to a larger region at the pool's end
@@ -666,8 +720,8 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
             ends[i] = length + num
         trie = nodes[nbase[s]:nbase[s] + ncap[s]]
-        if append_tokens(trie, no_stamps, table[tbase[s]:tbase[s] + tcap[s]], hdrs[s], pool, seqs, ctx, ROOT,
-                         ends[i], active[s], n_active[s:s + 1], depths[s]) < ends[i]:
+        if append_tokens(trie, no_stamps, table, tshards[s], hdrs[s], pool, seqs, ctx, ROOT, ends[i], active[s],
+                         n_active[s:s + 1], depths[s]) < ends[i]:
             return i
         num = offsets[i]
         length = seqs[ctx, S_LEN]
@@ -679,7 +733,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
             drafted, score = int(local_best[1]), local_best[0]
             if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
-                g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_pool, g_seqs, g_depth,
+                g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_shards, g_pool, g_seqs, g_depth,
                                        pool[start:start + length], depths[s], g_len[s], g_seen[s], lst[0], lst[1],
                                        lst[2], g_n[s])
                 g_len[s], g_seen[s] = length, g_clock
@@ -697,24 +751,86 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tbase, tcap, pool, pool_hdr, se
 
 
 # ----------------------------------------------------------- Python handle
+#: address space reserved for each large array of the tries (a
+#: RequestArena's node and hash rows; the global trie's node rows, hash
+#: rows and stamps, its pool a node row's share), committed by the OS only
+#: as rows are first written (see _reserve): a quarter of the machine's
+#: memory, at most 1 GiB (24M global-trie node rows; B=256 sequences of ~1k
+#: tokens use about 1M arena rows, 1000 cached outputs of ~500 tokens about
+#: 2M global rows). The cap keeps several proposers' reservations small where
+#: the kernel counts address space (vm.overcommit_memory=2) and on hosts
+#: whose RAM a container's limit does not show
+RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 1 << 30)
+#: hash shards of the global trie: a shard's growth rehashes 1/TABLE_SHARDS
+#: of the keys (about 130k at 2M nodes). (B=256 rounds in-process, same
+#: run: 10-20% slower with 64 shards than with 1 or 16.)
+TABLE_SHARDS = 16
+
+
+def _reserve(rows: int, row_shape: tuple[int, ...], dtype: type, huge: bool = False) -> np.ndarray:
+    """An array of ``rows`` rows of ``row_shape`` over anonymous memory: it
+    reads as zeros and the OS commits a page when it is first written, so a
+    large reservation costs nothing until used and using more of it costs
+    only the pages touched."""
+    nbytes = rows * math.prod(row_shape) * np.dtype(dtype).itemsize
+    # 4 KiB pages unless huge (MADV_HUGEPAGE, numpy's choice for its large
+    # arrays): a transparent huge page faulted in mid-round cost up to 5-8 ms
+    # here (B=256 round p99 6-7 ms against 3.1 with 4 KiB pages, same run)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if huge:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype=dtype).reshape(rows, *row_shape)
+
+
+def _moved(array: np.ndarray, rows: int, used: int, huge: bool = False) -> np.ndarray:
+    """A reservation of ``rows`` rows holding ``array``'s first ``used``."""
+    grown = _reserve(rows, array.shape[1:], array.dtype.type, huge)
+    grown[:used] = array[:used]
+    return grown
+
+
 class SuffixTrie:
     """Owns one trie's arrays and grows them; streams are numbered 0..S-1.
 
     Only the last stream written to the pool may grow (``pool_end`` is the end
-    of the used part of the pool).
+    of the used part of the pool, ``pool_cap`` the part it may use before
+    ``compact_pool``).
+
+    Growth never copies while the reservations last (``reserve_bytes`` each,
+    see _reserve): node rows and stamps are used in order from the start of
+    theirs, the pool's capacity doubles in place, and the hash table is
+    TABLE_SHARDS shards, shard s owning rows [s * R, (s + 1) * R) of its
+    reservation and doubling in place, one tight shard at a time. (Doubling
+    whole arrays, a 2M-node trie's node rows, stamps and hash table, cost an
+    upkeep round 378 ms: bench_suffix_micro.py --upkeep.) Past a
+    reservation, its rows move once to one twice as large.
     """
 
-    def __init__(self, max_depth: int, num_streams: int, node_capacity: int = 256,
-                 pool_capacity: int = 256) -> None:
+    def __init__(self, max_depth: int, num_streams: int, reserve_bytes: int | None = None,
+                 num_shards: int | None = None) -> None:
+        """reserve_bytes and num_shards: RESERVE_BYTES and TABLE_SHARDS when None."""
         self.max_depth = max_depth
-        self.nodes = np.zeros((max(node_capacity, 2 * max_depth + 4), NUM_FIELDS + 1), dtype=np.int32)  # with GEN
-        self.stamps = np.zeros(self.nodes.shape[0], dtype=np.int64)
-        hash_size = 1 << max(4, (2 * self.nodes.shape[0] - 1).bit_length())
-        self.table = np.full((hash_size, 2), _EMPTY, dtype=np.int64)  # hash table: (key, child) rows
+        reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
+        num_shards = TABLE_SHARDS if num_shards is None else num_shards
+        room = max_depth + 2  # node rows and hash keys an insert step may add
+        node_rows = max(reserve // (4 * (NUM_FIELDS + 1)), 256, 2 * room)
+        # huge pages (faulted in by upkeep only: drafts never write these
+        # rows): inserts and evictions about 15% faster than over 4 KiB pages
+        self.nodes = _reserve(node_rows, (NUM_FIELDS + 1,), np.int32, huge=True)  # with GEN
+        self.stamps = _reserve(node_rows, (), np.int64, huge=True)
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
         self.nodes[ROOT] = -1
         self.nodes[ROOT, COUNT] = self.nodes[ROOT, DEPTH] = 0
-        self.pool = np.zeros(max(pool_capacity, 16), dtype=np.int32)
+        # hash shards: each at least twice room + 1 rows (an empty shard is not tight)
+        first = 1 << max(4, (2 * room + 1).bit_length())
+        self.shard_rows = max(first, 1 << (max(reserve // (16 * num_shards), 1).bit_length() - 1))
+        # (4 KiB pages: a huge page per shard would commit 2 MiB for each)
+        self.table = _reserve(num_shards * self.shard_rows, (2,), np.int64)  # hash table: (key, child) rows
+        self.shards = np.zeros((num_shards, 4), dtype=np.int64)
+        for s in range(num_shards):
+            _resize_shard(self.table, self.shards, s, s * self.shard_rows, first, room)
+        self.pool = _reserve(node_rows, (), np.int32)
+        self.pool_cap = 256
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
         # 1 + the latest time of an appended token: streams are appended in time
         # order (a later one's tokens are seen at times >= the clock then), as
@@ -746,12 +862,12 @@ class SuffixTrie:
         self.pool_end += len(tokens)
         end = self.pool_end - int(self.seqs[seq, S_START])
         self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + end)
-        while append_tokens(self.nodes, self.stamps, self.table, self.hdr, self.pool,
+        while append_tokens(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
                             self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
 
     def remove(self, seq: int) -> None:
-        remove_stream(self.nodes, self.stamps, self.table, self.hdr, self.pool,
+        remove_stream(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
                       self.seqs, seq, self.max_depth)
 
     def tokens(self, seq: int) -> np.ndarray:
@@ -760,10 +876,11 @@ class SuffixTrie:
         return self.pool[start:start + n]
 
     def reserve_pool(self, extra: int) -> None:
-        if self.pool_end + extra > len(self.pool):
-            grown = np.zeros(max(2 * len(self.pool), self.pool_end + extra), dtype=np.int32)
-            grown[:self.pool_end] = self.pool[:self.pool_end]
-            self.pool = grown
+        """Makes room for ``extra`` more tokens at the pool's end."""
+        if self.pool_end + extra > self.pool_cap:
+            self.pool_cap = max(2 * self.pool_cap, self.pool_end + extra)
+            if self.pool_cap > len(self.pool):
+                self.pool = _moved(self.pool, max(2 * len(self.pool), self.pool_cap), self.pool_end)
 
     def compact_pool(self, live: list[int]) -> None:
         """Packs the streams in ``live`` (in this order) at the pool start."""
@@ -776,26 +893,42 @@ class SuffixTrie:
 
     # -- capacity
     def grow(self) -> None:
-        """Makes room for max_depth + 2 more nodes (and their hash keys)."""
-        need = int(self.hdr[H_USED]) + self.max_depth + 2
-        if need > len(self.nodes):
-            size = max(2 * len(self.nodes), need)
-            nodes = np.zeros((size, NUM_FIELDS + 1), dtype=np.int32)
-            nodes[:len(self.nodes)] = self.nodes
-            stamps = np.zeros(size, dtype=np.int64)
-            stamps[:len(self.stamps)] = self.stamps
-            self.nodes, self.stamps = nodes, stamps
-        if 2 * (int(self.hdr[H_KEYS]) + self.max_depth + 2) > len(self.table):
-            table = np.full((2 * len(self.table), 2), _EMPTY, dtype=np.int64)
-            rehash(self.table, table)
-            self.table = table
+        """Makes room for max_depth + 2 more nodes and their hash keys: node
+        rows and stamps past their reservation move to one twice as large;
+        each tight hash shard doubles in place (past R rows, every shard
+        moves to a reservation of 2R rows a shard first)."""
+        room, used = self.max_depth + 2, int(self.hdr[H_USED])
+        if used + room > len(self.nodes):
+            rows = max(2 * len(self.nodes), used + room)
+            self.nodes, self.stamps = _moved(self.nodes, rows, used, True), _moved(self.stamps, rows, used, True)
+        shards = self.shards
+        while (tight := np.flatnonzero(shards[:, T_KEYS] > shards[:, T_LIMIT])).size:
+            for s in tight.tolist():
+                size = 2 * int(shards[s, T_SIZE])
+                if size > self.shard_rows:
+                    self._spread_shards(2 * self.shard_rows)
+                _resize_shard(self.table, shards, s, s * self.shard_rows, size, room)
+        self.hdr[H_TIGHT] = 0
+
+    def _spread_shards(self, shard_rows: int) -> None:
+        """Moves the hash shards to a reservation of shard_rows rows a shard
+        (a shard's rows keep their order: homes depend on its size only)."""
+        table = _reserve(len(self.shards) * shard_rows, (2,), np.int64)
+        for s in range(len(self.shards)):
+            at, size = int(self.shards[s, T_BASE]), int(self.shards[s, T_SIZE])
+            table[s * shard_rows:s * shard_rows + size] = self.table[at:at + size]
+            self.shards[s, T_BASE] = s * shard_rows
+        self.table, self.shard_rows = table, shard_rows
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
 
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.stamps, self.table,
-                                      self.pool, self.seqs, self.hdr))
+        """Bytes of the rows in use (the reservations' committed part)."""
+        used = int(self.hdr[H_USED])
+        return (used * (self.nodes[:1].nbytes + self.stamps.itemsize) + int(self.shards[:, T_SIZE].sum())
+                * self.table[:1].nbytes + self.pool_cap * self.pool.itemsize
+                + sum(a.nbytes for a in (self.seqs, self.hdr, self.shards)))
 
 
 # ------------------------------------------------------------------ proposer
@@ -811,29 +944,6 @@ class SuffixConfig:
     # each at depth 64) overlap the gateway's verification instead of
     # delaying the round that released it, which then drafts without it.
     cache_between_messages: bool = False
-
-
-#: address space reserved for each of a RequestArena's two region arrays (its
-#: node rows and its hash rows), committed by the OS only as rows are first
-#: written (see _reserve): a quarter of the machine's memory, at most 1 GiB
-#: (27M node rows; B=256 sequences of ~1k tokens use about 1M). The cap keeps
-#: several proposers' reservations small where the kernel counts address
-#: space (vm.overcommit_memory=2) and on hosts whose RAM a container's limit
-#: does not show
-ARENA_RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 1 << 30)
-
-
-def _reserve(rows: int, row_shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """An array of ``rows`` rows of ``row_shape`` over anonymous memory: it
-    reads as zeros and the OS commits a page when it is first written, so a
-    large reservation costs nothing until used and using more of it costs
-    only the pages touched."""
-    nbytes = rows * math.prod(row_shape) * np.dtype(dtype).itemsize
-    # 4 KiB pages, no MADV_HUGEPAGE (numpy's choice for its large arrays):
-    # a transparent huge page faulted in mid-round cost up to 5-8 ms here
-    # (B=256 round p99 6-7 ms against 3.1 with 4 KiB pages, same run)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    return np.frombuffer(memory, dtype=dtype).reshape(rows, *row_shape)
 
 
 class _Regions:
@@ -886,8 +996,9 @@ class RequestArena:
     in one pool, plus per-slot settings and active nodes.
 
     Invariants: a live slot s has a node region of ncap[s] rows at nbase[s]
-    (its root at local row 0, header hdrs[s]) and a hash region of tcap[s]
-    rows at tbase[s], at most half full; streams 2s (reference, time base 0)
+    (its root at local row 0, header hdrs[s]) and a hash region, the one
+    shard tshards[s, 0] (base, size, keys, limit; see the hash table);
+    streams 2s (reference, time base 0)
     and 2s + 1 (context, time base the reference's length), each in its own
     pool region of S_CAP tokens (regions of closed slots and moved streams
     are garbage, reclaimed when the pool is compacted);
@@ -900,13 +1011,14 @@ class RequestArena:
 
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
-        self._nodes = _Regions((NUM_FIELDS,), np.int32, 0, ARENA_RESERVE_BYTES)
-        self._table = _Regions((2,), np.int64, _EMPTY, ARENA_RESERVE_BYTES)
+        self._nodes = _Regions((NUM_FIELDS,), np.int32, 0, RESERVE_BYTES)
+        self._table = _Regions((2,), np.int64, _EMPTY, RESERVE_BYTES)
         self.pool = np.zeros(1024, dtype=np.int32)
         self.pool_hdr = np.zeros(5, dtype=np.int64)  # H_POOL_END: end of the pool's used part
         self.seqs = np.zeros((32, 4), dtype=np.int64)  # by stream: 2 * slot + REFERENCE/CONTEXT_STREAM
         self.hdrs = np.zeros((16, 5), dtype=np.int64)  # by slot, as SuffixTrie.hdr
-        self.nbase, self.ncap, self.tbase, self.tcap = (np.zeros(16, dtype=np.int64) for _ in range(4))
+        self.nbase, self.ncap = np.zeros(16, dtype=np.int64), np.zeros(16, dtype=np.int64)
+        self.tshards = np.zeros((16, 1, 4), dtype=np.int64)  # by slot: its one hash shard
         self.depths = np.zeros(16, dtype=np.int64)
         self.factors = np.zeros(16)
         self.min_probs = np.zeros(16)
@@ -930,24 +1042,25 @@ class RequestArena:
         size = len(reference) + len(context)
         ncap = 1 << max(8, (2 * size + 2 * depth + 4).bit_length())
         self.nbase[slot], self.ncap[slot] = self._nodes.take(ncap), ncap
-        self.tbase[slot], self.tcap[slot] = self._table.take(2 * ncap), 2 * ncap
+        self.tshards[slot, 0] = (self._table.take(2 * ncap), 2 * ncap, 0, ncap - depth - 2)
         self.hdrs[slot] = (1, -1, 1, 0, 0)  # the root allocated
         root = self._nodes.array[self.nbase[slot]]
         root[:] = -1
         root[COUNT] = root[DEPTH] = 0
         for row, end in ((2 * slot + REFERENCE_STREAM, len(reference)), (2 * slot + CONTEXT_STREAM, len(context))):
             self.n_active[slot] = 0
-            while append_tokens(self._trie(slot), _NO_STAMPS, self._hash(slot), self.hdrs[slot], self.pool,
-                                self.seqs, row, ROOT, end, self.active[slot], self.n_active[slot:slot + 1],
-                                depth) < end:
+            while append_tokens(self._trie(slot), _NO_STAMPS, self._table.array, self.tshards[slot],
+                                self.hdrs[slot], self.pool, self.seqs, row, ROOT, end, self.active[slot],
+                                self.n_active[slot:slot + 1], depth) < end:
                 self._grow(slot)
         return slot
 
     def close(self, slot: int) -> None:
         """Gives the slot's regions back."""
         self._nodes.give_back(int(self.nbase[slot]), int(self.ncap[slot]))
-        self._table.give_back(int(self.tbase[slot]), int(self.tcap[slot]))
-        self.ncap[slot] = self.tcap[slot] = 0
+        self._table.give_back(int(self.tshards[slot, 0, T_BASE]), int(self.tshards[slot, 0, T_SIZE]))
+        self.ncap[slot] = 0
+        self.tshards[slot] = 0
         self.hdrs[slot] = 0
         self.seqs[2 * slot:2 * slot + 2] = 0
         self._free.append(slot)
@@ -963,8 +1076,8 @@ class RequestArena:
 
     def nbytes(self) -> int:
         return self._nodes.nbytes() + self._table.nbytes() + sum(
-            a.nbytes for a in (self.pool, self.pool_hdr, self.seqs, self.hdrs, self.nbase, self.ncap, self.tbase,
-                               self.tcap, self.depths, self.factors, self.min_probs, self.active, self.n_active,
+            a.nbytes for a in (self.pool, self.pool_hdr, self.seqs, self.hdrs, self.nbase, self.ncap, self.tshards,
+                               self.depths, self.factors, self.min_probs, self.active, self.n_active,
                                self.g_lists, self.g_n, self.g_len, self.g_seen))
 
     def round(self, slots: np.ndarray, tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
@@ -976,12 +1089,12 @@ class RequestArena:
         out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
         g = glob if glob is not None else _NO_TRIE
         i = 0
-        while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap, self.tbase,
-                                self.tcap, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
+        while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap,
+                                self.tshards, self.pool, self.pool_hdr, self.seqs, self.depths, self.factors,
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
-                                context_lens, ks, g.nodes, g.table, g.pool, g.seqs, g.stamps, g.max_depth, g.clock,
-                                glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync, out,
-                                offsets, scores, i, self._sink)) < n:
+                                context_lens, ks, g.nodes, g.table, g.shards, g.pool, g.seqs, g.stamps, g.max_depth,
+                                g.clock, glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync,
+                                out, offsets, scores, i, self._sink)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM
                 self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
@@ -991,9 +1104,6 @@ class RequestArena:
 
     def _trie(self, slot: int) -> np.ndarray:
         return self._nodes.array[self.nbase[slot]:self.nbase[slot] + self.ncap[slot]]
-
-    def _hash(self, slot: int) -> np.ndarray:
-        return self._table.array[self.tbase[slot]:self.tbase[slot] + self.tcap[slot]]
 
     def _grow(self, slot: int) -> None:
         """Moves the slot's trie to regions with room for depth + 2 more nodes
@@ -1006,19 +1116,19 @@ class RequestArena:
             nodes[base:base + used] = nodes[old:old + used]
             self._nodes.give_back(old, size)
             self.nbase[slot], self.ncap[slot] = base, 2 * size
-        if 2 * (hdr[H_KEYS] + room) > self.tcap[slot]:
-            old, size = int(self.tbase[slot]), int(self.tcap[slot])
-            base = self._table.take(2 * size)
-            table = self._table.array
-            rehash(table[old:old + size], table[base:base + 2 * size])
+        if hdr[H_TIGHT]:
+            shard = self.tshards[slot]
+            old, size = int(shard[0, T_BASE]), int(shard[0, T_SIZE])
+            base = self._table.take(2 * size)  # (may move the table: read .array after it)
+            _resize_shard(self._table.array, shard, 0, base, 2 * size, room)
             self._table.give_back(old, size)
-            self.tbase[slot], self.tcap[slot] = base, 2 * size
+            hdr[H_TIGHT] = 0
 
     def _new_slot(self) -> int:
         slot = self._num_slots
         self._num_slots += 1
         if slot == len(self.depths):
-            for name in ("hdrs", "nbase", "ncap", "tbase", "tcap", "depths", "factors", "min_probs", "active",
+            for name in ("hdrs", "nbase", "ncap", "tshards", "depths", "factors", "min_probs", "active",
                          "n_active", "g_lists", "g_n", "g_len", "g_seen", "seqs"):
                 a = getattr(self, name)
                 setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
@@ -1065,7 +1175,7 @@ class _GlobalCache:
     def add(self, output: np.ndarray) -> None:
         while len(self.fifo) >= self.max_requests:
             self._evict_oldest()
-        if self.trie.pool_end + len(output) > len(self.trie.pool):
+        if self.trie.pool_end + len(output) > self.trie.pool_cap:
             self.trie.compact_pool(list(self.fifo))
         slot = self.free_slots.pop()
         self.trie.open_stream(slot, self.clock, len(output))
@@ -1185,7 +1295,7 @@ class SuffixProposer(Proposer):
 
 def _warm_up() -> None:
     """Compiles (or loads from numba's cache) every kernel once."""
-    trie = SuffixTrie(4, 2)
+    trie = SuffixTrie(4, 2, reserve_bytes=0)
     active, n_active = np.zeros(5, dtype=np.int32), np.zeros(1, dtype=np.int64)
     for seq in (0, 1):
         trie.open_stream(seq, 0, 6)
@@ -1201,6 +1311,6 @@ def _warm_up() -> None:
 
 
 #: stands in for the global trie of a proposer without one (never searched)
-_NO_TRIE = SuffixTrie(1, 1)
+_NO_TRIE = SuffixTrie(1, 1, reserve_bytes=0, num_shards=1)
 #: the stamps of a trie that keeps none (RequestArena's)
 _NO_STAMPS = np.zeros(0, dtype=np.int64)

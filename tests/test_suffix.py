@@ -270,7 +270,7 @@ def test_matches_reference_with_real_overlap_lengths():
 
 # --------------------------------------------------------- trie structure
 def _count_in_trie(trie: SuffixTrie, tokens: list[int]) -> int:
-    node, off = suffix._walk(trie.nodes, trie.table, trie.pool, trie.seqs,
+    node, off = suffix._walk(trie.nodes, trie.table, trie.shards, trie.pool, trie.seqs,
                              _arr(tokens), trie.max_depth)
     if node < 0:
         return 0
@@ -292,8 +292,9 @@ def _check_trie(trie: SuffixTrie, streams: list[list[int]]):
             explicit += child.count >= 2
             stack.append((path, child))
     live = trie.live_nodes()
-    assert int(trie.hdr[suffix.H_KEYS]) == live - 1  # every node but the root is keyed
-    assert int((trie.table[:, 0] != -1).sum()) == live - 1
+    assert int(trie.shards[:, suffix.T_KEYS].sum()) == live - 1  # every node but the root is keyed
+    rows = [trie.table[base:base + size] for base, size in trie.shards[:, :2].tolist()]
+    assert sum(int((r[:, 0] != -1).sum()) for r in rows) == live - 1
     # with FIFO eviction some count-1 nodes may stay explicit, never more nodes
     # than substrings; without eviction exactly explicit + leaves
     return explicit, live
@@ -313,7 +314,7 @@ def test_trie_counts_exact_after_inserts_and_fifo_evictions():
             assert cache.trie.tokens(slot).tolist() == stream
     while cache.fifo:  # evicting everything frees every node
         cache._evict_oldest()
-    assert cache.trie.live_nodes() == 1 and int(cache.trie.hdr[suffix.H_KEYS]) == 0
+    assert cache.trie.live_nodes() == 1 and int(cache.trie.shards[:, suffix.T_KEYS].sum()) == 0
 
 
 def _check_best_children(trie: SuffixTrie, slots: list[int]):
@@ -328,7 +329,7 @@ def _check_best_children(trie: SuffixTrie, slots: list[int]):
             stack.append((prefix + [tok], child))
         if not prefix or not ref.children:
             continue
-        node, _ = suffix._walk(trie.nodes, trie.table, trie.pool, trie.seqs, _arr(prefix), trie.max_depth)
+        node, _ = suffix._walk(trie.nodes, trie.table, trie.shards, trie.pool, trie.seqs, _arr(prefix), trie.max_depth)
         if trie.nodes[node, suffix.LSEQ] < 0:
             best_tok = max(ref.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))[0]
             assert trie.nodes[trie.nodes[node, suffix.BEST], suffix.TOK] == best_tok, prefix
@@ -355,18 +356,58 @@ def test_best_children_exact_after_many_fifo_evictions():
 
 
 def test_trie_growth_keeps_counts():
+    """Past reservations of nothing (their floors), node rows, stamps, pool
+    and hash shards move to larger ones while a stream is inserted."""
     rng = np.random.default_rng(6)
-    trie = SuffixTrie(max_depth=5, num_streams=1, node_capacity=8, pool_capacity=4)
+    trie = SuffixTrie(max_depth=5, num_streams=1, reserve_bytes=0, num_shards=2)
+    rows, shard_rows = len(trie.nodes), trie.shard_rows
     active, n_active = np.zeros(6, dtype=np.int32), np.zeros(1, dtype=np.int64)
     trie.open_stream(0, 0, 0)
     stream: list[int] = []
-    for _ in range(40):
-        chunk = rng.integers(0, 4, int(rng.integers(1, 20))).astype(np.int32)
+    for _ in range(60):
+        chunk = rng.integers(0, 6, int(rng.integers(1, 20))).astype(np.int32)
         trie.append(0, chunk, active, n_active)
         stream += chunk.tolist()
-    assert len(trie.nodes) > 8 and trie.tokens(0).tolist() == stream
+    assert len(trie.nodes) > rows and trie.shard_rows > shard_rows and trie.tokens(0).tolist() == stream
     explicit, live = _check_trie(trie, [stream])
     assert live <= 1 + explicit + len(stream)  # root + repeated substrings + leaves
+
+
+@pytest.mark.parametrize("reserve_bytes", [None, 1])
+def test_global_trie_grows_and_drafts_as_the_reference(reserve_bytes, monkeypatch):
+    """The global trie's hash shards (8 here) double in place one at a time
+    as outputs are cached and evicted; with reservations of 1 byte its node
+    rows, stamps, pool and hash rows also move to larger ones. Drafts from
+    it stay the reference's after every output, and its counts exact."""
+    monkeypatch.setattr(suffix, "TABLE_SHARDS", 8)
+    if reserve_bytes:
+        monkeypatch.setattr(suffix, "RESERVE_BYTES", reserve_bytes)
+    rng = np.random.default_rng(17)
+    props = _pair(max_cached_requests=5, max_tree_depth=12)
+    trie = props[0]._global.trie
+    first_size, rows, shard_rows = int(trie.shards[0, suffix.T_SIZE]), len(trie.nodes), trie.shard_rows
+    phrases = [rng.integers(0, 40, int(rng.integers(3, 15))) for _ in range(12)]
+    outputs = []
+    for r in range(30):
+        parts = [phrases[i] for i in rng.integers(0, 12, 8)] + [rng.integers(0, 40, 20)]
+        outputs.append(np.concatenate(parts).astype(np.int32))
+        _both(props, "start", f"w{r}", _arr([0]), SeqOptions())
+        _both(props, "extend", f"w{r}", outputs[-1])
+        _both(props, "stop", f"w{r}", True)
+        for _ in range(4):  # probes: a slice of a recent output, perhaps changed
+            out = outputs[-int(rng.integers(1, min(len(outputs), 7) + 1))]
+            at = int(rng.integers(0, len(out) - 4))
+            probe = out[at:at + int(rng.integers(2, 10))].copy()
+            if rng.random() < 0.3:
+                probe[int(rng.integers(len(probe)))] = rng.integers(0, 40)
+            _both(props, "start", "q", probe, SeqOptions(max_spec_factor=2.0, min_token_prob=0.0))
+            for k in (1, 4, 9):
+                assert _draft(props[0], "q", k) == _draft(props[1], "q", k), (r, probe.tolist(), k)
+    assert int(trie.shards[:, suffix.T_SIZE].min()) >= 4 * first_size  # every shard doubled, twice or more
+    if reserve_bytes:
+        assert len(trie.nodes) > rows and trie.shard_rows > shard_rows
+    _check_trie(trie, [trie.tokens(s).tolist() for s in props[0]._global.fifo])
+    _check_best_children(trie, list(props[0]._global.fifo))
 
 
 # ------------------------------------------------------ rounds of many requests
@@ -384,7 +425,7 @@ def test_rounds_draft_the_same_when_the_arena_outgrows_its_reservation(seed, mon
     """As above with a reservation of 1024 rows (see _Regions): the arena's
     region arrays move to larger reservations mid-round, every request's
     trie with them, and drafts stay the reference's round after round."""
-    monkeypatch.setattr(suffix, "ARENA_RESERVE_BYTES", 1)
+    monkeypatch.setattr(suffix, "RESERVE_BYTES", 1)
     batched = _check_rounds(seed)
     assert len(batched._arena._nodes.array) >= 4 * 1024 and len(batched._arena._table.array) >= 4 * 1024
 
