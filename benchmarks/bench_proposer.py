@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from package_copy import LOAD_PROPOSER_SVC
 
 from specdec.gateway.clients import ProposerStream
 from specdec.gateway.discovery import ReplicaSet
@@ -82,14 +83,7 @@ TIMEOUT_S = 60.0
 
 #: runs a proposer with ``specdec.proposer_svc`` taken from argv[1] (a
 #: baseline copy of the package), the rest of the command line as `specdec`'s
-_BOOT = """
-import importlib.util, sys
-src = sys.argv.pop(1)
-spec = importlib.util.spec_from_file_location("specdec.proposer_svc", src + "/__init__.py",
-                                              submodule_search_locations=[src])
-mod = importlib.util.module_from_spec(spec)
-sys.modules["specdec.proposer_svc"] = mod
-spec.loader.exec_module(mod)
+_BOOT = LOAD_PROPOSER_SVC + """
 from specdec.cli import main
 sys.argv[0] = "specdec"
 main()

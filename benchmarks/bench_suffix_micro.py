@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from package_copy import LOAD_PROPOSER_SVC
 
 MAX_TREE_DEPTH = 64
 MAX_SPEC_FACTOR = 1.0
@@ -224,31 +225,12 @@ UPKEEP_OUTPUT, UPKEEP_PER_ROUND, UPKEEP_CACHED = 512, 2, 1000
 
 #: loads ``specdec.proposer_svc`` from argv[1] (a copy of the package) before
 #: running this file's upkeep driver with the rest of the command line
-_BOOT = """
-import importlib.util, runpy, sys
-src = sys.argv.pop(1)
-spec = importlib.util.spec_from_file_location("specdec.proposer_svc", src + "/__init__.py",
-                                              submodule_search_locations=[src])
-mod = importlib.util.module_from_spec(spec)
-sys.modules["specdec.proposer_svc"] = mod
-spec.loader.exec_module(mod)
+_BOOT = LOAD_PROPOSER_SVC + """
+import os, runpy
 sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))  # its sibling modules, as when run directly
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-def _text_stream(min_tokens: int) -> np.ndarray:
-    """Python stdlib sources as one int32 token stream (SmolLM2 tokenizer)."""
-    from specdec.models import default_model, load_tokenizer, resolve_model
-
-    tok = load_tokenizer(resolve_model(default_model()))
-    files = sorted(p for p in Path(os.__file__).parent.rglob("*.py") if 12_000 < p.stat().st_size < 200_000)
-    ids: list[int] = []
-    for path in files:
-        ids.extend(tok.encode(path.read_text(errors="replace")))
-        if len(ids) >= min_tokens:
-            break
-    return np.asarray(ids, dtype=np.int32)
 
 
 def run_upkeep(outputs: np.ndarray) -> list[float]:
@@ -280,7 +262,9 @@ def _upkeep_driver(in_path: str, out_path: str) -> None:
 
 
 def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
-    stream = _text_stream(count * UPKEEP_OUTPUT)
+    from bench_proposer import token_stream
+
+    stream = token_stream(count * UPKEEP_OUTPUT)
     outputs = stream[:count * UPKEEP_OUTPUT].reshape(count, UPKEEP_OUTPUT)
     results = {"outputs": count, "output_len": UPKEEP_OUTPUT, "per_round": UPKEEP_PER_ROUND,
                "cached_requests": UPKEEP_CACHED, "baseline_src": baseline_src, "rows": {}}
