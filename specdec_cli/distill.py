@@ -234,12 +234,22 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     depend on the batch, so an answer is the same whatever else is in
     flight: a seed gives the same data, and so does a run resumed from a
     checkpoint. ``save`` (if given) is called every ``CHECKPOINT_EVERY_S``
-    seconds and at the end with {"answers": {i: answer i}}, what ``resume``
-    takes back; answers in flight at a checkpoint are not in it (a resumed
+    seconds and at the end with {"answers": {i: answer i}, "recipe": the
+    options an answer depends on}, what ``resume`` takes back (refused when
+    those options differ); answers in flight at a checkpoint are not in it (a resumed
     run starts them again: at most a few seconds of the target's work)."""
     from specdec.engine.base import ForwardItem
 
     all_prompts = prompts(tokenizer, TOPICS)
+    recipe = {"--target": cfg.target, "--seed": cfg.seed, "--teacher-temperature": cfg.teacher_temperature,
+              "--max-new-tokens": cfg.max_new_tokens, "--kind": cfg.kind}  # what an answer depends on
+    if resume:
+        made_with = resume["recipe"]
+        differ = [flag for flag, value in recipe.items() if made_with.get(flag) != value]
+        if differ:
+            was = ", ".join(f"{flag} {made_with.get(flag)}" for flag in differ)
+            raise SystemExit(f"--resume: the checkpoint's answers were made with other {', '.join(differ)} "
+                             f"({was}); run again with those or without --resume")
     answers: dict[int, dict] = dict(resume["answers"]) if resume else {}
     todo = [i for i in range(cfg.samples) if i not in answers]
     width = min(TEACHER_BATCH, max(len(todo), 1))
@@ -290,7 +300,7 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
                 made += len(s["answer"])
         finished = admitted == len(todo) and not live
         if save is not None and (finished or time.monotonic() - saved >= CHECKPOINT_EVERY_S):
-            save({"answers": answers})
+            save({"answers": answers, "recipe": recipe})
             saved = time.monotonic()
         if time.monotonic() - reported >= 10 or finished:
             reported = time.monotonic()

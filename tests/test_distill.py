@@ -214,6 +214,10 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
     assert remade["n"] == answers_left  # only the answers not kept were made again
     resumed = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)["data"]
     assert _same_data(whole, resumed)
+    (tmp_path / "other").mkdir()  # answers made with another seed are not mixed in: refused, naming the flag
+    torch.save(saved, tmp_path / "other" / CHECKPOINT_FILE)
+    with pytest.raises(SystemExit, match=r"other --seed \(--seed 3\)"):
+        mod.distill(dataclasses.replace(cut, out=str(tmp_path / "other"), seed=4), resume=True, log=lambda *_: None)
 
 
 def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
