@@ -123,11 +123,18 @@ class Proposer(abc.ABC):
         """Replica-level gauges (memory in bytes, live sequences, ...)."""
         return {}
 
-    def between_messages(self) -> None:
-        """Deferred upkeep, run by the servicer after answering a message and
-        before reading the next (off the round's critical path): nothing by
-        default."""
-        return None
+    def between_messages(self, budget_s: float | None = None) -> bool:
+        """Deferred upkeep (e.g. caching finished outputs), in the order it
+        was queued: all of it (budget_s None), or steps until budget_s
+        seconds have passed (a step may overrun it). True while some is
+        left. The servicer runs it in slices while no message waits (off the
+        rounds' critical path). Nothing by default."""
+        return False
+
+    def upkeep_progress(self) -> tuple[int, int]:
+        """(units of deferred upkeep ever queued, units done): the servicer
+        bounds how long upkeep may wait with them. (0, 0) by default."""
+        return (0, 0)
 
     def advance(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                 ks: np.ndarray) -> DraftBatch:

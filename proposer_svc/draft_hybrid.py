@@ -88,9 +88,11 @@ class DraftHybridProposer(Proposer):
             part.stop(seq_id, completed)
         self.model_expect.pop(seq_id, None)
 
-    def between_messages(self):
-        for part in self._parts:
-            part.between_messages()
+    def between_messages(self, budget_s=None):  # (the suffix part is the one with upkeep)
+        return self.suffix.between_messages(budget_s)
+
+    def upkeep_progress(self):
+        return self.suffix.upkeep_progress()
 
     def context_len(self, seq_id):
         return self.model.context_len(seq_id)

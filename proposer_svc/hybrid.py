@@ -95,8 +95,11 @@ class HybridProposer(Proposer):
         self.ngram.stop(seq_id, completed)
         self.suffix.stop(seq_id, completed)
 
-    def between_messages(self):
-        self.suffix.between_messages()
+    def between_messages(self, budget_s=None):
+        return self.suffix.between_messages(budget_s)
+
+    def upkeep_progress(self):
+        return self.suffix.upkeep_progress()
 
     def context_len(self, seq_id):
         return self.suffix.context_len(seq_id)

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -36,6 +37,16 @@ BATCH_SECONDS = Histogram("specdec_proposer_batch_seconds", "Compute time per Pr
 PROPOSER_STATE = Gauge("specdec_proposer_state", "Proposer gauges: memory_bytes, tree_nodes, "
                        "cached_requests, live_sequences", ["method", "key"])
 STATE_EVERY_S = 1.0  # how often the proposer gauges are refreshed
+#: deferred upkeep (Proposer.between_messages) runs while no message waits,
+#: in slices of about this long: a message that arrives meanwhile waits for
+#: the rest of one slice (or of the step it overruns in: see between_messages)
+UPKEEP_SLICE_S = 0.0005
+#: upkeep queued while handling message m is done before message m +
+#: UPKEEP_MAX_POSTPONED + 1 is handled, or once it has waited
+#: UPKEEP_MAX_DELAY_S, even when messages come back to back: it cannot fall
+#: behind without bound
+UPKEEP_MAX_POSTPONED = 8
+UPKEEP_MAX_DELAY_S = 0.05
 
 
 UNKNOWN_MESSAGE = "no proposer state for this sequence; re-open it"
@@ -170,6 +181,82 @@ def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
         msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
 
 
+async def _read_one(messages) -> pb.ProposeRequest | None:
+    """The stream's next message, None at its end."""
+    try:
+        return await messages.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+class _Inbox:
+    """A stream's messages, each read ahead in a task of its own, so that the
+    servicer sees whether one waits while it runs upkeep."""
+
+    def __init__(self, requests) -> None:
+        self._messages = requests.__aiter__()
+        self._next = asyncio.ensure_future(_read_one(self._messages))
+
+    def waiting(self) -> bool:
+        """A message (or the stream's end or failure) has arrived and waits."""
+        return self._next.done()
+
+    async def get(self) -> pb.ProposeRequest | None:
+        """The next message (None: the stream ended); raises what reading raised."""
+        request = await self._next
+        if request is not None:
+            self._next = asyncio.ensure_future(_read_one(self._messages))
+        return request
+
+    def close(self) -> None:
+        if not self._next.done():
+            self._next.cancel()
+        elif not self._next.cancelled():
+            self._next.exception()  # (retrieved: no "never retrieved" warning)
+
+
+class _Upkeep:
+    """The proposers' deferred upkeep (``Proposer.between_messages``), off
+    the rounds' critical path: run in slices while no message waits, and
+    before a message only once overdue (UPKEEP_MAX_*)."""
+
+    def __init__(self, proposers: list[Proposer]) -> None:
+        self.proposers = proposers
+        self.max_postponed, self.max_delay_s = UPKEEP_MAX_POSTPONED, UPKEEP_MAX_DELAY_S
+        # after each handled message, oldest first: (when, each proposer's units of upkeep queued then)
+        self._marks: deque[tuple[float, list[int]]] = deque()
+
+    def note(self) -> None:
+        """Notes the upkeep queued so far (after a message is handled)."""
+        self._marks.append((time.monotonic(), [p.upkeep_progress()[0] for p in self.proposers]))
+
+    def pending(self) -> bool:
+        return any(queued > done for queued, done in (p.upkeep_progress() for p in self.proposers))
+
+    def run_slice(self) -> None:
+        """About UPKEEP_SLICE_S of upkeep, of the first proposer with some left."""
+        for proposer in self.proposers:
+            queued, done = proposer.upkeep_progress()
+            if queued > done:
+                proposer.between_messages(UPKEEP_SLICE_S)
+                return
+
+    def run_overdue(self) -> None:
+        """Before a message is handled: the upkeep queued by the messages
+        more than max_postponed ago, or more than max_delay_s ago."""
+        marks, target = self._marks, None
+        too_old = time.monotonic() - self.max_delay_s
+        while marks and (len(marks) > self.max_postponed or marks[0][0] < too_old):
+            target = marks.popleft()[1]
+        for proposer, queued in zip(self.proposers, target or ()):
+            while proposer.upkeep_progress()[1] < queued:
+                proposer.between_messages(UPKEEP_SLICE_S)
+
+    def flush(self) -> None:
+        for proposer in self.proposers:
+            proposer.between_messages()
+
+
 class ProposerServicer(pb_grpc.ProposerServicer):
     """Serves the methods in `proposers`; per-sequence state lives in them."""
 
@@ -180,15 +267,23 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         self._owner: dict[str, object] = {}  # seq_id -> the stream that opened it
         self._featured = {m for m, p in proposers.items() if p.feature_layers}  # methods that take features
         self._state_at = float("-inf")  # when the proposer gauges were last refreshed
+        self.upkeep = _Upkeep(list(proposers.values()))
+        self._inboxes: set[_Inbox] = set()  # of the open streams
 
     async def Propose(self, request_iterator, context):
         """Sequences belong to the stream that opened them: when the stream
-        ends (the gateway went away or reset it) their state is freed."""
+        ends (the gateway went away or reset it) their state is freed and
+        the upkeep left is done. Upkeep runs between messages (``_next``);
+        overdue upkeep counts in the message's compute_s."""
         owner = object()
+        inbox = _Inbox(request_iterator)
+        self._inboxes.add(inbox)
         try:
-            async for request in request_iterator:
+            while (request := await self._next(inbox)) is not None:
                 start = time.perf_counter()
+                self.upkeep.run_overdue()
                 response = self.handle(request, owner)
+                self.upkeep.note()
                 response.compute_s = time.perf_counter() - start
                 BATCH_SECONDS.observe(response.compute_s)
                 PROPOSE_BATCHES.inc()
@@ -196,14 +291,22 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 if self.added_latency_s:
                     await asyncio.sleep(self.added_latency_s)
                 yield response
-                for proposer in self.proposers.values():  # the answer is on its way
-                    proposer.between_messages()
         finally:
+            self._inboxes.discard(inbox)
+            inbox.close()
             for seq_id in [s for s, o in self._owner.items() if o is owner]:
                 self._stop(seq_id, completed=False)
-            for proposer in self.proposers.values():
-                proposer.between_messages()
+            self.upkeep.flush()
             LIVE_SEQUENCES.set(len(self._method_of))
+
+    async def _next(self, inbox: _Inbox) -> pb.ProposeRequest | None:
+        """The stream's next message (None at its end). Until a message
+        waits on any stream, the upkeep left runs in slices, each followed
+        by a turn of the event loop (which may deliver one)."""
+        while self.upkeep.pending() and not any(i.waiting() for i in self._inboxes):
+            self.upkeep.run_slice()
+            await asyncio.sleep(0)
+        return await inbox.get()
 
     def handle(self, request: pb.ProposeRequest, owner: object = None) -> pb.ProposeResponse:
         """Applies releases, then the round's columns (``_columns``), then the

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -761,6 +762,10 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
 #: the kernel counts address space (vm.overcommit_memory=2) and on hosts
 #: whose RAM a container's limit does not show
 RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 1 << 30)
+#: tokens of an output inserted into the global trie in one step of its
+#: upkeep (_GlobalCache.work): about 0.1 ms at depth 64 (bench_suffix_micro.py
+#: --upkeep), so that a step rarely overruns a slice of upkeep between messages
+INSERT_CHUNK = 64
 #: hash shards of the global trie: a shard's growth rehashes 1/TABLE_SHARDS
 #: of the keys (about 130k at 2M nodes). (B=256 rounds in-process, same
 #: run: 10-20% slower with 64 shards than with 1 or 16.)
@@ -860,14 +865,24 @@ class SuffixTrie:
         """Appends tokens (int32 [m]) to stream ``seq``, the last one in the
         pool, and inserts them. active: int32 [max_depth + 1] and n_active:
         int64 [1] hold the stream's active nodes (in/out)."""
+        self.write(seq, tokens)
+        self.insert(seq, self.pool_end - int(self.seqs[seq, S_START]), active, n_active)
+
+    def write(self, seq: int, tokens: np.ndarray) -> None:
+        """Writes tokens (int32 [m]) after stream ``seq``'s, the last ones in
+        the pool, without inserting them (``insert`` does)."""
         self.reserve_pool(len(tokens))
         self.pool[self.pool_end:self.pool_end + len(tokens)] = tokens
         self.pool_end += len(tokens)
-        end = self.pool_end - int(self.seqs[seq, S_START])
-        self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + end)
+
+    def insert(self, seq: int, end: int, active: np.ndarray, n_active: np.ndarray) -> None:
+        """Inserts stream ``seq``'s written tokens up to position ``end``
+        (as ``append``). Between two calls the trie is the one of the
+        tokens inserted so far, drafts may read it: the clock follows them."""
         while append_tokens(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
                             self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
             self.grow()
+        self.clock = max(self.clock, int(self.seqs[seq, S_TIME] + self.seqs[seq, S_LEN]))
 
     def remove(self, seq: int) -> None:
         remove_stream(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
@@ -943,9 +958,9 @@ class SuffixConfig:
     max_tree_depth: int = 64  # depth of every trie; caps the per-request max_tree_depth
     # False: a finished output enters the global trie at once (stop). True (a
     # served replica): it waits for between_messages, which the servicer calls
-    # once a message is answered, so inserting it and evicting the oldest (ms
-    # each at depth 64) overlap the gateway's verification instead of
-    # delaying the round that released it, which then drafts without it.
+    # in slices while no message waits, so inserting it and evicting the
+    # oldest (ms each at depth 64) overlap the gateway's verification instead
+    # of delaying the round that released it, which then drafts without it.
     cache_between_messages: bool = False
 
 
@@ -1164,28 +1179,70 @@ class RequestArena:
 
 class _GlobalCache:
     """Global trie over the outputs of finished requests, evicted FIFO (which
-    keeps stamps exact, see ``remove_stream``)."""
+    keeps stamps exact, see ``remove_stream``).
+
+    Outputs wait in a queue (``queue``) and enter the trie in steps
+    (``work``): one eviction, or the next INSERT_CHUNK tokens of the output
+    being inserted. An eviction is one step (a stream half subtracted would
+    leave counts and best children inconsistent); between steps the trie is
+    valid and drafts may read it: the output being inserted is a stream of
+    its tokens inserted so far (the newest, not evicted before it is whole:
+    stamps stay exact), and ``fifo`` lists it once whole.
+    """
 
     def __init__(self, max_requests: int, max_depth: int) -> None:
         self.max_requests = max_requests
         self.trie = SuffixTrie(max_depth, max_requests)
-        self.fifo: deque[int] = deque()  # stream slots, oldest first
+        self.fifo: deque[int] = deque()  # stream slots of whole outputs, oldest first
         self.free_slots = list(range(max_requests - 1, -1, -1))
-        self.clock = 0  # tokens ever inserted: the next stream's time base
-        self._active = np.zeros(max_depth + 1, dtype=np.int32)
+        self.clock = 0  # tokens ever inserted or being inserted: the next stream's time base
+        self.waiting: deque[np.ndarray] = deque()  # outputs queued, not yet being inserted, oldest first
+        self.queued = 0  # outputs ever queued
+        self.done = 0  # of those, the ones whole in the trie (in queue order)
+        self._slot = -1  # stream slot of the output being inserted (-1: none)
+        self._active = np.zeros(max_depth + 1, dtype=np.int32)  # that stream's active nodes
         self._n_active = np.zeros(1, dtype=np.int64)
 
     def add(self, output: np.ndarray) -> None:
-        while len(self.fifo) >= self.max_requests:
-            self._evict_oldest()
-        if self.trie.pool_end + len(output) > self.trie.pool_cap:
-            self.trie.compact_pool(list(self.fifo))
-        slot = self.free_slots.pop()
-        self.trie.open_stream(slot, self.clock, len(output))
-        self._n_active[0] = 0
-        self.trie.append(slot, output, self._active, self._n_active)
-        self.fifo.append(slot)
-        self.clock += len(output)
+        """Puts output (int32 [m]) into the trie now, after the ones queued."""
+        self.queue(output)
+        self.work(None)
+
+    def queue(self, output: np.ndarray) -> None:
+        self.waiting.append(output)
+        self.queued += 1
+
+    def work(self, deadline: float | None) -> bool:
+        """Steps until every queued output is in the trie or time.perf_counter()
+        passes deadline (None: no deadline; a step may overrun it); True while
+        some are left."""
+        while self.done < self.queued:
+            self._step()
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return self.done < self.queued
+
+    def _step(self) -> None:
+        trie = self.trie
+        if self._slot < 0:
+            if len(self.fifo) >= self.max_requests:
+                self._evict_oldest()
+                return
+            output = self.waiting.popleft()
+            if trie.pool_end + len(output) > trie.pool_cap:
+                trie.compact_pool(list(self.fifo))
+            self._slot = self.free_slots.pop()
+            trie.open_stream(self._slot, self.clock, len(output))
+            trie.write(self._slot, output)
+            self._n_active[0] = 0
+            self.clock += len(output)
+        slot = self._slot
+        length = trie.pool_end - int(trie.seqs[slot, S_START])
+        trie.insert(slot, min(int(trie.seqs[slot, S_LEN]) + INSERT_CHUNK, length), self._active, self._n_active)
+        if trie.seqs[slot, S_LEN] == length:
+            self.fifo.append(slot)
+            self._slot = -1
+            self.done += 1
 
     def _evict_oldest(self) -> None:
         slot = self.fifo.popleft()
@@ -1213,7 +1270,6 @@ class SuffixProposer(Proposer):
         self._prompt_len: dict[str, int] = {}
         self._global = (_GlobalCache(config.max_cached_requests, config.max_tree_depth)
                         if config.max_cached_requests > 0 else None)
-        self._finished: list[np.ndarray] = []  # outputs waiting for the global trie
         _warm_up()
 
     def start(self, seq_id, context, options):
@@ -1270,15 +1326,23 @@ class SuffixProposer(Proposer):
         output = self._arena.context(slot)[prompt_len:].copy()
         self._arena.close(slot)
         if completed and self._global is not None and len(output):
-            self._finished.append(output)
-            if not self.config.cache_between_messages:
-                self.between_messages()
+            if self.config.cache_between_messages:
+                self._global.queue(output)
+            else:
+                self._global.add(output)
 
-    def between_messages(self):
-        """Puts the finished outputs into the global trie."""
-        glob, finished, self._finished = self._global, self._finished, []
-        for output in finished:
-            glob.add(output)
+    def between_messages(self, budget_s=None):
+        """Puts finished outputs into the global trie (evicting the oldest), in
+        steps of at most INSERT_CHUNK tokens or one eviction."""
+        glob = self._global
+        if glob is None:
+            return False
+        return glob.work(None if budget_s is None else time.perf_counter() + budget_s)
+
+    def upkeep_progress(self):
+        """Finished outputs queued for the global trie, and those in it."""
+        glob = self._global
+        return (0, 0) if glob is None else (glob.queued, glob.done)
 
     def context_len(self, seq_id):
         try:

@@ -1,9 +1,10 @@
 """The batched proposer servicer (one Proposer.advance per method and message)
 against the per-sequence proposer API: many sequences per message, opens,
 updates, releases (completed ones feed the suffix global tree, at once or,
-as a served replica does, once the message is answered), re-opens after
-UNKNOWN_SEQUENCE, and bad updates in the middle of a batch, in-process and
-through a real proposer process over gRPC."""
+as a served replica does, in upkeep run while no message waits, bounded
+when messages come back to back), re-opens after UNKNOWN_SEQUENCE, and bad
+updates in the middle of a batch, in-process and through a real proposer
+process over gRPC."""
 from __future__ import annotations
 
 import asyncio
@@ -283,45 +284,180 @@ def test_real_proposer_process_batches_as_the_per_sequence_api():
         proc.wait(30)
 
 
-@pytest.mark.parametrize("served", [False, True])
-def test_finished_outputs_reach_the_global_tree_once_the_message_is_answered(served):
-    """A served replica puts a completed sequence's output into the suffix
-    global tree after answering the message that released it (off the
-    round's critical path), before it reads the next; otherwise at once."""
-    servicer = ProposerServicer(build_proposers(["suffix"], _settings(served)))
-    output = [40, 41, 42, 43, 44, 45, 46, 47]
-    opts = pb.ProposerOptions(method="suffix")
-    messages = [
-        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", open=True, token_ids=[1, 2, 3], context_len=3,
-                                                       options=opts)]),
-        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", token_ids=output, context_len=11)]),
-        # b ends with the start of a's output, which it holds nowhere else
-        pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id="a", completed=True)],
-                          sequences=[pb.SequenceUpdate(seq_id="b", open=True, token_ids=[9, 8, *output[:4]],
-                                                       context_len=6, num_speculative_tokens=3, options=opts)]),
-        pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", context_len=6, num_speculative_tokens=3)]),
-    ]
+class InProcessStream:
+    """A Propose stream of a servicer driven in-process. grpc resumes the
+    servicer once an answer is written; here a message is either
+    ``queued``: read (so waiting) before the servicer resumes, as when the
+    gateway answers back to back, or sent ``after_idle``: the servicer has
+    been idle (running upkeep) for idle_s first."""
 
-    async def drive() -> list[list[int]]:
-        inbox: asyncio.Queue = asyncio.Queue()
+    def __init__(self, servicer: ProposerServicer) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._read = asyncio.Event()  # the servicer read the message queued last
+        self.responses = servicer.Propose(self._requests(), None)
 
-        async def requests():
-            while (request := await inbox.get()) is not None:
-                yield request
+    async def _requests(self):
+        while (request := await self._queue.get()) is not None:
+            self._read.set()
+            yield request
+        self._read.set()
 
-        stream = servicer.Propose(requests(), None)
-        drafts = []
-        for message in messages:
-            await inbox.put(message)
-            drafts.append(list((await stream.__anext__()).drafts[0].token_ids))
-        await inbox.put(None)
+    async def queued(self, message: pb.ProposeRequest, pause_s: float = 0.0) -> pb.ProposeResponse:
+        """(Not the first message: the servicer reads ahead once started.)"""
+        self._read.clear()
+        await self._queue.put(message)
+        await self._read.wait()
+        await asyncio.sleep(pause_s)
+        return await self.responses.__anext__()
+
+    async def after_idle(self, message: pb.ProposeRequest, idle_s: float = 0.05) -> pb.ProposeResponse:
+        answer = asyncio.ensure_future(self.responses.__anext__())
+        await asyncio.sleep(idle_s)
+        await self._queue.put(message)
+        return await answer
+
+    async def end(self) -> None:
+        """Ends the stream (its end read before the servicer resumes)."""
+        self._read.clear()
+        await self._queue.put(None)
+        await self._read.wait()
         with pytest.raises(StopAsyncIteration):
-            await stream.__anext__()
-        return drafts
+            await self.responses.__anext__()
 
-    drafts = asyncio.run(drive())
-    assert drafts[3] == output[4:7]
-    assert drafts[2] == ([] if served else output[4:7])
+
+OUTPUT = [40, 41, 42, 43, 44, 45, 46, 47]
+SUFFIX = pb.ProposerOptions(method="suffix")
+# a finishes with OUTPUT; b ends with its start, which it holds nowhere else:
+# b drafts OUTPUT[4:7] once OUTPUT is in the global trie, nothing before
+OPEN_A = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", open=True, token_ids=[1, 2, 3], context_len=3,
+                                                        options=SUFFIX)])
+FINISH_A = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="a", token_ids=OUTPUT, context_len=11)])
+RELEASE_A_OPEN_B = pb.ProposeRequest(
+    releases=[pb.SequenceRelease(seq_id="a", completed=True)],
+    sequences=[pb.SequenceUpdate(seq_id="b", open=True, token_ids=[9, 8, *OUTPUT[:4]], context_len=6,
+                                 num_speculative_tokens=3, options=SUFFIX)])
+ASK_B = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", context_len=6, num_speculative_tokens=3)])
+
+
+def _drafts(response: pb.ProposeResponse) -> list[int]:
+    return list(response.drafts[0].token_ids)
+
+
+async def _release_a(stream: InProcessStream) -> list[int]:
+    """b's drafts in the message that releases a."""
+    await stream.after_idle(OPEN_A)
+    await stream.after_idle(FINISH_A)
+    return _drafts(await stream.after_idle(RELEASE_A_OPEN_B))
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_finished_outputs_reach_the_global_tree_once_the_stream_is_idle(served):
+    """A served replica puts a completed sequence's output into the suffix
+    global tree after answering the message that released it, while no
+    message waits (off the round's critical path); a message already
+    waiting is answered first, without it. Otherwise at once."""
+    servicer = ProposerServicer(build_proposers(["suffix"], _settings(served)))
+    proposer = servicer.proposers["suffix"]
+
+    async def drive() -> None:
+        stream = InProcessStream(servicer)
+        assert await _release_a(stream) == ([] if served else OUTPUT[4:7])
+        assert _drafts(await stream.queued(ASK_B)) == ([] if served else OUTPUT[4:7])
+        assert proposer.upkeep_progress() == ((1, 0) if served else (1, 1))
+        assert _drafts(await stream.after_idle(ASK_B)) == OUTPUT[4:7]
+        assert proposer.upkeep_progress() == (1, 1)
+        await stream.end()
+
+    asyncio.run(drive())
+
+
+@pytest.mark.parametrize("bound", ["messages", "seconds"])
+def test_upkeep_postponed_too_long_runs_before_the_next_message(bound):
+    """Messages back to back postpone upkeep (each is waiting when the
+    servicer is back) only so far: past max_postponed messages, or once it
+    waited max_delay_s, it runs before the next message is handled."""
+    servicer = ProposerServicer(build_proposers(["suffix"], _settings(True)))
+    upkeep = servicer.upkeep
+    upkeep.max_postponed, upkeep.max_delay_s = (2, float("inf")) if bound == "messages" else (100, 0.02)
+
+    async def drive() -> None:
+        stream = InProcessStream(servicer)
+        assert await _release_a(stream) == []
+        if bound == "messages":
+            assert _drafts(await stream.queued(ASK_B)) == []
+            assert _drafts(await stream.queued(ASK_B)) == []  # postponed past 2 messages,
+            assert _drafts(await stream.queued(ASK_B)) == OUTPUT[4:7]  # not past a third
+        else:
+            assert _drafts(await stream.queued(ASK_B)) == []
+            assert _drafts(await stream.queued(ASK_B, pause_s=0.04)) == OUTPUT[4:7]
+        await stream.end()
+
+    asyncio.run(drive())
+
+
+@pytest.mark.parametrize("how", ["stream end", "stream closed"])
+def test_upkeep_left_is_done_when_the_stream_ends(how):
+    """Outputs released in messages back to back, their upkeep postponed,
+    are all in the global tree once the stream ends or is closed (the
+    servicer's finally, as on a cancelled RPC): none is lost."""
+    servicer = ProposerServicer(build_proposers(["suffix"], _settings(True)))
+    servicer.upkeep.max_postponed = 100
+    proposer = servicer.proposers["suffix"]
+    outputs = {f"s{i}": [100 + 10 * i + j for j in range(8)] for i in range(6)}
+
+    async def drive() -> None:
+        stream = InProcessStream(servicer)
+        await stream.after_idle(pb.ProposeRequest(sequences=[
+            pb.SequenceUpdate(seq_id=s, open=True, token_ids=[1], context_len=1, options=SUFFIX) for s in outputs]))
+        await stream.after_idle(pb.ProposeRequest(sequences=[
+            pb.SequenceUpdate(seq_id=s, token_ids=out, context_len=9) for s, out in outputs.items()]))
+        for seq_id in outputs:
+            await stream.queued(pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=seq_id, completed=True)]))
+        assert proposer.upkeep_progress()[1] == 0
+        if how == "stream end":
+            await stream.end()
+        else:
+            await stream.responses.aclose()
+
+    asyncio.run(drive())
+    assert proposer.upkeep_progress() == (6, 6) and proposer.stats()["cached_requests"] == 6
+    for i, out in enumerate(outputs.values()):
+        proposer.start(f"probe{i}", np.array([7, *out[:3]], dtype=np.int32), SeqOptions())
+        assert proposer.propose([(f"probe{i}", 3)])[0].token_ids.tolist() == out[3:6]
+
+
+def test_real_proposer_caches_every_output_released_back_to_back():
+    """Through a real proposer process: many completed releases in messages
+    sent without waiting for answers (each waits when the servicer is back:
+    upkeep postponed, then forced); on a stream opened once the first ended,
+    every output is drafted from its method's global tree: none was lost."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "proposer", "--methods", "suffix,hybrid",
+                             "--port", str(port)])
+    outputs = {f"s{i}": [1000 * (i + 1) + j for j in range(200)] for i in range(40)}
+    method = {s: ("suffix", "hybrid")[i % 2] for i, s in enumerate(outputs)}
+    first = [pb.ProposeRequest(sequences=[
+                 pb.SequenceUpdate(seq_id=s, open=True, token_ids=[1], context_len=1,
+                                   options=pb.ProposerOptions(method=method[s])) for s in outputs]),
+             pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id=s, token_ids=out, context_len=201)
+                                          for s, out in outputs.items()]),
+             *[pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=s, completed=True)]) for s in outputs]]
+    probes = pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=f"probe-{s}", open=True, token_ids=[7, *out[50:54]], context_len=5,
+                          num_speculative_tokens=3, options=pb.ProposerOptions(method=method[s]))
+        for s, out in outputs.items()])
+    try:
+        addr = f"127.0.0.1:{port}"
+        wait_serving(addr, proc, 120, "proposer")
+        with grpc.insecure_channel(addr) as channel:
+            stub = pb_grpc.ProposerStub(channel)
+            answers = list(stub.Propose(iter(first)))  # all sent at once; ends when the stream does
+            assert len(answers) == len(first)
+            drafts = next(stub.Propose(iter([probes]))).drafts
+        assert [list(d.token_ids) for d in drafts] == [out[54:57] for out in outputs.values()]
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_naive_batched_round_checks_lengths_and_drafts_nothing():

@@ -410,6 +410,53 @@ def test_global_trie_grows_and_drafts_as_the_reference(reserve_bytes, monkeypatc
     _check_best_children(trie, list(props[0]._global.fifo))
 
 
+def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference(monkeypatch):
+    """A served replica's finished outputs wait for between_messages, which
+    with a budget of 0 runs one step a call (an eviction, or INSERT_CHUNK =
+    5 tokens of the output being inserted). After every step the global
+    trie's counts and best children are exact over the outputs in it and the
+    part inserted so far of the next; drafts, also of probes opened before
+    (their global matches are kept between calls), are the reference's over
+    those streams; at the end the newest outputs are all cached, in order."""
+    monkeypatch.setattr(suffix, "INSERT_CHUNK", 5)
+    rng = np.random.default_rng(21)
+    depth = 8
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=3, max_tree_depth=depth, cache_between_messages=True))
+    glob, trie = prop._global, prop._global.trie
+    phrases = [rng.integers(0, 8, int(rng.integers(3, 9))) for _ in range(6)]
+    outputs = [np.concatenate([phrases[i] for i in rng.integers(0, 6, 6)]).astype(np.int32) for _ in range(7)]
+    for r, output in enumerate(outputs):
+        prop.start(f"w{r}", _arr([0]), SeqOptions())
+        prop.extend(f"w{r}", output)
+        prop.stop(f"w{r}", completed=True)
+    assert prop.upkeep_progress() == (7, 0) and prop.stats()["cached_requests"] == 0
+    opts = SeqOptions(max_spec_factor=2.0, min_token_prob=0.0)
+    probes = {f"q{i}": outputs[i][3:3 + int(rng.integers(2, 6))] for i in range(1, 7)}
+    for seq_id, context in probes.items():
+        prop.start(seq_id, context, opts)
+    steps, checked = 0, 0
+    while prop.between_messages(budget_s=0.0):
+        steps += 1
+        slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
+        streams = [trie.tokens(s).tolist() for s in slots]
+        _check_trie(trie, streams)
+        _check_best_children(trie, slots)
+        assert trie.clock == max(int(trie.seqs[s, suffix.S_TIME]) + len(t) for s, t in zip(slots, streams))
+        if not glob.fifo:  # (the global trie is searched once an output is whole in it)
+            continue
+        reference = ReferenceSuffixProposer(len(slots), depth)
+        reference._cached.extend((t, int(trie.seqs[s, suffix.S_TIME])) for s, t in zip(slots, streams))
+        for seq_id, context in probes.items():
+            reference.start(seq_id, context, opts)
+            for k in (2, 6):
+                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (steps, seq_id, k)
+                checked += 1
+    # one step a call: the 4 evictions, then every 5 tokens of each output
+    assert steps + 1 == 4 + sum(-(-len(o) // 5) for o in outputs) and checked > 100
+    assert prop.upkeep_progress() == (7, 7) and not prop.between_messages()
+    assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-3:]]
+
+
 # ------------------------------------------------------ rounds of many requests
 @pytest.mark.parametrize("seed", range(4))
 def test_rounds_draft_as_one_sequence_at_a_time(seed):
