@@ -42,6 +42,15 @@ global trie) then leaves the measured exchange, which is the proposer's
 share of the round's critical path. 0 (the default): back-to-back rounds.
 Rows still last ``--seconds`` of wall time, gaps included.
 
+``--ahead`` builds each round's messages while the round before is in
+flight and sends them the moment its answers are in, as the gateway's
+``--overlap ahead`` does: the proposer then finds the next message waiting
+as soon as it has answered, and what it does between messages (upkeep)
+can no longer hide behind the building of the next. Round time is then
+from sending a round's messages to having their answers and the next
+round's messages; the exchange column includes building the next round
+where that takes longer than the answer.
+
 ``--baseline-src DIR`` runs the same rows also against another copy of the
 ``proposer_svc`` package (e.g. main's:
 ``git archive main proposer_svc | tar -x -C /tmp/main-src``), in the same run;
@@ -49,7 +58,7 @@ Rows still last ``--seconds`` of wall time, gaps included.
 
 Usage:
     flock /tmp/specdec-bench.lock python benchmarks/bench_proposer.py \
-        [--methods ngram,suffix,hybrid] [--batch-sizes 1,32,256] [--seconds 5] [--gap-ms 20] \
+        [--methods ngram,suffix,hybrid] [--batch-sizes 1,32,256] [--seconds 5] [--gap-ms 20 | --ahead] \
         [--replicas 1,2,4] [--baseline-src /tmp/main-src/proposer_svc] [--out bench_results/proposer.json]
 """
 from __future__ import annotations
@@ -229,9 +238,10 @@ async def fill_cache(addrs: list[str], workload: Workload, count: int) -> None:
         await channel.close()
 
 
-async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float) -> dict:
+async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float, ahead: bool) -> dict:
     """Rounds for ``seconds`` (after one opening round and one warm round),
-    ``gap_s`` apart; the sequences go to replicas by the gateway's hash ring."""
+    ``gap_s`` apart, each round's messages built during the round before
+    when ``ahead``; the sequences go to replicas by the gateway's hash ring."""
     ring = ReplicaSet("bench", addrs)
     channels = {a: aio_channel(a, None, []) for a in addrs}
     streams = {a: ProposerStream(channels[a]) for a in addrs}
@@ -239,27 +249,38 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
     for s in workload.seqs:
         by_replica[ring.pick(s.seq_id)].append(s)
 
-    async def round_on(addr: str, releases: list[str]) -> tuple[float, float, float]:
-        seqs = by_replica[addr]
-        request = workload.request(seqs, [r for r in releases if ring.pick(r) == addr])
-        sent = time.perf_counter()
-        response = await streams[addr].exchange(request, TIMEOUT_S)
-        exchange = time.perf_counter() - sent
-        assert len(response.drafts) + len(response.round.draft_counts) == len(seqs)
-        bad = [d for d in response.drafts if d.status != pb.SEQUENCE_STATUS_OK]
-        assert not bad and not response.round.statuses, (bad, response.round.messages)
-        return response.compute_s, sum(len(d.token_ids) for d in response.drafts) + len(response.round.token_ids), \
-            exchange
-
-    async def one_round() -> tuple[float, list[float], int, float]:
+    def build() -> dict[str, tuple[pb.ProposeRequest, int]]:
+        """The round's message for each replica, with its number of sequences."""
         releases = workload.recycle()
         if releases:
             by_replica.clear()
             by_replica.update({a: [] for a in addrs})
             for s in workload.seqs:
                 by_replica[ring.pick(s.seq_id)].append(s)
+        return {a: (workload.request(by_replica[a], [r for r in releases if ring.pick(r) == a]), len(by_replica[a]))
+                for a in addrs}
+
+    async def ask(addr: str, request: pb.ProposeRequest, num_seqs: int) -> tuple[float, int, float]:
+        sent = time.perf_counter()
+        response = await streams[addr].exchange(request, TIMEOUT_S)
+        took = time.perf_counter() - sent
+        assert len(response.drafts) + len(response.round.draft_counts) == num_seqs
+        bad = [d for d in response.drafts if d.status != pb.SEQUENCE_STATUS_OK]
+        assert not bad and not response.round.statuses, (bad, response.round.messages)
+        return response.compute_s, sum(len(d.token_ids) for d in response.drafts) + len(response.round.token_ids), \
+            took
+
+    built: dict[str, tuple[pb.ProposeRequest, int]] | None = None  # (ahead) this round's messages
+
+    async def one_round() -> tuple[float, list[float], int, float]:
+        nonlocal built
         start = time.perf_counter()
-        found = await asyncio.gather(*(round_on(a, releases) for a in addrs))
+        messages = built or build()
+        sends = [asyncio.ensure_future(ask(a, *messages[a])) for a in addrs]
+        if ahead:
+            await asyncio.sleep(0)  # the messages leave; the next round's are built meanwhile
+            built = build()
+        found = await asyncio.gather(*sends)
         wall = time.perf_counter() - start
         if gap_s:
             await asyncio.sleep(gap_s)  # the scorer's verification
@@ -292,7 +313,8 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
 
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
-          seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str, columns: bool) -> list[dict]:
+          seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str, columns: bool,
+          ahead: bool) -> list[dict]:
     rows = []
     for n in replicas:
         procs = Proposers(n, ",".join(methods), src, log_dir)
@@ -308,7 +330,7 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
                     workload = Workload(stream, b, method, handed_out[method], columns=columns)
-                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s))
+                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s, ahead))
                     handed_out[method] = workload.generation
                     row["code"], row["columns"] = label, columns
                     rows.append(row)
@@ -348,6 +370,8 @@ def main() -> None:
     ap.add_argument("--replicas", default="1", help="comma-separated replica counts (fan-out rows use the largest B)")
     ap.add_argument("--seconds", type=float, default=5.0, help="per row")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="wait between rounds (the scorer's verification)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="build each round's messages while the round before is in flight, send them at once")
     ap.add_argument("--fill-cache", type=int, default=1000,
                     help="finished sequences sent first to fill the suffix global tree (0: none)")
     ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
@@ -372,14 +396,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as log_dir:
         if args.baseline_src:
             rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3,
-                          args.fill_cache, stream, log_dir, args.baseline_columns)
+                          args.fill_cache, stream, log_dir, args.baseline_columns, args.ahead)
         rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, args.fill_cache,
-                      stream, log_dir, not args.no_columns)
+                      stream, log_dir, not args.no_columns, args.ahead)
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "cpu": cpu, "commit": git_commit(), "baseline_src": args.baseline_src, "src": args.src,
-        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms, "fill_cache": args.fill_cache,
+        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms, "ahead": args.ahead, "fill_cache": args.fill_cache,
         "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

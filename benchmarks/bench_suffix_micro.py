@@ -25,7 +25,12 @@ fills from empty: a SuffixProposer (1000 cached requests, depth 64) finishes
 all), and the round's stops, which put the outputs into the global trie and
 evict the oldest, are timed (the worst round shows the trie's arrays growing);
 ``--baseline-src DIR`` times another copy of the proposer_svc package too,
-each code in its own process.
+each code in its own process. Then the same as a served replica does it
+(cache_between_messages): the stops queue the outputs and the upkeep runs
+in the servicer's slices (``between_messages(UPKEEP_SLICE_S)`` until none is
+left; a copy without budgets: one ``between_messages()`` a round), each call
+timed: its longest is what a message arriving during upkeep may wait (the
+rest of one slice), against the whole round's upkeep before.
 
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
@@ -233,15 +238,21 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_upkeep(outputs: np.ndarray) -> list[float]:
+def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list[float]]:
     """Each round: UPKEEP_PER_ROUND requests open (the first 16 tokens of a
     row of outputs, int32 [n, UPKEEP_OUTPUT], as the prompt), get the rest and
-    finish; the round's stops are timed (ms)."""
+    finish; timed (ms): each round's stops and upkeep ("rounds") and, served,
+    each between_messages call ("calls")."""
     from specdec.proposer_svc.base import SeqOptions
     from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 
-    prop = SuffixProposer(SuffixConfig(UPKEEP_CACHED, MAX_TREE_DEPTH))
-    rounds = []
+    try:  # a copy whose upkeep runs in slices
+        from specdec.proposer_svc.server import UPKEEP_SLICE_S
+        slice_s: float | None = UPKEEP_SLICE_S
+    except ImportError:
+        slice_s = None
+    prop = SuffixProposer(SuffixConfig(UPKEEP_CACHED, MAX_TREE_DEPTH, cache_between_messages=served))
+    rounds, calls = [], []
     gc.disable()
     for r in range(0, len(outputs), UPKEEP_PER_ROUND):
         seqs = [str(i) for i in range(r, min(r + UPKEEP_PER_ROUND, len(outputs)))]
@@ -251,14 +262,20 @@ def run_upkeep(outputs: np.ndarray) -> list[float]:
         t0 = time.perf_counter()
         for seq in seqs:
             prop.stop(seq, completed=True)
+        while served:
+            t1 = time.perf_counter()
+            left = prop.between_messages(slice_s) if slice_s is not None else prop.between_messages()
+            calls.append(1e3 * (time.perf_counter() - t1))
+            if not left:
+                break
         rounds.append(1e3 * (time.perf_counter() - t0))
     gc.enable()
-    return rounds
+    return {"rounds": rounds, "calls": calls}
 
 
 def _upkeep_driver(in_path: str, out_path: str) -> None:
     outputs = np.load(in_path)
-    Path(out_path).write_text(json.dumps(run_upkeep(outputs)))
+    Path(out_path).write_text(json.dumps({"stops": run_upkeep(outputs, False), "served": run_upkeep(outputs, True)}))
 
 
 def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
@@ -276,17 +293,25 @@ def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
             result = Path(tmp, f"{label}.json")
             driver = [__file__, "--upkeep-driver", str(Path(tmp, "outputs.npy")), str(result)]
             subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
-            ms = np.array(json.loads(result.read_text()))
-            full = ms[UPKEEP_CACHED // UPKEEP_PER_ROUND:]  # rounds once the cache is full (evictions too)
-            results["rows"][label] = {
-                "rounds": len(ms), "mean_ms": float(ms.mean()), "p50_ms": float(np.median(ms)),
-                "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "max_round": int(ms.argmax()),
-                "full_mean_ms": float(full.mean()) if len(full) else None}
-    print(f"{'code':9s} {'rounds':>6s} {'mean ms':>8s} {'p50':>6s} {'p99':>6s} {'max':>7s} {'at round':>8s} "
-          f"{'full mean':>9s}")
+            timed = json.loads(result.read_text())
+            for mode in ("stops", "served"):
+                ms = np.array(timed[mode]["rounds"])
+                full = ms[UPKEEP_CACHED // UPKEEP_PER_ROUND:]  # rounds once the cache is full (evictions too)
+                calls = np.array(timed[mode]["calls"] or [np.nan])
+                results["rows"][f"{label} {mode}"] = {
+                    "rounds": len(ms), "mean_ms": float(ms.mean()), "p50_ms": float(np.median(ms)),
+                    "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "max_round": int(ms.argmax()),
+                    "full_mean_ms": float(full.mean()) if len(full) else None,
+                    "calls": len(timed[mode]["calls"]), "call_p99_ms": float(np.percentile(calls, 99)),
+                    "call_max_ms": float(calls.max())}
+    print("rounds: a round's stops and upkeep; calls (served): each between_messages call, what a message "
+          "arriving during upkeep may wait")
+    print(f"{'code':16s} {'rounds':>6s} {'mean ms':>8s} {'p50':>6s} {'p99':>6s} {'max':>7s} {'at round':>8s} "
+          f"{'full mean':>9s} {'calls':>6s} {'call p99':>8s} {'call max':>8s}")
     for label, r in results["rows"].items():
-        print(f"{label:9s} {r['rounds']:6d} {r['mean_ms']:8.2f} {r['p50_ms']:6.2f} {r['p99_ms']:6.2f} "
-              f"{r['max_ms']:7.1f} {r['max_round']:8d} {r['full_mean_ms'] or float('nan'):9.2f}")
+        print(f"{label:16s} {r['rounds']:6d} {r['mean_ms']:8.2f} {r['p50_ms']:6.2f} {r['p99_ms']:6.2f} "
+              f"{r['max_ms']:7.1f} {r['max_round']:8d} {r['full_mean_ms'] or float('nan'):9.2f} "
+              f"{r['calls']:6d} {r['call_p99_ms']:8.2f} {r['call_max_ms']:8.1f}")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")

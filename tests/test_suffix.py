@@ -457,6 +457,23 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
     assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-3:]]
 
 
+def test_an_upkeep_call_with_time_left_stops_before_an_eviction():
+    """An eviction (the longest step) only starts a between_messages call:
+    with a budget far from spent, a call evicts, inserts the next output
+    whole and stops before the next eviction."""
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=2, max_tree_depth=8, cache_between_messages=True))
+    outputs = [_arr(np.arange(100 * i, 100 * i + 150) % 97) for i in range(4)]
+    for r, output in enumerate(outputs):
+        prop.start(f"w{r}", _arr([0]), SeqOptions())
+        prop.extend(f"w{r}", output)
+        prop.stop(f"w{r}", completed=True)
+    assert prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 2)  # no eviction needed yet
+    assert prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 3)
+    assert not prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 4)
+    glob = prop._global
+    assert [glob.trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[2:]]
+
+
 # ------------------------------------------------------ rounds of many requests
 @pytest.mark.parametrize("seed", range(4))
 def test_rounds_draft_as_one_sequence_at_a_time(seed):
