@@ -160,7 +160,7 @@ class DraftBudgets:
     """How many draft tokens to ask a model proposer for (adaptive sequences
     whose drafts carry the model's probabilities: ``Sequence.model_drafts``):
     each proposer replica's propose time is fitted as ``fixed + per_step *
-    steps`` (steps: the longest draft it answered), and ``plan_draft_steps``
+    steps`` (steps: the longest model-made draft it answered), and ``plan_draft_steps``
     weighs it against the Verify time and the sequences' acceptance so far.
     A copy proposer's time does not grow with the draft length; it is not
     planned (its sequences ask for their whole budget, as before). Nor is a
@@ -195,27 +195,43 @@ class DraftBudgets:
     def plan(self, addr: str, seqs: list[Sequence], verify: tuple[float, float] | None) -> None:
         """Sets ``planned_budget`` of ``seqs`` (those proposed on ``addr`` this
         round): the planned K for the adaptive ones with model drafts, None
-        (their whole budget) for the others and while a fit is missing."""
-        planned = [s for s in seqs if s.params.adaptive and s.model_drafts and not s.features.layers
-                   and s.num_speculative_tokens() > 0]
+        (their whole budget) for the others and while a fit is missing; and
+        ``planned_model_steps`` of the adaptive ones of a model-and-copy
+        method (draft_hybrid): the same K, planned from the acceptance of
+        their model-made drafts alone (their copies cost no forward and keep
+        the whole budget: a hybrid whose model does not pay drafts by copying
+        only, the n-gram method's speed, instead of paying forwards for
+        nothing). Their model runs in the same forwards as the others' on
+        that replica, so one K serves both."""
+        planned, mixed = [], []
         for seq in seqs:
-            seq.planned_budget = None
+            seq.planned_budget = seq.planned_model_steps = None
+            if not seq.params.adaptive or seq.features.layers or seq.num_speculative_tokens() == 0:
+                continue
+            if seq.mixes_model_and_copies:
+                if seq.proposer_len:  # (an open drafts with its whole budget)
+                    mixed.append(seq)
+            elif seq.model_drafts:
+                planned.append(seq)
         propose = self._fits.get(addr)
-        if not planned or verify is None or propose is None:
+        if not (planned or mixed) or verify is None or propose is None:
             return
-        k = plan_draft_steps([s.acceptance.gains(s.num_speculative_tokens()) for s in planned],
-                             sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
+        gains = ([s.acceptance.gains(s.num_speculative_tokens()) for s in planned]
+                 + [s.model_acceptance.gains(s.num_speculative_tokens()) for s in mixed])
+        k = plan_draft_steps(gains, sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
         idle = self._idle_rounds.get(addr, 0) + 1 if k == 0 else 0
         if idle >= self.EXPLORE_EVERY:
             k, idle = 1, 0
         self._idle_rounds[addr] = idle
         for seq in planned:
             seq.planned_budget = k
+        for seq in mixed:
+            seq.planned_model_steps = k
         metrics.PLANNED_DRAFT_STEPS.labels(addr).set(k)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("draft budgets on %s: propose %.2f ms + %.2f ms/step, verify %.2f ms + %.2f ms/token, "
                       "first gains %s: asking %d", addr, 1e3 * propose[0], 1e3 * propose[1], 1e3 * verify[0],
-                      1e3 * verify[1], [round(s.acceptance.gains(1)[0], 2) for s in planned[:4]], k)
+                      1e3 * verify[1], [round(g[0], 2) for g in gains[:4] if g], k)
 
     def forget(self, addr: str) -> None:
         """Drops a replica that discovery removed."""

@@ -147,6 +147,7 @@ class SpecLoop:
         self.costs = VerifyCosts()
         self.budgets = DraftBudgets()  # model proposers: draft tokens worth asking for
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
+        self._model_acceptance: dict[str, AcceptanceEstimate] = {}  # the same, of model-made drafts alone
         self._live: list[Sequence] = []
         self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
         # drafting ahead: seq_id -> (context length it was proposed at, draft of up to 2k + 1 tokens)
@@ -202,6 +203,8 @@ class SpecLoop:
 
     def submit(self, seq: Sequence) -> None:
         seq.acceptance.parent = self._acceptance.setdefault(seq.params.method, AcceptanceEstimate(decay=0.995))
+        seq.model_acceptance.parent = self._model_acceptance.setdefault(seq.params.method,
+                                                                        AcceptanceEstimate(decay=0.995))
         self._live.append(seq)
         self._wake.set()
 
@@ -381,6 +384,7 @@ class SpecLoop:
             return {}
         elapsed = time.perf_counter() - start
         drafts = {}
+        model_steps = 0  # the longest model-made draft: forwards the proposer ran (copies cost none)
         for seq, answer in answers:
             seq.stats.propose_s += elapsed
             if answer is None:
@@ -394,13 +398,16 @@ class SpecLoop:
             seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
             seq.drafts_offered = _moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
             if draft:
-                seq.model_drafted = _moving_average(seq.model_drafted, float(draft.confidence() is not None),
-                                                    decay=0.8)
+                by_model = draft.confidence() is not None
+                seq.model_drafted = _moving_average(seq.model_drafted, float(by_model), decay=0.8)
+                if by_model:
+                    seq.model_acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
+                    model_steps = max(model_steps, len(draft))
             if drafting_ahead:
                 self._ahead[seq.seq_id] = (len(seq.tokens), draft)
                 draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
-        self.budgets.observe(addr, max(map(len, drafts.values()), default=0), elapsed)
+        self.budgets.observe(addr, model_steps, elapsed)
         return drafts
 
     def _verify_estimate(self, seqs: list[Sequence]) -> tuple[float, float] | None:

@@ -14,6 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from specdec.drafts import MODEL_AND_COPY_METHODS
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.request import GenParams
@@ -274,11 +275,15 @@ class Sequence:
         self.retries = 0  # consecutive rounds without progress (pool full, no replica, scorer busy)
         self.features = FeatureRelay()  # target features for the proposer (eagle3, mtp)
         self.acceptance = AcceptanceEstimate()  # how well this sequence's drafts do
+        # how well its model-made drafts do (those with probabilities: a hybrid's copies are left out)
+        self.model_acceptance = AcceptanceEstimate()
         self.drafts_offered = 1.0  # moving average: how often its proposer answered with any draft
         # moving average: how often its drafts carried a model's probabilities (draft, eagle3; a hybrid's
         # copies carry none)
         self.model_drafted: float | None = None
         self.planned_budget: int | None = None  # draft tokens this round asks for (costs.DraftBudgets); None: all
+        # a model-and-copy method's model steps this round (costs.DraftBudgets); None: the whole budget
+        self.planned_model_steps: int | None = None
 
     # ------------------------------------------------------------- queries
 
@@ -331,6 +336,12 @@ class Sequence:
         that copies where it can): each draft token costs its proposer a forward."""
         return self.model_drafted is not None and self.model_drafted >= MODEL_DRAFTED
 
+    @property
+    def mixes_model_and_copies(self) -> bool:
+        """Its method drafts from a model or a copy (``MODEL_AND_COPY_METHODS``):
+        its model's steps are planned apart from its copies."""
+        return self.params.method in MODEL_AND_COPY_METHODS
+
     def propose_budget(self, ahead: bool) -> int:
         """Draft tokens to ask the proposer for: this round's budget (cut to
         ``planned_budget`` when the adaptive length planned one), or when
@@ -378,6 +389,7 @@ class Sequence:
                 self.finish_reason = FinishReason.LENGTH
                 break
         self.acceptance.resolve(self.tokens)
+        self.model_acceptance.resolve(self.tokens)
         self._text = self._decoder.text(self.tokens[self.num_prompt:])
         self._apply_stop_strings()
         self._emit()

@@ -64,6 +64,8 @@ def sequence_update(seq: Sequence, ahead: bool = False) -> pb.SequenceUpdate:
             min_token_prob=p.min_token_prob, temperature=p.temperature, seed=p.seed))
     else:
         update.token_ids.extend(seq.tokens[seq.proposer_len:])
+        if seq.planned_model_steps is not None and not ahead:
+            update.model_steps = min(seq.planned_model_steps, update.num_speculative_tokens)
     return update
 
 

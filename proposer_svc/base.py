@@ -136,6 +136,13 @@ class Proposer(abc.ABC):
         bounds how long upkeep may wait with them. (0, 0) by default."""
         return (0, 0)
 
+    def limit_model_steps(self, seq_id: str, steps: int) -> None:
+        """Caps the model's draft tokens for seq_id in its next propose
+        (SequenceUpdate.model_steps) in a method that drafts from a model or
+        a copy (draft_hybrid); its copies keep the whole budget. Others
+        ignore it."""
+        return None
+
     def advance(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                 ks: np.ndarray) -> DraftBatch:
         """One round of n open sequences: appends ``tokens[bounds[i]:bounds[i + 1]]``

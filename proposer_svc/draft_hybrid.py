@@ -18,6 +18,13 @@ that sequence have recently been worth (``model_expect``, a running mean of
 their scores): most rounds of copy work find a copy of a few tokens, and the
 model would rarely beat it. A sequence without a copy always asks the model,
 so its running mean keeps learning.
+
+An adaptive gateway caps the model's tokens per round apart from the copies'
+(``SequenceUpdate.model_steps``, ``limit_model_steps``), planned from the
+model's cost and the acceptance of the model-made drafts alone: a copy costs
+no forward and keeps the whole budget, so where the model does not pay for
+its forwards (a weak draft on a CPU) the hybrid drafts by copying only,
+instead of paying forwards for nothing.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ class DraftHybridProposer(Proposer):
         self.model_skipped = 0  # sequence-rounds answered by a copy without the model
         # per sequence: running mean of its model drafts' scores (absent until the model drafts for it)
         self.model_expect: dict[str, float] = {}
+        self._model_steps: dict[str, int] = {}  # per sequence: this round's cap on model steps (limit_model_steps)
 
     def start(self, seq_id, context, options):
         for part in self._parts:
@@ -62,11 +70,13 @@ class DraftHybridProposer(Proposer):
         copies: list[tuple[float, Draft]] = [  # the better copy draft; ties go to the suffix draft
             max((s_score, s_draft), (ngram_score(len(n.token_ids), q), n), key=lambda c: c[0])
             for n, (s_draft, s_score) in zip(ngram, suffix)]
-        asked = [i for i, ((seq_id, k), (score, copy)) in enumerate(zip(requests, copies))
-                 if self._asks_model(seq_id, k, len(copy.token_ids), score)]
+        steps = self._model_steps
+        budgets = [min(k, steps.pop(seq_id, k)) for seq_id, k in requests]
+        asked = [i for i, ((seq_id, _), m, (score, copy)) in enumerate(zip(requests, budgets, copies))
+                 if self._asks_model(seq_id, m, len(copy.token_ids), score)]
         self.model_skipped += len(requests) - len(asked)
         out = [copy for _, copy in copies]
-        for i, m in zip(asked, self.model.propose_scored([requests[i] for i in asked])):
+        for i, m in zip(asked, self.model.propose_scored([(requests[i][0], budgets[i]) for i in asked])):
             seq_id = requests[i][0]
             expect = self.model_expect.get(seq_id)
             self.model_expect[seq_id] = m.score if expect is None else (
@@ -75,18 +85,32 @@ class DraftHybridProposer(Proposer):
                 out[i] = m.draft
         return out
 
-    def _asks_model(self, seq_id: str, k: int, copy_len: int, copy_score: float) -> bool:
-        """Whether the model drafts for seq_id this round, given its best copy
-        draft: always without a copy, never for a copy of the whole budget,
-        else while the copy is worth less than the model's recent drafts."""
+    def _asks_model(self, seq_id: str, steps: int, copy_len: int, copy_score: float) -> bool:
+        """Whether the model drafts for seq_id this round (at most ``steps``
+        tokens), given its best copy draft: never with no steps, always
+        without a copy, never for a copy at least as long as the model may
+        make, else while the copy is worth less than the model's recent
+        drafts."""
+        if steps == 0:
+            return False
         if copy_len == 0:
             return True
-        return copy_len < k and copy_score < self.model_expect.get(seq_id, float("inf"))
+        return copy_len < steps and copy_score < self.model_expect.get(seq_id, float("inf"))
+
+    def limit_model_steps(self, seq_id, steps):
+        self._model_steps[seq_id] = steps
+
+    def advance(self, seq_ids, tokens, bounds, context_lens, ks):
+        try:
+            return super().advance(seq_ids, tokens, bounds, context_lens, ks)
+        finally:  # a cap is for one round: one whose sequence drafted nothing (k = 0, out of sync) goes too
+            self._model_steps.clear()
 
     def stop(self, seq_id, completed):
         for part in self._parts:
             part.stop(seq_id, completed)
         self.model_expect.pop(seq_id, None)
+        self._model_steps.pop(seq_id, None)
 
     def between_messages(self, budget_s=None):  # (the suffix part is the one with upkeep)
         return self.suffix.between_messages(budget_s)

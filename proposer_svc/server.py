@@ -66,7 +66,13 @@ def _checked(update: pb.SequenceUpdate) -> tuple[int, list[int]]:
     tokens = list(update.token_ids)
     if tokens and min(tokens) < 0:
         raise InvalidUpdate("token_ids: negative token id")
+    if update.HasField("model_steps"):
+        if update.open:
+            raise InvalidUpdate("model_steps: not allowed on an open (the open drafts with num_speculative_tokens)")
+        if not 0 <= update.model_steps <= k:
+            raise InvalidUpdate(f"model_steps: must be in 0..num_speculative_tokens ({k}), got {update.model_steps}")
     return k, tokens
+
 
 
 class _Round:
@@ -419,8 +425,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         per-update Python step is a round's main cost. Returns them and the
         indices of the others, for ``_handle_in_order``."""
         n = len(seq_ids)
-        fields = [(u.open or u.HasField("features"), u.token_ids, u.num_speculative_tokens, u.context_len)
-                  for u in updates]
+        fields = [(u.open or u.HasField("features"), u.token_ids, u.num_speculative_tokens, u.context_len,
+                   u.HasField("model_steps"), u.model_steps) for u in updates]
         method_of, featured = self._method_of, self._featured
         methods = ["" if f[0] else method_of.get(s, "") for s, f in zip(seq_ids, fields)]  # "": not plain
         odd = np.array([not m or m in featured for m in methods], dtype=bool)
@@ -430,6 +436,12 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         ks = np.fromiter([f[2] for f in fields], dtype=np.int64, count=n)
         context_lens = np.fromiter([f[3] for f in fields], dtype=np.int64, count=n)
         odd |= (ks < 0) | (ks > MAX_SPECULATIVE_TOKENS)
+        capped = np.fromiter([f[4] for f in fields], dtype=bool, count=n)
+        if capped.any():  # SequenceUpdate.model_steps
+            model_steps = np.fromiter([f[5] for f in fields], dtype=np.int64, count=n)
+            odd |= capped & ((model_steps < 0) | (model_steps > ks))
+            for j in np.flatnonzero(~odd & capped).tolist():
+                self.proposers[methods[j]].limit_model_steps(seq_ids[j], int(model_steps[j]))
         if len(tokens) and tokens.min() < 0:
             odd[np.repeat(np.arange(n), counts)[tokens < 0]] = True
         rounds: dict[str, _Batch] = {}
@@ -469,6 +481,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                         msg.feature_layers.extend(self.proposers[method].feature_layers)
                 elif seq_id in method_of:
                     method = method_of[seq_id]
+                    if update.HasField("model_steps"):
+                        self.proposers[method].limit_model_steps(seq_id, update.model_steps)
                 else:
                     msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
                     continue

@@ -17,6 +17,11 @@ import numpy as np
 #: check against this.
 ONE_HOT_METHODS = ("naive", "ngram", "suffix", "hybrid")
 
+#: Proposer methods that draft from a model or from a copy, whichever is worth
+#: more: the gateway plans their model's steps apart from their copies
+#: (SequenceUpdate.model_steps), from the acceptance of their model-made drafts.
+MODEL_AND_COPY_METHODS = ("draft_hybrid",)
+
 
 @dataclass(frozen=True, eq=False)
 class Draft:

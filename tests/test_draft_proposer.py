@@ -252,3 +252,44 @@ def test_draft_hybrid_keeps_a_short_copy_worth_more_than_the_models_recent_draft
         hybrid.stop(seq_id, completed=False)
     assert not hybrid.model_expect
     alone.stop("copy", completed=False)
+
+
+def test_draft_hybrid_model_steps_cap_the_model_and_leave_the_copies_whole(engine):
+    """limit_model_steps (SequenceUpdate.model_steps): 0 runs no model
+    forward (a sequence without a copy gets no draft, one with a copy its
+    whole copy); n > 0 gives the model's n-token draft; a copy at least n
+    long is kept without the model. A cap is for one round: advance drops
+    the caps of sequences it did not draft for."""
+    from specdec.proposer_svc.draft_hybrid import DraftHybridProposer
+    from specdec.proposer_svc.hybrid import HybridConfig
+
+    hybrid = DraftHybridProposer(_proposer(engine), HybridConfig())
+    alone = _proposer(engine)
+    repeated = np.concatenate([PROMPT, PROMPT[:3]]).astype(np.int32)  # a copy of PROMPT[3:]
+    hybrid.start("copy", repeated, NO_CUT)
+    hybrid.start("fresh", PROMPT, NO_CUT)
+    alone.start("fresh", PROMPT, NO_CUT)
+    hybrid.limit_model_steps("copy", 0)
+    hybrid.limit_model_steps("fresh", 0)
+    copy, fresh = hybrid.propose([("copy", 4), ("fresh", 4)])
+    assert copy.token_ids.tolist() == PROMPT[3:7].tolist()  # the copy keeps its whole budget
+    assert len(fresh.token_ids) == 0 and engine.cached_len("fresh") == 0 and engine.cached_len("copy") == 0
+    assert hybrid.model_skipped == 2
+    hybrid.limit_model_steps("fresh", 2)
+    fresh = hybrid.propose([("fresh", 4)])[0]
+    assert fresh.token_ids.tolist() == alone.propose([("fresh", 2)])[0].token_ids.tolist()
+    assert len(fresh.token_ids) == 2 and len(fresh.probs) == 2
+    hybrid.propose([("fresh", 4)])  # the cap was for one call: the model may make 4 again
+    assert engine.cached_len("fresh") == len(PROMPT) + 3
+    hybrid.extend("copy", PROMPT[3:4].astype(np.int32))  # the copy continues: 3 tokens left at least
+    hybrid.limit_model_steps("copy", 3)
+    copy = hybrid.propose([("copy", 6)])[0]
+    assert len(copy.token_ids) >= 3 and copy.probs == () and engine.cached_len("copy") == 0
+    hybrid.limit_model_steps("fresh", 1)
+    hybrid.advance(["fresh"], np.zeros(0, dtype=np.int32), np.zeros(2, dtype=np.int64),
+                   np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))  # k = 0: no draft
+    assert not hybrid._model_steps
+    for seq_id in ("copy", "fresh"):
+        hybrid.stop(seq_id, completed=False)
+    alone.stop("fresh", completed=False)
+

@@ -125,12 +125,15 @@ def test_adaptive_length_cuts_unconfident_drafts(weak_draft_stack, stories_path)
     assert cut.stats.draft_tokens / cut.stats.rounds < full.stats.draft_tokens / full.stats.rounds
 
 
-def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draft_stack, stories_path):
+@pytest.mark.parametrize("method", ["draft", "draft_hybrid"])
+def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draft_stack, stories_path, method):
     """The gateway's loop against the real scorer and draft proposer, with a
     draft step made (on paper) far dearer than a Verify: adaptive draft
     sequences are asked for nothing (DraftBudgets), decode several tokens
     per Verify, draft only in the exploration rounds, and every output is
-    plain greedy decoding of the target."""
+    plain greedy decoding of the target. draft_hybrid sequences keep their
+    whole budget for copies, their model asked for nothing
+    (SequenceUpdate.model_steps) but in the exploration rounds."""
     import asyncio
 
     from specdec.gateway import metrics
@@ -148,15 +151,25 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
     limits = ModelLimits(512, 512, (2,))
 
     def sequence(text: str) -> Sequence:
-        request = make_request(_prompt_ids(stories_path, text), max_tokens=MAX_TOKENS, method="draft", k=4,
+        request = make_request(_prompt_ids(stories_path, text), max_tokens=MAX_TOKENS, method=method, k=4,
                                min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
-        params = parse_request(request, tokenizer, limits, ("draft",), "draft", 4)
-        return Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+        params = parse_request(request, tokenizer, limits, (method,), method, 4)
+        seq = Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+        proposed = seq.model_acceptance.proposed
+
+        def model_draft(start: int, draft: list[int]) -> None:  # counts the model-made drafts
+            model_drafts[text] = model_drafts.get(text, 0) + 1
+            proposed(start, draft)
+
+        seq.model_acceptance.proposed = model_draft  # type: ignore[method-assign]
+        return seq
+
+    model_drafts: dict[str, int] = {}
 
     async def run() -> list[Sequence]:
         scorers, drafts = ReplicaSet("scorer"), ReplicaSet("proposer-draft")
-        StaticDiscovery({"scorer": (scorers, [scorer]), "draft": (drafts, [proposer])}).start()
-        loop = SpecLoop(scorers, {"draft": drafts}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
+        StaticDiscovery({"scorer": (scorers, [scorer]), method: (drafts, [proposer])}).start()
+        loop = SpecLoop(scorers, {method: drafts}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
         # fitted (on paper): a Verify 10 ms + 1 ms a row, a draft step 1 s; kept whatever the real calls say
         loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
         for t in range(1, 1001):
@@ -181,10 +194,15 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
         assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, MAX_TOKENS)
     assert metrics.PLANNED_DRAFT_STEPS.labels(proposer)._value.get() in (0, 1)
     drafted = sum(s.stats.draft_tokens for s in seqs)
-    # the first round asks for the whole budget (no history says it is a model's yet), then every
-    # EXPLORE_EVERY-th round one token; the rounds between decode several tokens per Verify
-    assert 0 < drafted <= len(seqs) * (4 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
-    assert all(s.planned_budget in (0, 1) for s in seqs)
+    # the model drafts in the first round (its whole budget: no history yet), then one token every
+    # EXPLORE_EVERY-th round
+    if method == "draft":  # the rounds between decode several tokens per Verify
+        assert 0 < sum(model_drafts.values()) <= len(seqs) * (1 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
+        assert 0 < drafted <= len(seqs) * (4 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
+        assert all(s.planned_budget in (0, 1) for s in seqs)
+    else:  # the copies keep the whole budget (n-gram copies of one token: nearly every round has one)
+        assert all(s.planned_budget is None and s.planned_model_steps in (0, 1) for s in seqs)
+        assert drafted > sum(model_drafts.values())
 
 
 def test_concurrent_streams_equal_solo_runs(weak_draft_stack, stories_path):

@@ -5,6 +5,7 @@ processes are in test_e2e_stories.py, test_faults.py and test_adaptive.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -438,7 +439,50 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     model.model_drafted = 0.8  # a hybrid that just copied: it may copy far, the plan would cut it
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget is None
+
     model.model_drafted = 1.0
     budgets.forget("p:1")
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget is None
+
+
+def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
+    """DraftBudgets on a model-and-copy method (draft_hybrid): its whole
+    budget stays for its copies (planned_budget None, num_speculative_tokens
+    k) and its model's steps are planned from the acceptance of its
+    model-made drafts alone (model_steps in the update): good copies do not
+    buy model forwards, good model drafts do. Not on an open, not when
+    drafting ahead, not at a fixed length."""
+    from specdec.gateway.costs import DraftBudgets
+    from specdec.gateway.wire import sequence_update
+
+    hybrid = Sequence("hybrid", _params("draft_hybrid", 5), _Tokenizer(), (2,), 512)
+    fixed = Sequence("fixed", _params("draft_hybrid", 5, adaptive=False), _Tokenizer(), (2,), 512)
+    opening = Sequence("opening", _params("draft_hybrid", 5), _Tokenizer(), (2,), 512)
+    seqs = [hybrid, fixed, opening]
+    for seq in (hybrid, fixed):
+        seq.scorer_primed, seq.proposer_len = True, len(seq.tokens)
+        seq.model_drafted = 0.5  # half its drafts were copies
+    for _ in range(30):
+        hybrid.acceptance.record(5, 5)  # its drafts (copies, mostly) do well
+        hybrid.model_acceptance.record(0, 5)  # its model's do not
+    budgets = DraftBudgets()
+    verify = (0.020, 0.0004)
+    for steps in [1, 2, 3, 4, 5] * 4:  # 1 ms a call + 6.6 ms a model step
+        budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
+    budgets.plan("p:1", seqs, verify)
+    assert hybrid.planned_model_steps == 0 and hybrid.planned_budget is None
+    update = sequence_update(hybrid, ahead=False)
+    assert update.num_speculative_tokens == 5 and update.HasField("model_steps") and update.model_steps == 0
+    assert hybrid.decode_steps(4) == 1  # it still drafts (copies): one token per Verify call
+    assert fixed.planned_model_steps is None and not sequence_update(fixed, ahead=False).HasField("model_steps")
+    assert opening.planned_model_steps is None
+    assert not sequence_update(opening, ahead=False).HasField("model_steps")  # an open: the whole budget
+    assert not sequence_update(hybrid, ahead=True).HasField("model_steps")  # drafting ahead hides its time
+    for _ in range(30):  # its model now follows the context
+        hybrid.model_acceptance.record(5, 5)
+    budgets.plan("p:1", seqs, verify)
+    assert hybrid.planned_model_steps == 5 and sequence_update(hybrid, ahead=False).model_steps == 5
+    hybrid.params = dataclasses.replace(hybrid.params, num_speculative_tokens=3)  # the wire caps it at k
+    update = sequence_update(hybrid, ahead=False)
+    assert update.num_speculative_tokens == 3 and update.model_steps == 3

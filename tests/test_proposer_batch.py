@@ -183,18 +183,27 @@ def _bad_updates_named(exchange) -> None:
            pb.SequenceUpdate(seq_id="", num_speculative_tokens=1),
            pb.SequenceUpdate(seq_id="b3", open=True, token_ids=[1], options=pb.ProposerOptions(method="nope")),
            pb.SequenceUpdate(seq_id="b4", open=True, token_ids=[1],
-                             options=pb.ProposerOptions(method="ngram", min_n=3, max_n=2))]
-    response = exchange(pb.ProposeRequest(sequences=[bad[0], bad[1], good, bad[2], bad[3], bad[4]]))
+                             options=pb.ProposerOptions(method="ngram", min_n=3, max_n=2)),
+           pb.SequenceUpdate(seq_id="b5", open=True, token_ids=[1], num_speculative_tokens=2, model_steps=1,
+                             options=pb.ProposerOptions(method="ngram"))]
+    response = exchange(pb.ProposeRequest(sequences=[bad[0], bad[1], good, *bad[2:]]))
     statuses = [(d.status, d.message) for d in response.drafts]
     assert statuses[2] == (OK, "") and list(response.drafts[2].token_ids) == [3, 1]
     for (status, message), field in zip(statuses[:2] + statuses[3:],
                                         ["num_speculative_tokens", "token_ids", "seq_id", "options.method",
-                                         "options.min_n"]):
+                                         "options.min_n", "model_steps"]):
         assert status == INVALID and message.startswith(field), message
     follow = exchange(pb.ProposeRequest(sequences=[
         pb.SequenceUpdate(seq_id=s, token_ids=[3], context_len=6, num_speculative_tokens=2) for s in ("b1", "g")]))
     assert [d.status for d in follow.drafts] == [UNKNOWN, OK]  # nothing of b1 was opened
     assert list(follow.drafts[1].token_ids) == [1, 2]
+    for steps in (3, -1):  # model_steps beyond the round's budget: refused, the sequence kept
+        refused = exchange(pb.ProposeRequest(sequences=[
+            pb.SequenceUpdate(seq_id="g", context_len=6, num_speculative_tokens=2, model_steps=steps)]))
+        assert refused.drafts[0].status == INVALID and refused.drafts[0].message.startswith("model_steps"), steps
+    kept = exchange(pb.ProposeRequest(sequences=[  # a method without a model ignores it
+        pb.SequenceUpdate(seq_id="g", context_len=6, num_speculative_tokens=2, model_steps=0)]))
+    assert kept.drafts[0].status == OK and list(kept.drafts[0].token_ids) == [1, 2]
 
 
 def test_a_sequence_named_twice_in_one_message_is_updated_in_order():

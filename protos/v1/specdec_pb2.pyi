@@ -227,7 +227,7 @@ class ProposerOptions(_message.Message):
     def __init__(self, method: _Optional[str] = ..., min_n: _Optional[int] = ..., max_n: _Optional[int] = ..., reference_token_ids: _Optional[_Iterable[int]] = ..., max_tree_depth: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SequenceUpdate(_message.Message):
-    __slots__ = ("seq_id", "open", "token_ids", "context_len", "num_speculative_tokens", "options", "features")
+    __slots__ = ("seq_id", "open", "token_ids", "context_len", "num_speculative_tokens", "options", "features", "model_steps")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class SequenceUpdate(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STEPS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     open: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -242,7 +243,8 @@ class SequenceUpdate(_message.Message):
     num_speculative_tokens: int
     options: ProposerOptions
     features: Features
-    def __init__(self, seq_id: _Optional[str] = ..., open: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., options: _Optional[_Union[ProposerOptions, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
+    model_steps: int
+    def __init__(self, seq_id: _Optional[str] = ..., open: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., options: _Optional[_Union[ProposerOptions, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., model_steps: _Optional[int] = ...) -> None: ...
 
 class SequenceRelease(_message.Message):
     __slots__ = ("seq_id", "completed")
