@@ -182,10 +182,20 @@ class DraftBudgets:
         # vary), and the fit must not vanish when the plan starts to work
         self._fits: dict[str, tuple[float, float]] = {}
         self._idle_rounds: dict[str, int] = {}
+        self._after_idle: dict[str, bool] = {}  # this round's plan follows one that asked for nothing
 
     def observe(self, addr: str, steps: int, seconds: float) -> None:
         """One answered propose call of ``addr`` whose longest draft had
-        ``steps`` tokens (a call that drafted nothing tells nothing of a step)."""
+        ``steps`` tokens (a call that drafted nothing tells nothing of a step).
+        A call planned right after rounds that asked for nothing is left
+        out: the scorer may be decoding ahead meanwhile (those rounds'
+        Verify had no drafts) and the two share the CPU, so it would tell the
+        cost of a draft step during decode-ahead, not in rounds that draft
+        (on 2 cores of an AMD EPYC such calls turned the fit into ~12-16 ms
+        fixed + 0 per step, against ~5 ms + 2.5 ms/step with decode-ahead
+        off: the plan then never asked for a draft)."""
+        if self._after_idle.get(addr):
+            return
         model = self.models.setdefault(addr, CostModel())
         model.observe(steps, seconds)
         fit = model.estimate()
@@ -203,6 +213,7 @@ class DraftBudgets:
         only, the n-gram method's speed, instead of paying forwards for
         nothing). Their model runs in the same forwards as the others' on
         that replica, so one K serves both."""
+        after_idle, self._after_idle[addr] = self._idle_rounds.get(addr, 0) > 0, False
         planned, mixed = [], []
         for seq in seqs:
             seq.planned_budget = seq.planned_model_steps = None
@@ -223,6 +234,7 @@ class DraftBudgets:
         if idle >= self.EXPLORE_EVERY:
             k, idle = 1, 0
         self._idle_rounds[addr] = idle
+        self._after_idle[addr] = after_idle
         for seq in planned:
             seq.planned_budget = k
         for seq in mixed:
@@ -235,5 +247,5 @@ class DraftBudgets:
 
     def forget(self, addr: str) -> None:
         """Drops a replica that discovery removed."""
-        for table in (self.models, self._fits, self._idle_rounds):
+        for table in (self.models, self._fits, self._idle_rounds, self._after_idle):
             table.pop(addr, None)

@@ -486,3 +486,34 @@ def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
     hybrid.params = dataclasses.replace(hybrid.params, num_speculative_tokens=3)  # the wire caps it at k
     update = sequence_update(hybrid, ahead=False)
     assert update.num_speculative_tokens == 3 and update.model_steps == 3
+
+
+def test_propose_calls_right_after_rounds_that_asked_for_nothing_leave_the_fit_alone():
+    """DraftBudgets.observe: a call planned right after a round that asked
+    for nothing (the scorer may be decoding ahead on the same CPU) does not
+    enter the proposer's cost fit; calls of rounds that follow drafting
+    rounds do. Fails when every call is fitted."""
+    from specdec.gateway.costs import DraftBudgets
+
+    model = Sequence("model", _params("draft", 5), _Tokenizer(), (2,), 512)
+    model.scorer_primed, model.proposer_len, model.model_drafted = True, len(model.tokens), 1.0
+    for _ in range(30):
+        model.acceptance.record(0, 5)
+    budgets, verify = DraftBudgets(), (0.020, 0.0004)
+    for steps in [1, 2, 3, 4, 5] * 4:
+        budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
+    fit = budgets._fits["p:1"]
+    budgets.plan("p:1", [model], verify)
+    assert model.planned_budget == 0
+    for _ in range(DraftBudgets.EXPLORE_EVERY - 1):  # idle rounds, then an exploration round after them
+        budgets.plan("p:1", [model], verify)
+        for steps in (1, 3):
+            budgets.observe("p:1", steps, 0.050)  # (slow: the CPU was shared)
+    assert model.planned_budget == 1 and budgets._fits["p:1"] == fit
+    for _ in range(30):
+        model.acceptance.record(5, 5)
+    for _ in range(10):  # rounds after drafting rounds (the exploration's too): their calls are fitted
+        budgets.plan("p:1", [model], verify)
+        for steps in (1, 5):
+            budgets.observe("p:1", steps, 0.002 + 0.008 * steps)
+    assert model.planned_budget == 5 and budgets._fits["p:1"][1] > fit[1]
