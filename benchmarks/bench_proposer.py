@@ -49,7 +49,10 @@ as soon as it has answered, and what it does between messages (upkeep)
 can no longer hide behind the building of the next. Round time is then
 from sending a round's messages to having their answers and the next
 round's messages; the exchange column includes building the next round
-where that takes longer than the answer.
+where that takes longer than the answer. With ``--gap-ms G --burst N``
+rounds go in bursts of N so, G ms between bursts: ``--burst 2`` is the
+gateway's ahead loop (fresh drafts waited for, then the drafts ahead sent at
+once; then the verification), where upkeep can wait for the gap.
 
 ``--baseline-src DIR`` runs the same rows also against another copy of the
 ``proposer_svc`` package (e.g. main's:
@@ -238,10 +241,12 @@ async def fill_cache(addrs: list[str], workload: Workload, count: int) -> None:
         await channel.close()
 
 
-async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float, ahead: bool) -> dict:
+async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float, ahead: bool,
+                  burst: int) -> dict:
     """Rounds for ``seconds`` (after one opening round and one warm round),
-    ``gap_s`` apart, each round's messages built during the round before
-    when ``ahead``; the sequences go to replicas by the gateway's hash ring."""
+    ``gap_s`` apart (ahead: every ``burst`` rounds), each round's messages
+    built during the round before when ``ahead``; the sequences go to
+    replicas by the gateway's hash ring."""
     ring = ReplicaSet("bench", addrs)
     channels = {a: aio_channel(a, None, []) for a in addrs}
     streams = {a: ProposerStream(channels[a]) for a in addrs}
@@ -271,9 +276,11 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
             took
 
     built: dict[str, tuple[pb.ProposeRequest, int]] | None = None  # (ahead) this round's messages
+    count = 0  # rounds so far
 
     async def one_round() -> tuple[float, list[float], int, float]:
-        nonlocal built
+        nonlocal built, count
+        count += 1
         start = time.perf_counter()
         messages = built or build()
         sends = [asyncio.ensure_future(ask(a, *messages[a])) for a in addrs]
@@ -282,7 +289,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
             built = build()
         found = await asyncio.gather(*sends)
         wall = time.perf_counter() - start
-        if gap_s:
+        if gap_s and (not ahead or count % burst == 0):
             await asyncio.sleep(gap_s)  # the scorer's verification
         return wall, [c for c, _, _ in found], sum(n for _, n, _ in found), max(e for _, _, e in found)
 
@@ -314,7 +321,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
           seconds: float, gap_s: float, fill: int, stream: np.ndarray, log_dir: str, columns: bool,
-          ahead: bool) -> list[dict]:
+          ahead: bool, burst: int) -> list[dict]:
     rows = []
     for n in replicas:
         procs = Proposers(n, ",".join(methods), src, log_dir)
@@ -330,7 +337,7 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
                     workload = Workload(stream, b, method, handed_out[method], columns=columns)
-                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s, ahead))
+                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s, ahead, burst))
                     handed_out[method] = workload.generation
                     row["code"], row["columns"] = label, columns
                     rows.append(row)
@@ -372,6 +379,7 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=0.0, help="wait between rounds (the scorer's verification)")
     ap.add_argument("--ahead", action="store_true",
                     help="build each round's messages while the round before is in flight, send them at once")
+    ap.add_argument("--burst", type=int, default=1, help="--ahead with --gap-ms: rounds back to back between gaps")
     ap.add_argument("--fill-cache", type=int, default=1000,
                     help="finished sequences sent first to fill the suffix global tree (0: none)")
     ap.add_argument("--baseline-src", help="another proposer_svc package directory to measure in the same run")
@@ -396,15 +404,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as log_dir:
         if args.baseline_src:
             rows += bench("baseline", args.baseline_src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3,
-                          args.fill_cache, stream, log_dir, args.baseline_columns, args.ahead)
+                          args.fill_cache, stream, log_dir, args.baseline_columns, args.ahead, args.burst)
         rows += bench("this", args.src, methods, batches, replicas, args.seconds, args.gap_ms / 1e3, args.fill_cache,
-                      stream, log_dir, not args.no_columns, args.ahead)
+                      stream, log_dir, not args.no_columns, args.ahead, args.burst)
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "cpu": cpu, "commit": git_commit(), "baseline_src": args.baseline_src, "src": args.src,
-        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms, "ahead": args.ahead, "fill_cache": args.fill_cache,
-        "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
+        "seconds_per_row": args.seconds, "gap_ms": args.gap_ms, "ahead": args.ahead, "burst": args.burst,
+        "fill_cache": args.fill_cache, "prompt_len": PROMPT_LEN, "append": APPEND, "k": K, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 
