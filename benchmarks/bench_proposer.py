@@ -42,17 +42,17 @@ global trie) then leaves the measured exchange, which is the proposer's
 share of the round's critical path. 0 (the default): back-to-back rounds.
 Rows still last ``--seconds`` of wall time, gaps included.
 
-``--ahead`` builds each round's messages while the round before is in
-flight and sends them the moment its answers are in, as the gateway's
-``--overlap ahead`` does: the proposer then finds the next message waiting
-as soon as it has answered, and what it does between messages (upkeep)
-can no longer hide behind the building of the next. Round time is then
-from sending a round's messages to having their answers and the next
-round's messages; the exchange column includes building the next round
-where that takes longer than the answer. With ``--gap-ms G --burst N``
-rounds go in bursts of N so, G ms between bursts: ``--burst 2`` is the
-gateway's ahead loop (fresh drafts waited for, then the drafts ahead sent at
-once; then the verification), where upkeep can wait for the gap.
+``--ahead`` builds the row's messages before it (the workload never
+depends on the answers; building them takes up to ``--seconds`` more, the
+row ends early if they run out) and sends each round's the moment the
+answers of the round before are in, as the gateway's ``--overlap ahead``
+sends its drafts-ahead message: the proposer finds the next message
+waiting as soon as it has answered, and what it does between messages
+(upkeep) cannot hide behind the client's building of the next. With
+``--gap-ms G --burst N`` rounds go in bursts of N so, G ms between bursts:
+``--burst 2`` is the gateway's ahead loop (fresh drafts waited for, then
+the drafts ahead sent at once; then the verification), where upkeep can
+wait for the gap.
 
 ``--baseline-src DIR`` runs the same rows also against another copy of the
 ``proposer_svc`` package (e.g. main's:
@@ -74,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,9 +245,9 @@ async def fill_cache(addrs: list[str], workload: Workload, count: int) -> None:
 async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float, ahead: bool,
                   burst: int) -> dict:
     """Rounds for ``seconds`` (after one opening round and one warm round),
-    ``gap_s`` apart (ahead: every ``burst`` rounds), each round's messages
-    built during the round before when ``ahead``; the sequences go to
-    replicas by the gateway's hash ring."""
+    ``gap_s`` apart (ahead: every ``burst`` rounds), the messages built
+    before the rounds when ``ahead``; the sequences go to replicas by the
+    gateway's hash ring."""
     ring = ReplicaSet("bench", addrs)
     channels = {a: aio_channel(a, None, []) for a in addrs}
     streams = {a: ProposerStream(channels[a]) for a in addrs}
@@ -275,19 +276,19 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
         return response.compute_s, sum(len(d.token_ids) for d in response.drafts) + len(response.round.token_ids), \
             took
 
-    built: dict[str, tuple[pb.ProposeRequest, int]] | None = None  # (ahead) this round's messages
+    built: deque[dict[str, tuple[pb.ProposeRequest, int]]] = deque()  # (ahead) the rounds' messages
+    if ahead:
+        t_built = time.perf_counter() + seconds
+        while time.perf_counter() < t_built or len(built) < 3:
+            built.append(build())
     count = 0  # rounds so far
 
     async def one_round() -> tuple[float, list[float], int, float]:
-        nonlocal built, count
+        nonlocal count
         count += 1
         start = time.perf_counter()
-        messages = built or build()
-        sends = [asyncio.ensure_future(ask(a, *messages[a])) for a in addrs]
-        if ahead:
-            await asyncio.sleep(0)  # the messages leave; the next round's are built meanwhile
-            built = build()
-        found = await asyncio.gather(*sends)
+        messages = built.popleft() if ahead else build()
+        found = await asyncio.gather(*(ask(a, *messages[a]) for a in addrs))
         wall = time.perf_counter() - start
         if gap_s and (not ahead or count % burst == 0):
             await asyncio.sleep(gap_s)  # the scorer's verification
@@ -297,7 +298,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
         await one_round()
     rounds, computes, exchanges, drafts = [], [], [], 0
     t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
+    while time.perf_counter() < t_end and (built or not ahead):
         wall, compute, n, exchange = await one_round()
         rounds.append(wall)
         computes.append(compute)
@@ -378,7 +379,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="per row")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="wait between rounds (the scorer's verification)")
     ap.add_argument("--ahead", action="store_true",
-                    help="build each round's messages while the round before is in flight, send them at once")
+                    help="build the rounds' messages first, send each the moment the round before is answered")
     ap.add_argument("--burst", type=int, default=1, help="--ahead with --gap-ms: rounds back to back between gaps")
     ap.add_argument("--fill-cache", type=int, default=1000,
                     help="finished sequences sent first to fill the suffix global tree (0: none)")
