@@ -383,8 +383,9 @@ def test_finished_outputs_reach_the_global_tree_once_the_stream_is_idle(served):
 @pytest.mark.parametrize("bound", ["messages", "seconds"])
 def test_upkeep_postponed_too_long_runs_before_the_next_message(bound):
     """Messages back to back postpone upkeep (each is waiting when the
-    servicer is back) only so far: past max_postponed messages, or once it
-    waited max_delay_s, it runs before the next message is handled."""
+    servicer is back) only so far: once max_postponed messages more are
+    answered, or at the first answer after it waited max_delay_s, it runs
+    before the next message is handled."""
     servicer = ProposerServicer(build_proposers(["suffix"], _settings(True)))
     upkeep = servicer.upkeep
     upkeep.max_postponed, upkeep.max_delay_s = (2, float("inf")) if bound == "messages" else (100, 0.02)
