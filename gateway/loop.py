@@ -373,6 +373,8 @@ class SpecLoop:
     async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
         if not ahead:  # (drafting ahead hides the proposer's time: nothing to plan)
             self.budgets.plan(addr, seqs, self._verify_estimate(seqs))
+            if self._nothing_to_ask(addr, seqs):
+                return {}
         message = propose_request(seqs, self.releases.take_proposer(addr), ahead)
         start = time.perf_counter()
         try:
@@ -409,6 +411,17 @@ class SpecLoop:
             drafts[seq.seq_id] = draft
         self.budgets.observe(addr, model_steps, elapsed)
         return drafts
+
+    def _nothing_to_ask(self, addr: str, seqs: list[Sequence]) -> bool:
+        """Whether this round's message to addr can be left out: every
+        sequence on it is one the proposer holds and is planned to draft
+        nothing (DraftBudgets), no feature rows wait for it and no releases
+        do. Its new tokens then go with the next message (an update carries
+        every token since the proposer last saw the sequence), so a model
+        proposer asked for nothing costs no round trip, as method none."""
+        if self.releases.pending_proposer(addr):
+            return False
+        return all(s.planned_budget == 0 and s.proposer_len and not s.features.layers for s in seqs)
 
     def _verify_estimate(self, seqs: list[Sequence]) -> tuple[float, float] | None:
         """The wall-time Verify fit of the scorer replica holding most of ``seqs``."""

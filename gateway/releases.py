@@ -33,6 +33,10 @@ class Releases:
         if seq.scorer_addr is not None:
             self._scorer.setdefault(seq.scorer_addr, []).append(seq.seq_id)
 
+    def pending_proposer(self, addr: str) -> bool:
+        """Whether releases wait for the next Propose message to addr."""
+        return bool(self._proposer.get(addr))
+
     def take_proposer(self, addr: str) -> list[tuple[str, bool]]:
         """The releases for a Propose message about to go to addr."""
         return self._proposer.pop(addr, [])

@@ -165,6 +165,7 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
         return seq
 
     model_drafts: dict[str, int] = {}
+    messages: list[pb.ProposeRequest] = []
 
     async def run() -> list[Sequence]:
         scorers, drafts = ReplicaSet("scorer"), ReplicaSet("proposer-draft")
@@ -176,6 +177,21 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
             verify.observe(t % 8 + 1, 0.010 + 0.001 * (t % 8 + 1))
         loop.budgets = budgets = DraftBudgets()
         budgets.observe = lambda addr, steps, seconds: None  # type: ignore[method-assign]
+        opened = loop.conns.proposer_stream
+
+        def counting(addr: str):  # counts the Propose messages sent
+            stream = opened(addr)
+            if not hasattr(stream, "counted"):
+                exchange = stream.exchange
+
+                async def counted(request, timeout):
+                    messages.append(request)
+                    return await exchange(request, timeout)
+
+                stream.exchange, stream.counted = counted, True
+            return stream
+
+        loop.conns.proposer_stream = counting  # type: ignore[method-assign]
         budgets._fits[proposer] = (0.001, 1.0)
         seqs = [sequence(p) for p in PROMPTS]
         loop.start()
@@ -200,6 +216,10 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
         assert 0 < sum(model_drafts.values()) <= len(seqs) * (1 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
         assert 0 < drafted <= len(seqs) * (4 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY)
         assert all(s.planned_budget in (0, 1) for s in seqs)
+        # and send the proposer nothing: their tokens go with the next message that asks for a draft (an
+        # open, explorations; a message a round would be at least MAX_TOKENS / 4 per sequence)
+        sent = len(messages)
+        assert sent <= len(seqs) * (2 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY) < len(seqs) * MAX_TOKENS / 4
     else:  # the copies keep the whole budget (n-gram copies of one token: nearly every round has one)
         assert all(s.planned_budget is None and s.planned_model_steps in (0, 1) for s in seqs)
         assert drafted > sum(model_drafts.values())
