@@ -316,12 +316,17 @@ class ProposerServicer(pb_grpc.ProposerServicer):
     async def _next(self, inbox: _Inbox) -> pb.ProposeRequest | None:
         """The stream's next message (None at its end). Until a message
         waits on any stream, the upkeep left runs in slices, each followed
-        by UPKEEP_YIELDS turns of the event loop (which may deliver one)."""
-        while self.upkeep.pending() and not any(i.waiting() for i in self._inboxes):
+        by up to UPKEEP_YIELDS turns of the event loop (which may deliver one)."""
+        while self.upkeep.pending() and not self._waiting():
             self.upkeep.run_slice()
             for _ in range(UPKEEP_YIELDS):
                 await asyncio.sleep(0)
+                if self._waiting():
+                    break
         return await inbox.get()
+
+    def _waiting(self) -> bool:
+        return any(i.waiting() for i in self._inboxes)
 
     def handle(self, request: pb.ProposeRequest, owner: object = None) -> pb.ProposeResponse:
         """Applies releases, then the round's columns (``_columns``), then the
