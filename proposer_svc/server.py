@@ -80,7 +80,6 @@ def _checked(update: pb.SequenceUpdate) -> tuple[int, list[int]]:
     return k, tokens
 
 
-
 class _Round:
     """One method's sequences of a message, gathered for ``Proposer.advance``."""
 
