@@ -27,7 +27,12 @@ exchange alone in µs per sequence-round (from writing the built message to
 the response: the proposer service's part, transport included) and the
 proposer's compute share (its reported compute_s / round); the 99th
 percentile and the worst round (ms) show stalls the mean hides (e.g. an
-array of the proposer's growing in one round).
+array of the proposer's growing in one round). From each replica's
+Prometheus /metrics, read before and after the row's measured rounds: how
+long a message waited from its arrival until the proposer handled it
+(specdec_proposer_message_wait_seconds, all replicas: the mean, and the
+upper edges of the buckets that hold the 99th percentile and the longest;
+"-" for code without the metric).
 
 ``--replicas 1,2,4`` (fan-out): the B sequences of one method are spread over
 n proposer processes with the gateway's own consistent hashing
@@ -77,13 +82,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from package_copy import LOAD_PROPOSER_SVC
 
 from specdec.gateway.clients import ProposerStream
 from specdec.gateway.discovery import ReplicaSet
-from specdec.launcher import free_port, wait_serving
+from specdec.launcher import free_port, parse_metrics, wait_serving
 from specdec.proposer_svc.registry import SUFFIX_METHODS
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.security import aio_channel
@@ -93,6 +99,7 @@ OUTPUT_LEN = 512  # tokens appended before the sequence is released and re-opene
 APPEND = 3  # tokens appended per round
 K = 5  # drafts asked per round
 TIMEOUT_S = 60.0
+WAIT_METRIC = "specdec_proposer_message_wait_seconds"
 
 #: runs a proposer with ``specdec.proposer_svc`` taken from argv[1] (a
 #: baseline copy of the package), the rest of the command line as `specdec`'s
@@ -199,14 +206,16 @@ class Proposers:
     """n proposer processes serving `methods` (from `src` when given)."""
 
     def __init__(self, n: int, methods: str, src: str | None, log_dir: str) -> None:
-        self.procs, self.addrs = [], []
+        self.procs, self.addrs, self.metrics_ports = [], [], []
         for i in range(n):
-            port = free_port()
-            cli = ["proposer", "--methods", methods, "--port", str(port), "--log-level", "WARNING"]
+            port, metrics_port = free_port(), free_port()
+            cli = ["proposer", "--methods", methods, "--port", str(port), "--log-level", "WARNING",
+                   "--metrics-port", str(metrics_port)]
             cmd = ([sys.executable, "-c", _BOOT, src, *cli] if src else [sys.executable, "-m", "specdec.cli", *cli])
             log = open(os.path.join(log_dir, f"proposer{i}-{port}.log"), "w")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
             self.addrs.append(f"127.0.0.1:{port}")
+            self.metrics_ports.append(metrics_port)
         for proc, addr in zip(self.procs, self.addrs):
             wait_serving(addr, proc, 120, f"proposer {addr}")
 
@@ -242,12 +251,57 @@ async def fill_cache(addrs: list[str], workload: Workload, count: int) -> None:
         await channel.close()
 
 
-async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: float, ahead: bool,
-                  burst: int) -> dict:
+class Waits(NamedTuple):
+    """The replicas' message-wait histograms added up, so far."""
+
+    buckets: dict[float, float]  # bucket upper edge (s, +inf included) -> messages (cumulative)
+    total_s: float  # the waits' sum
+
+
+def message_waits(metrics_ports: list[int]) -> Waits:
+    """The replicas' WAIT_METRIC so far (no buckets: the code under test
+    does not export it)."""
+    import urllib.request
+
+    buckets: dict[float, float] = {}
+    total_s = 0.0
+    for port in metrics_ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            samples = parse_metrics(r.read().decode())
+        for key, value in samples.items():
+            if key.startswith(f"{WAIT_METRIC}_bucket{{"):
+                edge = float(key.split('le="', 1)[1].split('"', 1)[0])
+                buckets[edge] = buckets.get(edge, 0.0) + value
+        total_s += samples.get(f"{WAIT_METRIC}_sum", 0.0)
+    return Waits(buckets, total_s)
+
+
+def wait_summary(before: Waits, after: Waits) -> dict:
+    """Mean wait (ms) of the messages between two ``message_waits``, and the
+    upper edges (ms) of the buckets holding their 99th percentile and their
+    longest; None without the metric or messages."""
+    edges = sorted(after.buckets)
+    counts = [after.buckets[e] - before.buckets.get(e, 0.0) for e in edges]
+    if not counts or not counts[-1]:
+        return {"wait_mean_ms": None, "wait_p99_le_ms": None, "wait_max_le_ms": None}
+    total = counts[-1]
+    p99 = next(e for e, c in zip(edges, counts) if c >= 0.99 * total)
+    longest = next(e for e, c in zip(edges, counts) if c >= total)
+    return {"wait_mean_ms": 1e3 * (after.total_s - before.total_s) / total,
+            "wait_p99_le_ms": 1e3 * p99, "wait_max_le_ms": 1e3 * longest}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+async def run_row(addrs: list[str], metrics_ports: list[int], workload: Workload, seconds: float, gap_s: float,
+                  ahead: bool, burst: int) -> dict:
     """Rounds for ``seconds`` (after one opening round and one warm round),
     ``gap_s`` apart (ahead: every ``burst`` rounds), the messages built
     before the rounds when ``ahead``; the sequences go to replicas by the
-    gateway's hash ring."""
+    gateway's hash ring. The replicas' message waits are read from
+    metrics_ports (their /metrics) around the measured rounds."""
     ring = ReplicaSet("bench", addrs)
     channels = {a: aio_channel(a, None, []) for a in addrs}
     streams = {a: ProposerStream(channels[a]) for a in addrs}
@@ -297,6 +351,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
     for _ in range(2):  # open, then one warm round
         await one_round()
     rounds, computes, exchanges, drafts = [], [], [], 0
+    waits_before = message_waits(metrics_ports)
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end and (built or not ahead):
         wall, compute, n, exchange = await one_round()
@@ -304,6 +359,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
         computes.append(compute)
         exchanges.append(exchange)
         drafts += n
+    waits = wait_summary(waits_before, message_waits(metrics_ports))
     for s in streams.values():
         s.reset()
     for c in channels.values():
@@ -317,7 +373,7 @@ async def run_row(addrs: list[str], workload: Workload, seconds: float, gap_s: f
             "exchange_us_per_seq_round": 1e6 * float(np.mean(exchanges)) / workload.batch,
             "compute_share": float(compute.max(axis=1).mean() / round_s),
             "replica_compute_ms": [1e3 * float(c) for c in compute.mean(axis=0)],
-            "drafts_per_seq_round": drafts / (len(rounds) * workload.batch)}
+            "drafts_per_seq_round": drafts / (len(rounds) * workload.batch), **waits}
 
 
 def bench(label: str, src: str | None, methods: list[str], batches: list[int], replicas: list[int],
@@ -338,13 +394,15 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
                     workload = Workload(stream, b, method, handed_out[method], columns=columns)
-                    row = asyncio.run(run_row(procs.addrs, workload, seconds, gap_s, ahead, burst))
+                    row = asyncio.run(run_row(procs.addrs, procs.metrics_ports, workload, seconds, gap_s, ahead, burst))
                     handed_out[method] = workload.generation
                     row["code"], row["columns"] = label, columns
                     rows.append(row)
                     print(f"  {label:9s} {method:7s} B={b:<4d} replicas={n}: {row['ms_per_round']:8.2f} ms/round "
                           f"{row['us_per_seq_round']:7.1f} us/seq-round  p99 {row['p99_ms_per_round']:7.2f} ms  "
-                          f"max {row['max_ms_per_round']:7.2f} ms  compute share {row['compute_share']:.2f}",
+                          f"max {row['max_ms_per_round']:7.2f} ms  compute share {row['compute_share']:.2f}  "
+                          f"wait mean {_ms(row['wait_mean_ms'])} p99<= {_ms(row['wait_p99_le_ms'])} "
+                          f"max<= {_ms(row['wait_max_le_ms'])} ms",
                           flush=True)
         finally:
             procs.stop()
@@ -363,11 +421,13 @@ def git_commit() -> str:
 
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'p99 ms':>8s} {'max ms':>8s} "
-          f"{'us/seq-rnd':>10s} {'exchange':>8s} {'compute':>7s}  replica compute ms")
+          f"{'us/seq-rnd':>10s} {'exchange':>8s} {'compute':>7s} {'wait ms':>7s} {'p99<=':>6s} {'max<=':>6s}  "
+          f"replica compute ms")
     for r in rows:
         print(f"{r['code']:9s} {r['method']:7s} {r['batch']:4d} {r['replicas']:4d} {r['ms_per_round']:9.2f} "
               f"{r['p99_ms_per_round']:8.2f} {r['max_ms_per_round']:8.2f} {r['us_per_seq_round']:10.1f} "
-              f"{r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f}  "
+              f"{r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f} {_ms(r['wait_mean_ms']):>7s} "
+              f"{_ms(r['wait_p99_le_ms']):>6s} {_ms(r['wait_max_le_ms']):>6s}  "
               f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])}")
 
 

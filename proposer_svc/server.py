@@ -34,6 +34,11 @@ PROPOSE_BATCHES = Counter("specdec_proposer_batches_total", "Propose messages ha
 DRAFT_TOKENS = Counter("specdec_proposer_draft_tokens_total", "Draft tokens returned", ["method"])
 LIVE_SEQUENCES = Gauge("specdec_proposer_live_sequences", "Sequences with proposer state")
 BATCH_SECONDS = Histogram("specdec_proposer_batch_seconds", "Compute time per Propose message")
+MESSAGE_WAIT_SECONDS = Histogram(
+    "specdec_proposer_message_wait_seconds",
+    "Time a Propose message waits from its arrival (its read completed) until it is handled: behind upkeep "
+    "or other streams' messages",
+    buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, float("inf")))
 PROPOSER_STATE = Gauge("specdec_proposer_state", "Proposer gauges: memory_bytes, tree_nodes, "
                        "cached_requests, live_sequences", ["method", "key"])
 STATE_EVERY_S = 1.0  # how often the proposer gauges are refreshed
@@ -192,12 +197,15 @@ def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
         msg.probs.add(token_ids=ids.tolist(), probs=probs.tolist())
 
 
-async def _read_one(messages) -> pb.ProposeRequest | None:
-    """The stream's next message, None at its end."""
+async def _read_one(messages) -> tuple[pb.ProposeRequest | None, float]:
+    """The stream's next message (None at its end) and when it arrived
+    (time.perf_counter() once read: a message that reaches the socket while
+    the event loop is busy counts from when the loop delivers it)."""
     try:
-        return await messages.__anext__()
+        request = await messages.__anext__()
     except StopAsyncIteration:
-        return None
+        request = None
+    return request, time.perf_counter()
 
 
 class _Inbox:
@@ -207,6 +215,7 @@ class _Inbox:
     def __init__(self, requests) -> None:
         self._messages = requests.__aiter__()
         self._next = asyncio.ensure_future(_read_one(self._messages))
+        self.arrived = 0.0  # when the message get() returned last arrived (time.perf_counter())
 
     def waiting(self) -> bool:
         """A message (or the stream's end or failure) has arrived and waits."""
@@ -214,7 +223,7 @@ class _Inbox:
 
     async def get(self) -> pb.ProposeRequest | None:
         """The next message (None: the stream ended); raises what reading raised."""
-        request = await self._next
+        request, self.arrived = await self._next
         if request is not None:
             self._next = asyncio.ensure_future(_read_one(self._messages))
         return request
@@ -294,6 +303,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         try:
             while (request := await self._next(inbox)) is not None:
                 start = time.perf_counter()
+                MESSAGE_WAIT_SECONDS.observe(start - inbox.arrived)
                 response = self.handle(request, owner)
                 self.upkeep.note()
                 response.compute_s = time.perf_counter() - start

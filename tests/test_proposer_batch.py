@@ -11,6 +11,7 @@ import asyncio
 import queue
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -19,8 +20,8 @@ import pytest
 from specdec.launcher import free_port, wait_serving
 from specdec.proposer_svc.base import SeqOptions
 from specdec.proposer_svc.registry import ReplicaSettings, build_proposers
-from specdec.proposer_svc.server import UNKNOWN_MESSAGE, ProposerServicer
-from specdec.proposer_svc.suffix import SuffixConfig
+from specdec.proposer_svc.server import MESSAGE_WAIT_SECONDS, UNKNOWN_MESSAGE, ProposerServicer
+from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -434,6 +435,49 @@ def test_upkeep_left_is_done_when_the_stream_ends(how):
     for i, out in enumerate(outputs.values()):
         proposer.start(f"probe{i}", np.array([7, *out[:3]], dtype=np.int32), SeqOptions())
         assert proposer.propose([(f"probe{i}", 3)])[0].token_ids.tolist() == out[3:6]
+
+
+class SlowUpkeepSuffix(SuffixProposer):
+    """A served suffix proposer whose upkeep takes at least step_s a slice:
+    each sliced between_messages call sleeps, then caches one output."""
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(SuffixConfig(cache_between_messages=True))
+        self.step_s = step_s
+
+    def between_messages(self, budget_s=None):
+        if budget_s is None:
+            return super().between_messages()
+        time.sleep(self.step_s)
+        return super().between_messages(0.0)  # one step: one output of up to INSERT_CHUNK tokens
+
+
+def _wait_samples() -> tuple[float, float]:
+    """specdec_proposer_message_wait_seconds' (count, sum) so far."""
+    get = MESSAGE_WAIT_SECONDS.collect()[0].samples
+    by_name = {s.name: s.value for s in get}
+    return by_name["specdec_proposer_message_wait_seconds_count"], by_name["specdec_proposer_message_wait_seconds_sum"]
+
+
+def test_message_wait_counts_each_message_and_the_overdue_upkeep_it_waited_for():
+    """A message read while overdue upkeep runs (forced after every answer:
+    max_postponed 0) waits for it: the wait histogram counts every message
+    handled, and its sum holds at least the upkeep's forced sleep."""
+    step_s = 0.02
+    servicer = ProposerServicer({"suffix": SlowUpkeepSuffix(step_s)})
+    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 0, float("inf")
+    count0, sum0 = _wait_samples()
+
+    async def drive() -> None:
+        stream = InProcessStream(servicer)
+        await _release_a(stream)  # 3 messages; a's output queued by the last one
+        assert _drafts(await stream.queued(ASK_B)) == OUTPUT[4:7]  # read before the overdue upkeep ran
+        await stream.end()
+
+    asyncio.run(drive())
+    count, total = _wait_samples()
+    assert count - count0 == 4
+    assert total - sum0 >= step_s
 
 
 def test_real_proposer_caches_every_output_released_back_to_back():
