@@ -387,8 +387,11 @@ def test_a_scorer_stub_is_built_once_per_channel_and_dropped_with_it():
 def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     """DraftBudgets: only adaptive sequences whose drafts come from a model
     (not a feature head) are planned; nothing is planned until the proposer's and the scorer's
-    times are fitted; a plan of zero asks for one token every
-    EXPLORE_EVERY-th round; the plan reaches the proposer's message."""
+    times are fitted; a plan of zero asks for one token after EXPLORE_EVERY
+    idle rounds, then after twice as many each time the plan goes on asking
+    for nothing (up to EXPLORE_MAX_EVERY), and after EXPLORE_EVERY again
+    once the plan has asked for drafts by itself; the plan reaches the
+    proposer's message."""
     from specdec.gateway.costs import DraftBudgets
     from specdec.gateway.wire import sequence_update
 
@@ -409,12 +412,22 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
         budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
     budgets.plan("p:1", seqs, None)
     assert model.planned_budget is None  # nor the scorer's
-    asked = []
-    for _ in range(2 * DraftBudgets.EXPLORE_EVERY):
-        budgets.plan("p:1", seqs, verify)
-        assert copying.planned_budget is None and fixed.planned_budget is None
-        asked.append(sequence_update(model, ahead=False).num_speculative_tokens)
-    assert asked == ([0] * (DraftBudgets.EXPLORE_EVERY - 1) + [1]) * 2
+    every, most = DraftBudgets.EXPLORE_EVERY, DraftBudgets.EXPLORE_MAX_EVERY
+    waits = [every, 2 * every, 4 * every, 8 * every, most, most]  # idle rounds before each exploration
+    assert waits[3] == most  # (the constants as this test reads them)
+
+    def ask(rounds: int, scorer: tuple[float, float] = verify) -> list[int]:
+        asked = []
+        for _ in range(rounds):
+            budgets.plan("p:1", seqs, scorer)
+            assert copying.planned_budget is None and fixed.planned_budget is None
+            asked.append(sequence_update(model, ahead=False).num_speculative_tokens)
+        return asked
+
+    assert ask(sum(waits)) == [k for wait in waits for k in [0] * (wait - 1) + [1]]
+    assert ask(3) == [0] * 3
+    assert min(ask(2, scorer=(2.0, 0.0004))) > 0  # a dear Verify: the plan asks for drafts by itself
+    assert ask(2 * every) == ([0] * (every - 1) + [1]) + [0] * every  # explored after EXPLORE_EVERY again
     budgets.plan("p:1", seqs, verify)
     # asked for nothing, it decodes like method none: several tokens per Verify call
     assert model.planned_budget == 0 and model.decode_steps(4) == 4 and fixed.decode_steps(4) == 1
