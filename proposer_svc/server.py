@@ -289,11 +289,12 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         self._state_at = float("-inf")  # when the proposer gauges were last refreshed
         self.upkeep = _Upkeep(list(proposers.values()))
         self._inboxes: set[_Inbox] = set()  # of the open streams
+        self._left_upkeep: asyncio.Task | None = None  # slices of the upkeep a stream left (_after_stream)
 
     async def Propose(self, request_iterator, context):
         """Sequences belong to the stream that opened them: when the stream
         ends (the gateway went away or reset it) their state is freed and
-        the upkeep left is done. Upkeep runs between messages: the overdue
+        the upkeep left is done (``_after_stream``). Upkeep runs between messages: the overdue
         part once the answer is on its way (as all of it did before: it
         overlaps the answer's trip and the gateway's turn), the rest while
         no message waits (``_next``)."""
@@ -319,20 +320,36 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             inbox.close()
             for seq_id in [s for s, o in self._owner.items() if o is owner]:
                 self._stop(seq_id, completed=False)
-            self.upkeep.flush()
+            self._after_stream()
             LIVE_SEQUENCES.set(len(self._method_of))
 
+    def _after_stream(self) -> None:
+        """The upkeep left when a stream has ended: all of it at once when no
+        stream is left open (no message can wait for it), else in slices
+        like any other (it is replica-wide, its marks too): from now until a
+        message waits, then by the stream that answers it (``_next``) and
+        under the overdue bound; the last stream to end flushes the rest."""
+        if not self._inboxes:
+            self.upkeep.flush()
+        elif self.upkeep.pending() and (self._left_upkeep is None or self._left_upkeep.done()):
+            self._left_upkeep = asyncio.ensure_future(self._upkeep_while_idle())
+
     async def _next(self, inbox: _Inbox) -> pb.ProposeRequest | None:
-        """The stream's next message (None at its end). Until a message
-        waits on any stream, the upkeep left runs in slices, each followed
-        by up to UPKEEP_YIELDS turns of the event loop (which may deliver one)."""
+        """The stream's next message (None at its end), once the upkeep left
+        is done or a message waits on any stream."""
+        await self._upkeep_while_idle()
+        return await inbox.get()
+
+    async def _upkeep_while_idle(self) -> None:
+        """Upkeep in slices until none is left or a message waits on any
+        stream, each slice followed by up to UPKEEP_YIELDS turns of the
+        event loop (which may deliver one)."""
         while self.upkeep.pending() and not self._waiting():
             self.upkeep.run_slice()
             for _ in range(UPKEEP_YIELDS):
                 await asyncio.sleep(0)
                 if self._waiting():
                     break
-        return await inbox.get()
 
     def _waiting(self) -> bool:
         return any(i.waiting() for i in self._inboxes)

@@ -321,8 +321,12 @@ class InProcessStream:
         return await self.responses.__anext__()
 
     async def after_idle(self, message: pb.ProposeRequest, idle_s: float = 0.05) -> pb.ProposeResponse:
+        return await self.after(message, asyncio.sleep(idle_s))
+
+    async def after(self, message: pb.ProposeRequest, idle) -> pb.ProposeResponse:
+        """Sent once the servicer has been idle until ``idle`` (a coroutine) returned."""
         answer = asyncio.ensure_future(self.responses.__anext__())
-        await asyncio.sleep(idle_s)
+        await idle
         await self._queue.put(message)
         return await answer
 
@@ -409,8 +413,8 @@ def test_upkeep_postponed_too_long_runs_before_the_next_message(bound):
 @pytest.mark.parametrize("how", ["stream end", "stream closed"])
 def test_upkeep_left_is_done_when_the_stream_ends(how):
     """Outputs released in messages back to back, their upkeep postponed,
-    are all in the global tree once the stream ends or is closed (the
-    servicer's finally, as on a cancelled RPC): none is lost."""
+    are all in the global tree once the stream, the last one open, ends or
+    is closed (the servicer's finally, as on a cancelled RPC): none is lost."""
     servicer = ProposerServicer(build_proposers(["suffix"], _settings(True)))
     servicer.upkeep.max_postponed = 100
     proposer = servicer.proposers["suffix"]
@@ -478,6 +482,81 @@ def test_message_wait_counts_each_message_and_the_overdue_upkeep_it_waited_for()
     count, total = _wait_samples()
     assert count - count0 == 4
     assert total - sum0 >= step_s
+
+
+async def _release_six(stream: InProcessStream) -> None:
+    """Six sequences opened, finished and released as completed, the
+    releases back to back: their outputs' upkeep queued, postponed."""
+    await stream.after_idle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, open=True, token_ids=[1], context_len=1, options=SUFFIX) for s in SIX]))
+    await stream.after_idle(pb.ProposeRequest(sequences=[
+        pb.SequenceUpdate(seq_id=s, token_ids=out, context_len=9) for s, out in SIX.items()]))
+    for seq_id in SIX:
+        await stream.queued(pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=seq_id, completed=True)]))
+
+
+async def _end(stream: InProcessStream, how: str) -> None:
+    if how == "stream end":
+        await stream.end()
+    else:
+        await stream.responses.aclose()
+
+
+async def _until_done(proposer: SuffixProposer) -> None:
+    """Returns once every output queued is in the global trie (the test's timeout bounds it)."""
+    while proposer.upkeep_progress()[1] < proposer.upkeep_progress()[0]:
+        await asyncio.sleep(0.005)
+
+
+SIX = {f"s{i}": [100 + 10 * i + j for j in range(8)] for i in range(6)}
+PROBE_B = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", open=True, token_ids=[7, *SIX["s5"][:3]],
+                                                         context_len=4, num_speculative_tokens=3, options=SUFFIX)])
+ASK_PROBE = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", context_len=4, num_speculative_tokens=3)])
+
+
+@pytest.mark.parametrize("how", ["stream end", "stream closed"])
+def test_upkeep_left_by_a_stream_waits_for_the_other_streams_messages(how):
+    """A stream that ends with upkeep left, while another stream is open,
+    leaves it to slices (upkeep is replica-wide): a message on the other
+    stream is answered before it is all done, and it is all done
+    afterwards, the other stream still open."""
+    proposer = SlowUpkeepSuffix(step_s=0.01)
+    servicer = ProposerServicer({"suffix": proposer})
+    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 100, float("inf")
+
+    async def drive() -> None:
+        other, stream = InProcessStream(servicer), InProcessStream(servicer)
+        await other.after_idle(pb.ProposeRequest())
+        await _release_six(stream)
+        assert proposer.upkeep_progress() == (6, 0)
+        await _end(stream, how)
+        assert _drafts(await other.queued(PROBE_B)) == []  # answered before s5's output is cached
+        assert proposer.upkeep_progress()[1] < 6
+        assert _drafts(await other.after(ASK_PROBE, _until_done(proposer))) == SIX["s5"][3:6]
+        await other.end()
+
+    asyncio.run(drive())
+    assert proposer.stats()["cached_requests"] == 6
+
+
+def test_upkeep_left_by_a_stream_is_done_while_the_other_streams_are_idle():
+    """Upkeep a stream left when it ended, another stream open, is not all
+    done at its end, but in slices while the streams still open send nothing."""
+    proposer = SlowUpkeepSuffix(step_s=0.001)
+    servicer = ProposerServicer({"suffix": proposer})
+    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 100, float("inf")
+
+    async def drive() -> None:
+        other, stream = InProcessStream(servicer), InProcessStream(servicer)
+        await other.after_idle(pb.ProposeRequest())
+        await _release_six(stream)
+        await stream.end()
+        assert proposer.upkeep_progress() == (6, 0)  # not all at once at the end
+        await _until_done(proposer)
+        assert _drafts(await other.queued(PROBE_B)) == SIX["s5"][3:6]
+        await other.end()
+
+    asyncio.run(drive())
 
 
 def test_real_proposer_caches_every_output_released_back_to_back():
