@@ -91,7 +91,9 @@ def run_vllm(python: str, target: str, draft: str, prompts: dict[str, list[int]]
     job = {"target": target, "draft": draft, "prompts": list(prompts.values()), "k": k, "max_tokens": max_tokens}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
-    done = subprocess.run([python, str(VLLM_RUNNER), f.name], capture_output=True, text=True)
+    # not from the checkout: vLLM imports packages (e.g. `kernels`) that its top-level folders would shadow
+    done = subprocess.run([python, str(VLLM_RUNNER.resolve()), f.name], capture_output=True, text=True,
+                          cwd=tempfile.gettempdir())
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
