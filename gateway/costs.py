@@ -192,6 +192,7 @@ class DraftBudgets:
         self._fits: dict[str, tuple[float, float]] = {}
         self._idle_rounds: dict[str, int] = {}
         self._explore_every: dict[str, int] = {}  # idle rounds before the next exploration
+        self._last_k: dict[str, int] = {}  # the K planned last (what a sequence that opens gets)
         self._after_idle: dict[str, bool] = {}  # this round's plan follows one that asked for nothing
 
     def observe(self, addr: str, steps: int, seconds: float) -> None:
@@ -222,29 +223,35 @@ class DraftBudgets:
         the whole budget: a hybrid whose model does not pay drafts by copying
         only, the n-gram method's speed, instead of paying forwards for
         nothing). Their model runs in the same forwards as the others' on
-        that replica, so one K serves both."""
+        that replica, so one K serves both. A model-and-copy sequence that
+        opens has no history of its own: it gets the replica's K (this
+        round's, else the last one planned there), so a new request on a
+        replica whose model does not pay does not run it over its prompt
+        and its whole budget (SmolLM2 and a 4-layer draft on copy prompts,
+        AMD EPYC: the opens were most of the hybrid's model forwards)."""
         after_idle, self._after_idle[addr] = self._idle_rounds.get(addr, 0) > 0, False
-        planned, mixed = [], []
+        planned, mixed, opening = [], [], []
         for seq in seqs:
             seq.planned_budget = seq.planned_model_steps = None
             if not seq.params.adaptive or seq.features.layers or seq.num_speculative_tokens() == 0:
                 continue
             if seq.mixes_model_and_copies:
-                if seq.proposer_len:  # (an open drafts with its whole budget)
-                    mixed.append(seq)
+                (mixed if seq.proposer_len else opening).append(seq)
             elif seq.model_drafts:
                 planned.append(seq)
         propose = self._fits.get(addr)
         if not (planned or mixed) or verify is None or propose is None:
+            for seq in opening:
+                seq.planned_model_steps = self._last_k.get(addr)
             return
         gains = ([s.acceptance.gains(s.num_speculative_tokens()) for s in planned]
                  + [s.model_acceptance.gains(s.num_speculative_tokens()) for s in mixed])
         k = plan_draft_steps(gains, sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
-        k = self._explored(addr, k)
+        k = self._last_k[addr] = self._explored(addr, k)
         self._after_idle[addr] = after_idle
         for seq in planned:
             seq.planned_budget = k
-        for seq in mixed:
+        for seq in mixed + opening:
             seq.planned_model_steps = k
         metrics.PLANNED_DRAFT_STEPS.labels(addr).set(k)
         if log.isEnabledFor(logging.DEBUG):
@@ -267,5 +274,6 @@ class DraftBudgets:
 
     def forget(self, addr: str) -> None:
         """Drops a replica that discovery removed."""
-        for table in (self.models, self._fits, self._idle_rounds, self._explore_every, self._after_idle):
+        for table in (self.models, self._fits, self._idle_rounds, self._explore_every, self._last_k,
+                      self._after_idle):
             table.pop(addr, None)

@@ -55,6 +55,8 @@ def sequence_update(seq: Sequence, ahead: bool = False) -> pb.SequenceUpdate:
     p = seq.params
     update = pb.SequenceUpdate(seq_id=seq.seq_id, context_len=len(seq.tokens),
                                num_speculative_tokens=seq.propose_budget(ahead))
+    if seq.planned_model_steps is not None and not ahead:
+        update.model_steps = min(seq.planned_model_steps, update.num_speculative_tokens)
     if seq.proposer_len == 0:
         update.open = True
         update.token_ids.extend(seq.tokens)
@@ -64,8 +66,6 @@ def sequence_update(seq: Sequence, ahead: bool = False) -> pb.SequenceUpdate:
             min_token_prob=p.min_token_prob, temperature=p.temperature, seed=p.seed))
     else:
         update.token_ids.extend(seq.tokens[seq.proposer_len:])
-        if seq.planned_model_steps is not None and not ahead:
-            update.model_steps = min(seq.planned_model_steps, update.num_speculative_tokens)
     return update
 
 

@@ -78,8 +78,6 @@ def _checked(update: pb.SequenceUpdate) -> tuple[int, list[int]]:
     if tokens and min(tokens) < 0:
         raise InvalidUpdate("token_ids: negative token id")
     if update.HasField("model_steps"):
-        if update.open:
-            raise InvalidUpdate("model_steps: not allowed on an open (the open drafts with num_speculative_tokens)")
         if not 0 <= update.model_steps <= k:
             raise InvalidUpdate(f"model_steps: must be in 0..num_speculative_tokens ({k}), got {update.model_steps}")
     return k, tokens
@@ -521,11 +519,11 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                         msg.feature_layers.extend(self.proposers[method].feature_layers)
                 elif seq_id in method_of:
                     method = method_of[seq_id]
-                    if update.HasField("model_steps"):
-                        self.proposers[method].limit_model_steps(seq_id, update.model_steps)
                 else:
                     msg.status, msg.message = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
                     continue
+                if update.HasField("model_steps"):
+                    self.proposers[method].limit_model_steps(seq_id, update.model_steps)
                 features = self._features(update, method)
             except InvalidUpdate as e:
                 msg.status, msg.message = pb.SEQUENCE_STATUS_INVALID, str(e)

@@ -293,3 +293,33 @@ def test_draft_hybrid_model_steps_cap_the_model_and_leave_the_copies_whole(engin
         hybrid.stop(seq_id, completed=False)
     alone.stop("fresh", completed=False)
 
+
+
+def test_an_open_with_model_steps_caps_the_hybrids_model_in_its_first_round(engine):
+    """SequenceUpdate.model_steps on an open (the gateway's plan for a
+    replica whose model does not pay): the servicer caps the open's first
+    draft like any round's, so 0 runs no forward over the prompt, while an
+    open without it drafts with the model; out of 0..k it is refused, named."""
+    from specdec.proposer_svc.draft_hybrid import DraftHybridProposer
+    from specdec.proposer_svc.hybrid import HybridConfig
+    from specdec.proposer_svc.server import ProposerServicer
+    from specdec.protos.v1 import specdec_pb2 as pb
+
+    hybrid = DraftHybridProposer(_proposer(engine), HybridConfig())
+    handle = ProposerServicer({"draft_hybrid": hybrid}).handle
+    options = pb.ProposerOptions(method="draft_hybrid")
+
+    def open_(seq_id: str, **steps) -> pb.Draft:
+        return handle(pb.ProposeRequest(sequences=[pb.SequenceUpdate(
+            seq_id=seq_id, open=True, token_ids=PROMPT.tolist(), context_len=len(PROMPT),
+            num_speculative_tokens=3, options=options, **steps)])).drafts[0]
+
+    capped = open_("capped", model_steps=0)
+    assert capped.status == pb.SEQUENCE_STATUS_OK and len(capped.token_ids) == 0  # no copy, no model
+    assert engine.cached_len("capped") == 0 and hybrid.model_skipped == 1
+    whole = open_("whole")
+    assert whole.status == pb.SEQUENCE_STATUS_OK and len(whole.token_ids) > 0 and engine.cached_len("whole") > 0
+    refused = open_("refused", model_steps=4)
+    assert refused.status == pb.SEQUENCE_STATUS_INVALID and refused.message.startswith("model_steps")
+    for seq_id in ("capped", "whole"):
+        hybrid.stop(seq_id, completed=False)

@@ -464,8 +464,9 @@ def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
     budget stays for its copies (planned_budget None, num_speculative_tokens
     k) and its model's steps are planned from the acceptance of its
     model-made drafts alone (model_steps in the update): good copies do not
-    buy model forwards, good model drafts do. Not on an open, not when
-    drafting ahead, not at a fixed length."""
+    buy model forwards, good model drafts do. An open gets the replica's K
+    (this round's, else the last one planned there; none on a replica
+    never planned). Not when drafting ahead, not at a fixed length."""
     from specdec.gateway.costs import DraftBudgets
     from specdec.gateway.wire import sequence_update
 
@@ -481,6 +482,9 @@ def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
         hybrid.model_acceptance.record(0, 5)  # its model's do not
     budgets = DraftBudgets()
     verify = (0.020, 0.0004)
+    budgets.plan("p:1", [opening], verify)
+    assert opening.planned_model_steps is None  # nothing planned on the replica yet: the whole budget
+    assert not sequence_update(opening, ahead=False).HasField("model_steps")
     for steps in [1, 2, 3, 4, 5] * 4:  # 1 ms a call + 6.6 ms a model step
         budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
     budgets.plan("p:1", seqs, verify)
@@ -489,13 +493,18 @@ def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
     assert update.num_speculative_tokens == 5 and update.HasField("model_steps") and update.model_steps == 0
     assert hybrid.decode_steps(4) == 1  # it still drafts (copies): one token per Verify call
     assert fixed.planned_model_steps is None and not sequence_update(fixed, ahead=False).HasField("model_steps")
-    assert opening.planned_model_steps is None
-    assert not sequence_update(opening, ahead=False).HasField("model_steps")  # an open: the whole budget
+    update = sequence_update(opening, ahead=False)  # an open: the replica's K, its copies the whole budget
+    assert update.open and update.num_speculative_tokens == 5 and update.model_steps == 0
+    budgets.plan("p:1", [opening], verify)  # an open alone: the last K planned on the replica
+    assert opening.planned_model_steps == 0 and sequence_update(opening, ahead=False).model_steps == 0
     assert not sequence_update(hybrid, ahead=True).HasField("model_steps")  # drafting ahead hides its time
     for _ in range(30):  # its model now follows the context
         hybrid.model_acceptance.record(5, 5)
     budgets.plan("p:1", seqs, verify)
     assert hybrid.planned_model_steps == 5 and sequence_update(hybrid, ahead=False).model_steps == 5
+    assert opening.planned_model_steps == 5
+    budgets.plan("p:1", [opening], verify)
+    assert opening.planned_model_steps == 5
     hybrid.params = dataclasses.replace(hybrid.params, num_speculative_tokens=3)  # the wire caps it at k
     update = sequence_update(hybrid, ahead=False)
     assert update.num_speculative_tokens == 3 and update.model_steps == 3

@@ -185,7 +185,7 @@ def _bad_updates_named(exchange) -> None:
            pb.SequenceUpdate(seq_id="b3", open=True, token_ids=[1], options=pb.ProposerOptions(method="nope")),
            pb.SequenceUpdate(seq_id="b4", open=True, token_ids=[1],
                              options=pb.ProposerOptions(method="ngram", min_n=3, max_n=2)),
-           pb.SequenceUpdate(seq_id="b5", open=True, token_ids=[1], num_speculative_tokens=2, model_steps=1,
+           pb.SequenceUpdate(seq_id="b5", open=True, token_ids=[1], num_speculative_tokens=2, model_steps=3,
                              options=pb.ProposerOptions(method="ngram"))]
     response = exchange(pb.ProposeRequest(sequences=[bad[0], bad[1], good, *bad[2:]]))
     statuses = [(d.status, d.message) for d in response.drafts]
