@@ -30,7 +30,9 @@ each code in its own process. Then the same as a served replica does it
 in the servicer's slices (``between_messages(UPKEEP_SLICE_S)`` until none is
 left; a copy without budgets: one ``between_messages()`` a round), each call
 timed: its longest is what a message arriving during upkeep may wait (the
-rest of one slice), against the whole round's upkeep before.
+rest of one slice), against the whole round's upkeep before. The calls are
+also told apart by what they did: a hash shard's doubling (or a step of
+one), an eviction (always a call's first step), or only inserts.
 
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
@@ -238,11 +240,31 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list[float]]:
+def _cache_state(glob) -> tuple[np.ndarray, bool, int | None]:
+    """(hash shard sizes, a doubling under way, the oldest output's slot) of
+    a _GlobalCache (a copy that doubles shards at once has no ``_doubling``)."""
+    from specdec.proposer_svc.suffix import T_SIZE
+
+    return (glob.trie.shards[:, T_SIZE].copy(), getattr(glob.trie, "_doubling", None) is not None,
+            glob.fifo[0] if glob.fifo else None)
+
+
+def _call_kind(glob, before: tuple[np.ndarray, bool, int | None]) -> str:
+    """What a between_messages call did, from _cache_state before and after
+    it: "double" (a hash shard doubled, or a step of a doubling), "evict"
+    (the oldest output left), or "insert" (only inserts)."""
+    sizes, doubling, oldest = before
+    after_sizes, after_doubling, after_oldest = _cache_state(glob)
+    if doubling or after_doubling or (after_sizes != sizes).any():
+        return "double"
+    return "evict" if oldest is not None and after_oldest != oldest else "insert"
+
+
+def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list]:
     """Each round: UPKEEP_PER_ROUND requests open (the first 16 tokens of a
     row of outputs, int32 [n, UPKEEP_OUTPUT], as the prompt), get the rest and
     finish; timed (ms): each round's stops and upkeep ("rounds") and, served,
-    each between_messages call ("calls")."""
+    each between_messages call ("calls", what each did in "kinds")."""
     from specdec.proposer_svc.base import SeqOptions
     from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 
@@ -252,7 +274,7 @@ def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list[float]]:
     except ImportError:
         slice_s = None
     prop = SuffixProposer(SuffixConfig(UPKEEP_CACHED, MAX_TREE_DEPTH, cache_between_messages=served))
-    rounds, calls = [], []
+    rounds, calls, kinds = [], [], []
     gc.disable()
     for r in range(0, len(outputs), UPKEEP_PER_ROUND):
         seqs = [str(i) for i in range(r, min(r + UPKEEP_PER_ROUND, len(outputs)))]
@@ -263,19 +285,34 @@ def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list[float]]:
         for seq in seqs:
             prop.stop(seq, completed=True)
         while served:
+            before = _cache_state(prop._global)
             t1 = time.perf_counter()
             left = prop.between_messages(slice_s) if slice_s is not None else prop.between_messages()
             calls.append(1e3 * (time.perf_counter() - t1))
+            kinds.append(_call_kind(prop._global, before))
             if not left:
                 break
         rounds.append(1e3 * (time.perf_counter() - t0))
     gc.enable()
-    return {"rounds": rounds, "calls": calls}
+    return {"rounds": rounds, "calls": calls, "kinds": kinds}
 
 
 def _upkeep_driver(in_path: str, out_path: str) -> None:
     outputs = np.load(in_path)
     Path(out_path).write_text(json.dumps({"stops": run_upkeep(outputs, False), "served": run_upkeep(outputs, True)}))
+
+
+CALL_KINDS = ("insert", "evict", "double")
+
+
+def _by_kind(calls: np.ndarray, kinds: list[str]) -> dict[str, dict]:
+    """Count, p99 and max (ms) of the calls of each kind (none: {})."""
+    found = {}
+    for kind in CALL_KINDS if kinds else ():
+        ms = calls[np.array(kinds) == kind]
+        found[kind] = {"calls": len(ms), "p99_ms": float(np.percentile(ms, 99)) if len(ms) else float("nan"),
+                       "max_ms": float(ms.max()) if len(ms) else float("nan")}
+    return found
 
 
 def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
@@ -303,7 +340,7 @@ def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
                     "p99_ms": float(np.percentile(ms, 99)), "max_ms": float(ms.max()), "max_round": int(ms.argmax()),
                     "full_mean_ms": float(full.mean()) if len(full) else None,
                     "calls": len(timed[mode]["calls"]), "call_p99_ms": float(np.percentile(calls, 99)),
-                    "call_max_ms": float(calls.max())}
+                    "call_max_ms": float(calls.max()), "calls_by_kind": _by_kind(calls, timed[mode]["kinds"])}
     print("rounds: a round's stops and upkeep; calls (served): each between_messages call, what a message "
           "arriving during upkeep may wait")
     print(f"{'code':16s} {'rounds':>6s} {'mean ms':>8s} {'p50':>6s} {'p99':>6s} {'max':>7s} {'at round':>8s} "
@@ -312,6 +349,12 @@ def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
         print(f"{label:16s} {r['rounds']:6d} {r['mean_ms']:8.2f} {r['p50_ms']:6.2f} {r['p99_ms']:6.2f} "
               f"{r['max_ms']:7.1f} {r['max_round']:8d} {r['full_mean_ms'] or float('nan'):9.2f} "
               f"{r['calls']:6d} {r['call_p99_ms']:8.2f} {r['call_max_ms']:8.1f}")
+    print(f"\nserved calls by what they did: count, p99 / max ms\n{'code':16s} "
+          + " ".join(f"{kind:>22s}" for kind in CALL_KINDS))
+    for label, r in results["rows"].items():
+        if r["calls_by_kind"]:
+            print(f"{label:16s} " + " ".join(
+                f"{k['calls']:6d} {k['p99_ms']:7.2f} / {k['max_ms']:5.1f}" for k in r["calls_by_kind"].values()))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")

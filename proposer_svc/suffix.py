@@ -109,15 +109,28 @@ def _key(parent, tok):
 
 
 @njit(cache=True, inline="always")
+def _hashed(key, num_shards):
+    """key's hash scaled to the number of shards: its shard in the top 32
+    bits, the fraction left below (see _home)."""
+    return ((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(num_shards)
+
+
+@njit(cache=True, inline="always")
+def _home_in(x, size):
+    """The home slot of hashed key x (_hashed) in a shard of size rows."""
+    return np.int64(((x & _LOW32) * np.uint64(size)) >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")
 def _home(shards, key):
     """(shard, home slot in the shard) of key: the hash's top 32 bits scaled
     to the number of shards pick the shard, the fraction left scaled to its
     size the home. So homes keep their order when a shard doubles (home h
     becomes 2h or 2h + 1) and ``rehash`` writes the new rows almost
     sequentially."""
-    x = ((np.uint64(key) * _GOLDEN) >> np.uint64(32)) * np.uint64(shards.shape[0])
+    x = _hashed(key, shards.shape[0])
     s = np.int64(x >> np.uint64(32))
-    return s, np.int64(((x & _LOW32) * np.uint64(shards[s, T_SIZE])) >> np.uint64(32))
+    return s, _home_in(x, shards[s, T_SIZE])
 
 
 @njit(cache=True, inline="always")
@@ -197,14 +210,15 @@ def _hash_del(table, shards, hdr, key):
 
 
 @njit(cache=True)
-def rehash(table, shards, s, old):
-    """Moves the entries of old (int64 [m, 2]: shard s's rows before it was
-    resized) into shard s's rows (all _EMPTY)."""
-    base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
-    for r in range(old.shape[0]):
+def rehash(table, num_shards, old, r0, r1, base, size):
+    """Puts the entries of rows r0..r1 - 1 of old (int64 [m, 2]: a shard's
+    rows) into the shard of size rows being built at table[base:base + size]
+    (rows not holding one of old's are _EMPTY; old may be other rows of table)."""
+    mask = size - 1
+    for r in range(r0, r1):
         key = old[r, 0]
         if key != _EMPTY:
-            i = _home(shards, key)[1]
+            i = _home_in(_hashed(key, num_shards), size)
             while table[_at(base, i), 0] != _EMPTY:
                 i = (i + 1) & mask
             table[_at(base, i), 0], table[_at(base, i), 1] = key, old[r, 1]
@@ -217,7 +231,7 @@ def _resize_shard(table: np.ndarray, shards: np.ndarray, s: int, base: int, size
     old = table[at:at + int(shards[s, T_SIZE])].copy()
     table[base:base + size] = _EMPTY
     shards[s, T_BASE], shards[s, T_SIZE], shards[s, T_LIMIT] = base, size, _limit(s, len(shards), size, room)
-    rehash(table, shards, s, old)
+    rehash(table, len(shards), old, 0, len(old), base, size)
 
 
 def _limit(s: int, num_shards: int, size: int, room: int) -> int:
@@ -772,6 +786,10 @@ INSERT_CHUNK = 32
 #: of the keys (about 130k at 2M nodes). (B=256 rounds in-process, same
 #: run: 10-20% slower with 64 shards than with 1 or 16.)
 TABLE_SHARDS = 16
+#: rows of a doubling hash shard of the global trie rehashed in one step of
+#: upkeep (SuffixTrie.grow_step; twice as many new rows cleared in one):
+#: a doubling at once took 4-9 ms at 2M nodes (bench_suffix_micro.py --upkeep)
+REHASH_CHUNK = 8192
 
 
 def _reserve(rows: int, row_shape: tuple[int, ...], dtype: type, huge: bool = False) -> np.ndarray:
@@ -809,11 +827,18 @@ class SuffixTrie:
     Growth never copies while the reservations last (``reserve_bytes`` each,
     see _reserve): node rows and stamps are used in order from the start of
     theirs, the pool's capacity doubles in place, and the hash table is
-    TABLE_SHARDS shards, shard s owning rows [s * R, (s + 1) * R) of its
-    reservation and doubling in place, one tight shard at a time. (Doubling
-    whole arrays, a 2M-node trie's node rows, stamps and hash table, cost an
-    upkeep round 378 ms: bench_suffix_micro.py --upkeep.) Past a
-    reservation, its rows move once to one twice as large.
+    TABLE_SHARDS shards in a reservation of TABLE_SHARDS + 1 slots of R rows
+    (R = shard_rows), each shard in one slot, doubling one tight shard at a
+    time. (Doubling whole arrays, a 2M-node trie's node rows, stamps and
+    hash table, cost an upkeep round 378 ms: bench_suffix_micro.py
+    --upkeep.) Past a reservation, its rows move once to one twice as large.
+
+    A tight shard doubles in steps (``grow_step``): it is rebuilt in the
+    *spare* slot (the one no shard uses), REHASH_CHUNK rows at a time, then
+    takes that slot and leaves its own as the spare. Between two steps its
+    old rows serve every read: nothing may write to the trie until the
+    doubling is done (inserts stop while a shard is tight; the caller runs
+    no removal meanwhile: ``needs_growth``).
     """
 
     def __init__(self, max_depth: int, num_streams: int, reserve_bytes: int | None = None,
@@ -835,10 +860,14 @@ class SuffixTrie:
         first = 1 << max(4, (2 * room + 1).bit_length())
         self.shard_rows = max(first, 1 << (max(reserve // (16 * num_shards), 1).bit_length() - 1))
         # (4 KiB pages: a huge page per shard would commit 2 MiB for each)
-        self.table = _reserve(num_shards * self.shard_rows, (2,), np.int64)  # hash table: (key, child) rows
+        self.table = _reserve((num_shards + 1) * self.shard_rows, (2,), np.int64)  # hash table: (key, child) rows
         self.shards = np.zeros((num_shards, 4), dtype=np.int64)
         for s in range(num_shards):
             _resize_shard(self.table, self.shards, s, s * self.shard_rows, first, room)
+        self.spare = num_shards * self.shard_rows  # base of the slot no shard uses
+        self._spare_rows = 0  # rows of the spare slot written (committed) so far
+        # the shard doubling into the spare slot: (shard, new size, new rows cleared, old rows rehashed)
+        self._doubling: tuple[int, int, int, int] | None = None
         self.pool = _reserve(node_rows, (), np.int32)
         self.pool_cap = 256
         self.seqs = np.zeros((num_streams, 3), dtype=np.int64)
@@ -879,12 +908,20 @@ class SuffixTrie:
 
     def insert(self, seq: int, end: int, active: np.ndarray, n_active: np.ndarray) -> None:
         """Inserts stream ``seq``'s written tokens up to position ``end``
-        (as ``append``). Between two calls the trie is the one of the
-        tokens inserted so far, drafts may read it: the clock follows them."""
-        while append_tokens(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
-                            self.seqs, seq, ROOT, end, active, n_active, self.max_depth) < end:
+        (as ``append``), growing at once when needed."""
+        while self.insert_some(seq, end, active, n_active) < end:
             self.grow()
-        self.clock = max(self.clock, int(self.seqs[seq, S_TIME] + self.seqs[seq, S_LEN]))
+
+    def insert_some(self, seq: int, end: int, active: np.ndarray, n_active: np.ndarray) -> int:
+        """Inserts stream ``seq``'s written tokens up to position ``end``, or
+        fewer if the trie needs growth first (``needs_growth``); returns how
+        many of its tokens are inserted. Between two calls the trie is the
+        one of the tokens inserted so far, drafts may read it: the clock
+        follows them."""
+        done = int(append_tokens(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
+                                 self.seqs, seq, ROOT, end, active, n_active, self.max_depth))
+        self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + done)
+        return done
 
     def remove(self, seq: int) -> None:
         remove_stream(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
@@ -912,33 +949,72 @@ class SuffixTrie:
         self.pool_end = len(packed)
 
     # -- capacity
+    def needs_growth(self) -> bool:
+        """Inserts stop until grown: the node rows might run out, or a hash
+        shard is tight (also while it doubles: no write may come before
+        the doubling is done)."""
+        return bool(self.hdr[H_USED] + self.max_depth + 2 > len(self.nodes) or self.hdr[H_TIGHT] > 0)
+
     def grow(self) -> None:
-        """Makes room for max_depth + 2 more nodes and their hash keys: node
-        rows and stamps past their reservation move to one twice as large;
-        each tight hash shard doubles in place (past R rows, every shard
-        moves to a reservation of 2R rows a shard first)."""
+        """All the growth needed now, at once (see grow_step)."""
+        while self.grow_step():
+            pass
+
+    def grow_step(self) -> bool:
+        """A step of growth towards room for max_depth + 2 more nodes and
+        their hash keys; True while some is left. Node rows and stamps past
+        their reservation move to one twice as large in one step; a tight
+        hash shard doubles in steps of REHASH_CHUNK rows (past R rows, every
+        shard moves to a reservation of 2R rows a shard first, in its first)."""
         room, used = self.max_depth + 2, int(self.hdr[H_USED])
         if used + room > len(self.nodes):
             rows = max(2 * len(self.nodes), used + room)
             self.nodes, self.stamps = _moved(self.nodes, rows, used, True), _moved(self.stamps, rows, used, True)
-        shards = self.shards
-        while (tight := np.flatnonzero(shards[:, T_KEYS] > shards[:, T_LIMIT])).size:
-            for s in tight.tolist():
-                size = 2 * int(shards[s, T_SIZE])
-                if size > self.shard_rows:
-                    self._spread_shards(2 * self.shard_rows)
-                _resize_shard(self.table, shards, s, s * self.shard_rows, size, room)
-        self.hdr[H_TIGHT] = 0
+        elif self._doubling is not None:
+            self._double_some()
+        elif (tight := np.flatnonzero(self.shards[:, T_KEYS] > self.shards[:, T_LIMIT])).size:
+            s = int(tight[0])
+            size = 2 * int(self.shards[s, T_SIZE])
+            if size > self.shard_rows:
+                self._spread_shards(2 * self.shard_rows)
+            self._doubling = (s, size, 0, 0)
+            self._double_some()
+        return self.needs_growth()
+
+    def _double_some(self) -> None:
+        """Clears 2 * REHASH_CHUNK more rows of the doubling shard's new
+        rows (in the spare slot), or rehashes REHASH_CHUNK more of its old
+        ones; after the last, the shard takes the spare slot."""
+        assert self._doubling is not None
+        s, size, cleared, moved = self._doubling
+        base, old_base, old_size = self.spare, int(self.shards[s, T_BASE]), int(self.shards[s, T_SIZE])
+        if cleared < size:
+            end = min(cleared + 2 * REHASH_CHUNK, size)
+            self.table[base + cleared:base + end] = _EMPTY
+            self._doubling = (s, size, end, moved)
+            self._spare_rows = max(self._spare_rows, end)
+            return
+        end = min(moved + REHASH_CHUNK, old_size)
+        rehash(self.table, len(self.shards), self.table[old_base:old_base + old_size], moved, end, base, size)
+        self._doubling = (s, size, cleared, end)
+        if end == old_size:  # done: the shard moves to its new rows at once
+            limit = _limit(s, len(self.shards), size, self.max_depth + 2)
+            self.shards[s, T_BASE], self.shards[s, T_SIZE], self.shards[s, T_LIMIT] = base, size, limit
+            self.spare, self._spare_rows, self._doubling = old_base, old_size, None
+            self.hdr[H_TIGHT] = int((self.shards[:, T_KEYS] > self.shards[:, T_LIMIT]).sum())
 
     def _spread_shards(self, shard_rows: int) -> None:
-        """Moves the hash shards to a reservation of shard_rows rows a shard
-        (a shard's rows keep their order: homes depend on its size only)."""
-        table = _reserve(len(self.shards) * shard_rows, (2,), np.int64)
-        for s in range(len(self.shards)):
+        """Moves the hash shards to a reservation of shard_rows rows a shard,
+        shard s to slot s, the spare slot last (a shard's rows keep their
+        order: homes depend on its size only)."""
+        num_shards = len(self.shards)
+        table = _reserve((num_shards + 1) * shard_rows, (2,), np.int64)
+        for s in range(num_shards):
             at, size = int(self.shards[s, T_BASE]), int(self.shards[s, T_SIZE])
             table[s * shard_rows:s * shard_rows + size] = self.table[at:at + size]
             self.shards[s, T_BASE] = s * shard_rows
-        self.table, self.shard_rows = table, shard_rows
+        self.table, self.shard_rows, self.spare = table, shard_rows, num_shards * shard_rows
+        self._spare_rows = 0
 
     def live_nodes(self) -> int:
         return int(self.hdr[H_LIVE])
@@ -946,8 +1022,9 @@ class SuffixTrie:
     def nbytes(self) -> int:
         """Bytes of the rows in use (the reservations' committed part)."""
         used = int(self.hdr[H_USED])
-        return (used * (self.nodes[:1].nbytes + self.stamps.itemsize) + int(self.shards[:, T_SIZE].sum())
-                * self.table[:1].nbytes + self.pool_cap * self.pool.itemsize
+        table_rows = int(self.shards[:, T_SIZE].sum()) + self._spare_rows
+        return (used * (self.nodes[:1].nbytes + self.stamps.itemsize) + table_rows * self.table[:1].nbytes
+                + self.pool_cap * self.pool.itemsize
                 + sum(a.nbytes for a in (self.seqs, self.hdr, self.shards)))
 
 
@@ -1184,12 +1261,14 @@ class _GlobalCache:
     keeps stamps exact, see ``remove_stream``).
 
     Outputs wait in a queue (``queue``) and enter the trie in steps
-    (``work``): one eviction, or the next INSERT_CHUNK tokens of the output
-    being inserted. An eviction is one step (a stream half subtracted would
-    leave counts and best children inconsistent); between steps the trie is
-    valid and drafts may read it: the output being inserted is a stream of
-    its tokens inserted so far (the newest, not evicted before it is whole:
-    stamps stay exact), and ``fifo`` lists it once whole.
+    (``work``): one eviction, the next INSERT_CHUNK tokens of the output
+    being inserted (fewer when the trie must grow first), or a step of the
+    trie's growth (``SuffixTrie.grow_step``: before any other). An eviction
+    is one step (a stream half subtracted would leave counts and best
+    children inconsistent); between steps the trie is valid and drafts may
+    read it: the output being inserted is a stream of its tokens inserted
+    so far (the newest, not evicted before it is whole: stamps stay exact),
+    and ``fifo`` lists it once whole.
     """
 
     def __init__(self, max_requests: int, max_depth: int) -> None:
@@ -1234,6 +1313,9 @@ class _GlobalCache:
 
     def _step(self) -> None:
         trie = self.trie
+        if trie.needs_growth():  # first: no write may come while a shard doubles
+            trie.grow_step()
+            return
         if self._evicts_next():
             self._evict_oldest()
             return
@@ -1248,7 +1330,7 @@ class _GlobalCache:
             self.clock += len(output)
         slot = self._slot
         length = trie.pool_end - int(trie.seqs[slot, S_START])
-        trie.insert(slot, min(int(trie.seqs[slot, S_LEN]) + INSERT_CHUNK, length), self._active, self._n_active)
+        trie.insert_some(slot, min(int(trie.seqs[slot, S_LEN]) + INSERT_CHUNK, length), self._active, self._n_active)
         if trie.seqs[slot, S_LEN] == length:
             self.fifo.append(slot)
             self._slot = -1

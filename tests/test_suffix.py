@@ -410,19 +410,34 @@ def test_global_trie_grows_and_drafts_as_the_reference(reserve_bytes, monkeypatc
     _check_best_children(trie, list(props[0]._global.fifo))
 
 
-def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference(monkeypatch):
+def _held_tokens(glob) -> int:
+    """Tokens of the global trie's streams: whole outputs and the one being inserted."""
+    slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
+    return sum(int(glob.trie.seqs[s, suffix.S_LEN]) for s in slots)
+
+
+@pytest.mark.parametrize("reserve_bytes", [None, 1])
+def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference(reserve_bytes, monkeypatch):
     """A served replica's finished outputs wait for between_messages, which
-    with a budget of 0 runs one step a call (an eviction, or INSERT_CHUNK =
-    5 tokens of the output being inserted). After every step the global
+    with a budget of 0 runs one step a call: a step of the trie's growth
+    (REHASH_CHUNK = 4 rows of a doubling hash shard; small shards here, so
+    they double many times), an eviction, or at most INSERT_CHUNK = 5
+    tokens of the output being inserted. After every step the global
     trie's counts and best children are exact over the outputs in it and the
-    part inserted so far of the next; drafts, also of probes opened before
-    (their global matches are kept between calls), are the reference's over
-    those streams; at the end the newest outputs are all cached, in order."""
+    part inserted so far of the next, also with a shard half doubled; drafts,
+    also of probes opened before (their global matches are kept between
+    calls), are the reference's over those streams; at the end the newest
+    outputs are all cached, in order. With reservations of 1 byte, the
+    shards also move to larger slots (each time in a doubling's first step)."""
     monkeypatch.setattr(suffix, "INSERT_CHUNK", 5)
+    monkeypatch.setattr(suffix, "REHASH_CHUNK", 4)
+    if reserve_bytes:
+        monkeypatch.setattr(suffix, "RESERVE_BYTES", reserve_bytes)
     rng = np.random.default_rng(21)
     depth = 8
     prop = SuffixProposer(SuffixConfig(max_cached_requests=3, max_tree_depth=depth, cache_between_messages=True))
     glob, trie = prop._global, prop._global.trie
+    first_size, shard_rows = int(trie.shards[:, suffix.T_SIZE].max()), trie.shard_rows
     phrases = [rng.integers(0, 8, int(rng.integers(3, 9))) for _ in range(6)]
     outputs = [np.concatenate([phrases[i] for i in rng.integers(0, 6, 6)]).astype(np.int32) for _ in range(7)]
     for r, output in enumerate(outputs):
@@ -434,9 +449,20 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
     probes = {f"q{i}": outputs[i][3:3 + int(rng.integers(2, 6))] for i in range(1, 7)}
     for seq_id, context in probes.items():
         prop.start(seq_id, context, opts)
-    steps, checked = 0, 0
-    while prop.between_messages(budget_s=0.0):
-        steps += 1
+    kinds = {"grow": 0, "evict": 0, "insert": 0}
+    checked, half_doubled = 0, 0
+    left = True
+    while left:
+        kind = "grow" if trie.needs_growth() else "evict" if glob._evicts_next() else "insert"
+        cached, held = len(glob.fifo), _held_tokens(glob)
+        left = prop.between_messages(budget_s=0.0)
+        kinds[kind] += 1
+        if kind == "grow":  # one step a call
+            assert (len(glob.fifo), _held_tokens(glob)) == (cached, held)
+        elif kind == "evict":
+            assert len(glob.fifo) == cached - 1
+        else:
+            assert 1 <= _held_tokens(glob) - held <= 5
         slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
         streams = [trie.tokens(s).tolist() for s in slots]
         _check_trie(trie, streams)
@@ -444,15 +470,17 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
         assert trie.clock == max(int(trie.seqs[s, suffix.S_TIME]) + len(t) for s, t in zip(slots, streams))
         if not glob.fifo:  # (the global trie is searched once an output is whole in it)
             continue
+        half_doubled += trie.needs_growth()
         reference = ReferenceSuffixProposer(len(slots), depth)
         reference._cached.extend((t, int(trie.seqs[s, suffix.S_TIME])) for s, t in zip(slots, streams))
         for seq_id, context in probes.items():
             reference.start(seq_id, context, opts)
             for k in (2, 6):
-                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (steps, seq_id, k)
+                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (kinds, seq_id, k)
                 checked += 1
-    # one step a call: the 4 evictions, then every 5 tokens of each output
-    assert steps + 1 == 4 + sum(-(-len(o) // 5) for o in outputs) and checked > 100
+    assert kinds["evict"] == 4 and kinds["insert"] >= sum(-(-len(o) // 5) for o in outputs)
+    assert int(trie.shards[:, suffix.T_SIZE].min()) > first_size and half_doubled and checked > 100
+    assert (trie.shard_rows > shard_rows) == bool(reserve_bytes)
     assert prop.upkeep_progress() == (7, 7) and not prop.between_messages()
     assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-3:]]
 
