@@ -193,6 +193,7 @@ class DraftBudgets:
         self._idle_rounds: dict[str, int] = {}
         self._explore_every: dict[str, int] = {}  # idle rounds before the next exploration
         self._last_k: dict[str, int] = {}  # the K planned last (what a sequence that opens gets)
+        self._model_methods: dict[str, set[str]] = {}  # methods seen drafting with a model on the replica
         self._after_idle: dict[str, bool] = {}  # this round's plan follows one that asked for nothing
 
     def observe(self, addr: str, steps: int, seconds: float) -> None:
@@ -223,14 +224,19 @@ class DraftBudgets:
         the whole budget: a hybrid whose model does not pay drafts by copying
         only, the n-gram method's speed, instead of paying forwards for
         nothing). Their model runs in the same forwards as the others' on
-        that replica, so one K serves both. A model-and-copy sequence that
-        opens has no history of its own: it gets the replica's K (this
-        round's, else the last one planned there), so a new request on a
-        replica whose model does not pay does not run it over its prompt
-        and its whole budget (SmolLM2 and a 4-layer draft on copy prompts,
-        AMD EPYC: the opens were most of the hybrid's model forwards)."""
+        that replica, so one K serves both.
+
+        A sequence without drafts of its own yet (an open) has no history:
+        it gets the replica's K (this round's, else the last one planned
+        there) when its method is known to draft with a model there (a
+        model-and-copy method, or a method whose sequences' drafts on that
+        replica came from a model), so a new request on a replica whose
+        model does not pay does not run it over its prompt and its whole
+        budget (SmolLM2 and a 4-layer draft on copy prompts, AMD EPYC: the
+        opens were most of the hybrid's model forwards)."""
         after_idle, self._after_idle[addr] = self._idle_rounds.get(addr, 0) > 0, False
-        planned, mixed, opening = [], [], []
+        planned, mixed, opening, fresh = [], [], [], []
+        model_methods = self._model_methods.setdefault(addr, set())
         for seq in seqs:
             seq.planned_budget = seq.planned_model_steps = None
             if not seq.params.adaptive or seq.features.layers or seq.num_speculative_tokens() == 0:
@@ -239,17 +245,22 @@ class DraftBudgets:
                 (mixed if seq.proposer_len else opening).append(seq)
             elif seq.model_drafts:
                 planned.append(seq)
+                model_methods.add(seq.params.method)
+            elif seq.model_drafted is None and seq.params.method in model_methods:
+                fresh.append(seq)
         propose = self._fits.get(addr)
         if not (planned or mixed) or verify is None or propose is None:
             for seq in opening:
                 seq.planned_model_steps = self._last_k.get(addr)
+            for seq in fresh:
+                seq.planned_budget = self._last_k.get(addr)
             return
         gains = ([s.acceptance.gains(s.num_speculative_tokens()) for s in planned]
                  + [s.model_acceptance.gains(s.num_speculative_tokens()) for s in mixed])
         k = plan_draft_steps(gains, sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
         k = self._last_k[addr] = self._explored(addr, k)
         self._after_idle[addr] = after_idle
-        for seq in planned:
+        for seq in planned + fresh:
             seq.planned_budget = k
         for seq in mixed + opening:
             seq.planned_model_steps = k
@@ -275,5 +286,5 @@ class DraftBudgets:
     def forget(self, addr: str) -> None:
         """Drops a replica that discovery removed."""
         for table in (self.models, self._fits, self._idle_rounds, self._explore_every, self._last_k,
-                      self._after_idle):
+                      self._model_methods, self._after_idle):
             table.pop(addr, None)

@@ -459,6 +459,41 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     assert model.planned_budget is None
 
 
+def test_sequences_without_drafts_yet_get_the_replicas_plan_where_their_method_drafts_with_a_model():
+    """DraftBudgets: a sequence with no draft of its own yet (an open) gets
+    the replica's K (this round's, else the last one planned there) once
+    its method's sequences have drafted with a model on that replica, so it
+    does not run the model over its prompt and its whole budget where the
+    model does not pay; nothing is planned for it on another replica, for
+    a copy method, or once its own drafts turn out not to be a model's."""
+    from specdec.gateway.costs import DraftBudgets
+    from specdec.gateway.wire import sequence_update
+
+    model = Sequence("model", _params("draft", 5), _Tokenizer(), (2,), 512)
+    model.scorer_primed, model.proposer_len, model.model_drafted = True, 2, 1.0
+    for _ in range(30):  # the model's first tokens are rarely right
+        model.acceptance.record(0, 5)
+    new = Sequence("new", _params("draft", 5), _Tokenizer(), (2,), 512)
+    copying = Sequence("copying", _params("ngram", 5), _Tokenizer(), (2,), 512)
+    budgets = DraftBudgets()
+    verify = (0.020, 0.0004)
+    for steps in [1, 2, 3, 4, 5] * 4:  # 1 ms a call + 6.6 ms a draft step
+        budgets.observe("p:1", steps, 0.001 + 0.0066 * steps)
+    budgets.plan("p:1", [new, copying], verify)
+    assert new.planned_budget is None  # nothing drafted with a model on the replica yet: the whole budget
+    budgets.plan("p:1", [model, new, copying], verify)
+    assert model.planned_budget == 0 and new.planned_budget == 0 and copying.planned_budget is None
+    update = sequence_update(new, ahead=False)
+    assert update.open and update.num_speculative_tokens == 0  # opened, asked for nothing
+    budgets.plan("p:1", [new, copying], verify)  # alone: the last K planned on the replica
+    assert new.planned_budget == 0 and copying.planned_budget is None
+    budgets.plan("p:2", [new], verify)
+    assert new.planned_budget is None  # another replica knows nothing of the method
+    new.model_drafted = 0.0  # its drafts came from a copy after all
+    budgets.plan("p:1", [model, new], verify)
+    assert new.planned_budget is None
+
+
 def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
     """DraftBudgets on a model-and-copy method (draft_hybrid): its whole
     budget stays for its copies (planned_budget None, num_speculative_tokens
