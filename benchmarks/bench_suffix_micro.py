@@ -32,7 +32,7 @@ left; a copy without budgets: one ``between_messages()`` a round), each call
 timed: its longest is what a message arriving during upkeep may wait (the
 rest of one slice), against the whole round's upkeep before. The calls are
 also told apart by what they did: a hash shard's doubling (or a step of
-one), an eviction (always a call's first step), or only inserts.
+one), an eviction (or a step of one), or only inserts.
 
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
@@ -240,24 +240,25 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _cache_state(glob) -> tuple[np.ndarray, bool, int | None]:
-    """(hash shard sizes, a doubling under way, the oldest output's slot) of
-    a _GlobalCache (a copy that doubles shards at once has no ``_doubling``)."""
+def _cache_state(glob) -> tuple[np.ndarray, bool, tuple[int | None, int]]:
+    """(hash shard sizes, a doubling under way, (the oldest output's slot,
+    its tokens evicted)) of a _GlobalCache (a copy that doubles shards or
+    evicts at once has no ``_doubling`` or ``evicted``)."""
     from specdec.proposer_svc.suffix import T_SIZE
 
     return (glob.trie.shards[:, T_SIZE].copy(), getattr(glob.trie, "_doubling", None) is not None,
-            glob.fifo[0] if glob.fifo else None)
+            (glob.fifo[0] if glob.fifo else None, getattr(glob, "evicted", 0)))
 
 
-def _call_kind(glob, before: tuple[np.ndarray, bool, int | None]) -> str:
+def _call_kind(glob, before: tuple[np.ndarray, bool, tuple[int | None, int]]) -> str:
     """What a between_messages call did, from _cache_state before and after
     it: "double" (a hash shard doubled, or a step of a doubling), "evict"
-    (the oldest output left), or "insert" (only inserts)."""
+    (the oldest output left, or a step of that), or "insert" (only inserts)."""
     sizes, doubling, oldest = before
     after_sizes, after_doubling, after_oldest = _cache_state(glob)
     if doubling or after_doubling or (after_sizes != sizes).any():
         return "double"
-    return "evict" if oldest is not None and after_oldest != oldest else "insert"
+    return "evict" if oldest[0] is not None and after_oldest != oldest else "insert"
 
 
 def run_upkeep(outputs: np.ndarray, served: bool) -> dict[str, list]:

@@ -394,37 +394,44 @@ def _settle(nodes, stamps, unsettled):
 
 
 @njit(cache=True)
-def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, max_depth):
-    """Subtracts every occurrence in stream ``seq`` (fully inserted) and frees
-    the nodes left with count 0, bumping their rows' generation (GEN; see
-    follow_global). Stamps stay valid as long as the removed
-    stream is the oldest one (FIFO eviction): the latest occurrence of any
-    surviving node lies in a newer stream.
+def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, stop, max_depth):
+    """Subtracts the occurrences in stream ``seq`` (fully inserted) that
+    start at positions first..stop - 1, those before first subtracted
+    already, and frees the nodes left with count 0, bumping their rows'
+    generation (GEN; see follow_global). The trie is then the one of the
+    stream's tokens from stop on (and of the other streams). Stamps stay
+    valid as long as the removed occurrences are the oldest ones (FIFO
+    eviction, from the stream's start): the latest occurrence of any
+    surviving node lies later in the stream or in a newer one.
 
     The occurrences are visited as append_tokens inserted them, token by
-    token: the active nodes (explicit, depth < max_depth) matching the
-    suffixes of the stream so far, each stepped by the next token. A step
+    token from first: the active nodes (explicit, depth < max_depth)
+    matching the suffixes of the stream so far that start before stop, each
+    stepped by the next token (past stop, until none is left). A step
     does not depend on the others of its token, so their cache misses
     overlap (one walk from the root per suffix would wait for each level).
     Decrements commute, and a node reaches count 0 only at the visit of its
     last occurrence, so the order changes nothing.
 
-    Best children are settled once, after the whole stream (``_settle``):
-    nodes with thousands of children lose occurrences of their best child
-    many times a stream. A node whose best child c lost an occurrence is
+    Best children are settled once, at the end (``_settle``): nodes with
+    thousands of children lose occurrences of their best child many times
+    a stream. A node whose count reaches 0 has no occurrence left, nor has
+    any node below it: all are freed by the end. A node whose best child c lost an occurrence is
     listed in unsettled once, its BEST then _lost(c) (still tried first by
     _find_child), or _STALE once c is freed; the root is never listed (see
     the module invariants).
     """
     start, n = seqs[seq, S_START], seqs[seq, S_LEN]
-    unsettled = np.empty(n * max_depth, dtype=np.int32)
+    unsettled = np.empty((min(stop + max_depth, n) - first) * max_depth, dtype=np.int32)
     n_unsettled = 0
     active, scratch = np.empty(max_depth + 1, dtype=np.int32), np.empty(max_depth + 1, dtype=np.int32)
     n_active = 0
-    for i in range(n):
+    for i in range(first, n):
+        if i >= stop and n_active == 0:  # the occurrences started before stop are all visited
+            break
         tok = pool[start + i]
         num = 0
-        for j in range(-1, n_active):
+        for j in range(-1 if i < stop else 0, n_active):  # the root only where an occurrence starts
             node = ROOT if j < 0 else active[j]
             c = _find_child(nodes, table, shards, node, tok)
             # one occurrence less (written out, as in append_tokens); a leaf: this very one
@@ -450,7 +457,6 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, max_depth)
         active[:num] = scratch[:num]
         n_active = num
     _settle(nodes, stamps, unsettled[:n_unsettled])
-    seqs[seq, S_LEN] = 0
 
 
 # -------------------------------------------------------------- speculation
@@ -782,6 +788,10 @@ RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 
 #: 0.8) at depth 64 with 1000 cached outputs of 512 tokens of stdlib text,
 #: AMD EPYC
 INSERT_CHUNK = 32
+#: tokens of the oldest output whose occurrences leave the global trie in
+#: one step of its eviction (_GlobalCache.work): an output's whole took 0.9
+#: ms (mean), 2.6 (p99), up to 4.7 as one step (bench_suffix_micro.py --upkeep)
+EVICT_CHUNK = 64
 #: hash shards of the global trie: a shard's growth rehashes 1/TABLE_SHARDS
 #: of the keys (about 130k at 2M nodes). (B=256 rounds in-process, same
 #: run: 10-20% slower with 64 shards than with 1 or 16.)
@@ -923,9 +933,14 @@ class SuffixTrie:
         self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + done)
         return done
 
-    def remove(self, seq: int) -> None:
+    def remove(self, seq: int, first: int, stop: int) -> None:
+        """Removes stream ``seq``'s occurrences starting at first..stop - 1
+        (those before removed already; see remove_stream); the stream is
+        empty once stop is its length."""
         remove_stream(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
-                      self.seqs, seq, self.max_depth)
+                      self.seqs, seq, first, stop, self.max_depth)
+        if stop == self.seqs[seq, S_LEN]:
+            self.seqs[seq, S_LEN] = 0
 
     def tokens(self, seq: int) -> np.ndarray:
         """Stream ``seq``'s inserted tokens (a view, int32 [n])."""
@@ -1261,14 +1276,16 @@ class _GlobalCache:
     keeps stamps exact, see ``remove_stream``).
 
     Outputs wait in a queue (``queue``) and enter the trie in steps
-    (``work``): one eviction, the next INSERT_CHUNK tokens of the output
-    being inserted (fewer when the trie must grow first), or a step of the
-    trie's growth (``SuffixTrie.grow_step``: before any other). An eviction
-    is one step (a stream half subtracted would leave counts and best
-    children inconsistent); between steps the trie is valid and drafts may
-    read it: the output being inserted is a stream of its tokens inserted
-    so far (the newest, not evicted before it is whole: stamps stay exact),
-    and ``fifo`` lists it once whole.
+    (``work``): the occurrences of the oldest output that start in its
+    next EVICT_CHUNK tokens leave (an eviction, in steps), the next
+    INSERT_CHUNK tokens of the output being inserted enter (fewer when the
+    trie must grow first), or a step of the trie's growth
+    (``SuffixTrie.grow_step``: before any other). Between steps the trie is
+    valid and drafts may read it: the oldest output being evicted is a
+    stream of its tokens not yet evicted (a suffix of it: its evicted
+    occurrences were the oldest, stamps stay exact), the output being
+    inserted a stream of its tokens inserted so far (the newest, not
+    evicted before it is whole), and ``fifo`` lists it once whole.
     """
 
     def __init__(self, max_requests: int, max_depth: int) -> None:
@@ -1280,6 +1297,7 @@ class _GlobalCache:
         self.waiting: deque[np.ndarray] = deque()  # outputs queued, not yet being inserted, oldest first
         self.queued = 0  # outputs ever queued
         self.done = 0  # of those, the ones whole in the trie (in queue order)
+        self.evicted = 0  # tokens of the oldest output (fifo[0]) whose occurrences have left the trie
         self._slot = -1  # stream slot of the output being inserted (-1: none)
         self._active = np.zeros(max_depth + 1, dtype=np.int32)  # that stream's active nodes
         self._n_active = np.zeros(1, dtype=np.int64)
@@ -1296,16 +1314,12 @@ class _GlobalCache:
     def work(self, deadline: float | None) -> bool:
         """Steps until every queued output is in the trie, or (deadline not
         None) until time.perf_counter() passes deadline; True while some are
-        left. At least one step; an eviction (the longest kind: 0.9 ms mean,
-        2.3 ms p99 at depth 64 with 1000 cached outputs of 512 tokens of
-        stdlib text, AMD EPYC) only as the first, so that a call overruns
-        its deadline by at most one insert step, or lasts one eviction."""
-        first = True
+        left. At least one step: a call overruns its deadline by at most one
+        (each is bounded: see the class)."""
         while self.done < self.queued:
-            if not first and deadline is not None and (time.perf_counter() >= deadline or self._evicts_next()):
-                break
             self._step()
-            first = False
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
         return self.done < self.queued
 
     def _evicts_next(self) -> bool:
@@ -1317,7 +1331,7 @@ class _GlobalCache:
             trie.grow_step()
             return
         if self._evicts_next():
-            self._evict_oldest()
+            self._evict_some()
             return
         if self._slot < 0:
             output = self.waiting.popleft()
@@ -1336,10 +1350,18 @@ class _GlobalCache:
             self._slot = -1
             self.done += 1
 
-    def _evict_oldest(self) -> None:
-        slot = self.fifo.popleft()
-        self.trie.remove(slot)
-        self.free_slots.append(slot)
+    def _evict_some(self) -> None:
+        """The oldest output's occurrences starting in its next EVICT_CHUNK
+        tokens leave the trie; once none is left, its slot is free."""
+        slot = self.fifo[0]
+        length = int(self.trie.seqs[slot, S_LEN])
+        stop = min(self.evicted + EVICT_CHUNK, length)
+        self.trie.remove(slot, self.evicted, stop)
+        self.evicted = stop
+        if stop == length:
+            self.fifo.popleft()
+            self.free_slots.append(slot)
+            self.evicted = 0
 
 
 class SuffixProposer(Proposer):
@@ -1425,7 +1447,8 @@ class SuffixProposer(Proposer):
 
     def between_messages(self, budget_s=None):
         """Puts finished outputs into the global trie (evicting the oldest), in
-        steps of at most INSERT_CHUNK tokens or one eviction."""
+        steps of at most INSERT_CHUNK tokens inserted or EVICT_CHUNK evicted,
+        or of the trie's growth (see _GlobalCache)."""
         glob = self._global
         if glob is None:
             return False
@@ -1460,7 +1483,7 @@ def _warm_up() -> None:
         trie.open_stream(seq, 0, 6)
         n_active[0] = 0
         trie.append(seq, np.array([1, 2, 1, 2, 3, 1], dtype=np.int32), active, n_active)
-    trie.remove(0)
+    trie.remove(0, 0, 6)
     trie.grow()
     arena = RequestArena(4)
     slot = arena.open(np.array([1, 2, 1, 2, 3], dtype=np.int32), 4, SeqOptions(max_tree_depth=4))

@@ -313,14 +313,19 @@ def test_trie_counts_exact_after_inserts_and_fifo_evictions():
         for slot, stream in zip(cache.fifo, kept):
             assert cache.trie.tokens(slot).tolist() == stream
     while cache.fifo:  # evicting everything frees every node
-        cache._evict_oldest()
+        cache._evict_some()
     assert cache.trie.live_nodes() == 1 and int(cache.trie.shards[:, suffix.T_KEYS].sum()) == 0
 
 
-def _check_best_children(trie: SuffixTrie, slots: list[int]):
+def _slot_streams(trie: SuffixTrie, slots: list[int]) -> list[tuple[list[int], int]]:
+    """The streams in slots, as (tokens, time base)."""
+    return [(trie.tokens(s).tolist(), int(trie.seqs[s, suffix.S_TIME])) for s in slots]
+
+
+def _check_best_children(trie: SuffixTrie, streams: list[tuple[list[int], int]]):
     """Every explicit node but the root (see the module invariants) has the
-    reference's best child: the most frequent, ties to the most recent."""
-    streams = [(trie.tokens(s).tolist(), int(trie.seqs[s, suffix.S_TIME])) for s in slots]
+    reference's best child over streams ((tokens, time base) each): the
+    most frequent, ties to the most recent."""
     stack = [([], build_tree(streams, trie.max_depth))]
     checked = 0
     while stack:
@@ -351,7 +356,7 @@ def test_best_children_exact_after_many_fifo_evictions():
         cache.add(np.concatenate(parts).astype(np.int32))
         slots = list(cache.fifo)
         _check_trie(cache.trie, [cache.trie.tokens(s).tolist() for s in slots])
-        checked += _check_best_children(cache.trie, slots)
+        checked += _check_best_children(cache.trie, _slot_streams(cache.trie, slots))
     assert checked > 1000
 
 
@@ -407,13 +412,22 @@ def test_global_trie_grows_and_drafts_as_the_reference(reserve_bytes, monkeypatc
     if reserve_bytes:
         assert len(trie.nodes) > rows and trie.shard_rows > shard_rows
     _check_trie(trie, [trie.tokens(s).tolist() for s in props[0]._global.fifo])
-    _check_best_children(trie, list(props[0]._global.fifo))
+    _check_best_children(trie, _slot_streams(trie, list(props[0]._global.fifo)))
+
+
+def _global_streams(glob) -> list[tuple[list[int], int]]:
+    """The global trie's streams as (tokens, time base): whole outputs, the
+    oldest without its tokens evicted so far, and the one being inserted."""
+    slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
+    streams = _slot_streams(glob.trie, slots)
+    if glob.evicted:
+        tokens, time_base = streams[0]
+        streams[0] = (tokens[glob.evicted:], time_base + glob.evicted)
+    return streams
 
 
 def _held_tokens(glob) -> int:
-    """Tokens of the global trie's streams: whole outputs and the one being inserted."""
-    slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
-    return sum(int(glob.trie.seqs[s, suffix.S_LEN]) for s in slots)
+    return sum(len(tokens) for tokens, _ in _global_streams(glob))
 
 
 @pytest.mark.parametrize("reserve_bytes", [None, 1])
@@ -421,16 +435,19 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
     """A served replica's finished outputs wait for between_messages, which
     with a budget of 0 runs one step a call: a step of the trie's growth
     (REHASH_CHUNK = 4 rows of a doubling hash shard; small shards here, so
-    they double many times), an eviction, or at most INSERT_CHUNK = 5
-    tokens of the output being inserted. After every step the global
-    trie's counts and best children are exact over the outputs in it and the
-    part inserted so far of the next, also with a shard half doubled; drafts,
+    they double many times), the occurrences starting in the next
+    EVICT_CHUNK = 3 tokens of the oldest output leaving, or at most
+    INSERT_CHUNK = 5 tokens of the output being inserted. After every step
+    the global trie's counts and best children are exact over the outputs
+    in it, the part not evicted so far of the oldest and the part inserted
+    so far of the next, also with a shard half doubled; drafts,
     also of probes opened before (their global matches are kept between
     calls), are the reference's over those streams; at the end the newest
     outputs are all cached, in order. With reservations of 1 byte, the
     shards also move to larger slots (each time in a doubling's first step)."""
     monkeypatch.setattr(suffix, "INSERT_CHUNK", 5)
     monkeypatch.setattr(suffix, "REHASH_CHUNK", 4)
+    monkeypatch.setattr(suffix, "EVICT_CHUNK", 3)
     if reserve_bytes:
         monkeypatch.setattr(suffix, "RESERVE_BYTES", reserve_bytes)
     rng = np.random.default_rng(21)
@@ -450,7 +467,7 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
     for seq_id, context in probes.items():
         prop.start(seq_id, context, opts)
     kinds = {"grow": 0, "evict": 0, "insert": 0}
-    checked, half_doubled = 0, 0
+    checked, half_doubled, half_evicted = 0, 0, 0
     left = True
     while left:
         kind = "grow" if trie.needs_growth() else "evict" if glob._evicts_next() else "insert"
@@ -460,43 +477,41 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
         if kind == "grow":  # one step a call
             assert (len(glob.fifo), _held_tokens(glob)) == (cached, held)
         elif kind == "evict":
-            assert len(glob.fifo) == cached - 1
+            assert 1 <= held - _held_tokens(glob) <= 3 and len(glob.fifo) >= cached - 1
         else:
             assert 1 <= _held_tokens(glob) - held <= 5
-        slots = list(glob.fifo) + ([glob._slot] if glob._slot >= 0 else [])
-        streams = [trie.tokens(s).tolist() for s in slots]
-        _check_trie(trie, streams)
-        _check_best_children(trie, slots)
-        assert trie.clock == max(int(trie.seqs[s, suffix.S_TIME]) + len(t) for s, t in zip(slots, streams))
+        streams = _global_streams(glob)
+        _check_trie(trie, [tokens for tokens, _ in streams])
+        _check_best_children(trie, streams)
+        assert trie.clock == max(time_base + len(tokens) for tokens, time_base in streams)
         if not glob.fifo:  # (the global trie is searched once an output is whole in it)
             continue
         half_doubled += trie.needs_growth()
-        reference = ReferenceSuffixProposer(len(slots), depth)
-        reference._cached.extend((t, int(trie.seqs[s, suffix.S_TIME])) for s, t in zip(slots, streams))
+        half_evicted += glob.evicted > 0
+        reference = ReferenceSuffixProposer(len(streams), depth)
+        reference._cached.extend(streams)
         for seq_id, context in probes.items():
             reference.start(seq_id, context, opts)
             for k in (2, 6):
                 assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (kinds, seq_id, k)
                 checked += 1
-    assert kinds["evict"] == 4 and kinds["insert"] >= sum(-(-len(o) // 5) for o in outputs)
+    assert kinds["evict"] >= sum(-(-len(o) // 3) for o in outputs[:4]) and half_evicted
+    assert kinds["insert"] >= sum(-(-len(o) // 5) for o in outputs)
     assert int(trie.shards[:, suffix.T_SIZE].min()) > first_size and half_doubled and checked > 100
     assert (trie.shard_rows > shard_rows) == bool(reserve_bytes)
     assert prop.upkeep_progress() == (7, 7) and not prop.between_messages()
     assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-3:]]
 
 
-def test_an_upkeep_call_with_time_left_stops_before_an_eviction():
-    """An eviction (the longest step) only starts a between_messages call:
-    with a budget far from spent, a call evicts, inserts the next output
-    whole and stops before the next eviction."""
+def test_an_upkeep_call_with_time_left_does_it_all():
+    """Every step is bounded (evictions too, in EVICT_CHUNK pieces): a call
+    with a budget far from spent evicts and inserts until no output waits."""
     prop = SuffixProposer(SuffixConfig(max_cached_requests=2, max_tree_depth=8, cache_between_messages=True))
     outputs = [_arr(np.arange(100 * i, 100 * i + 150) % 97) for i in range(4)]
     for r, output in enumerate(outputs):
         prop.start(f"w{r}", _arr([0]), SeqOptions())
         prop.extend(f"w{r}", output)
         prop.stop(f"w{r}", completed=True)
-    assert prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 2)  # no eviction needed yet
-    assert prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 3)
     assert not prop.between_messages(budget_s=60.0) and prop.upkeep_progress() == (4, 4)
     glob = prop._global
     assert [glob.trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[2:]]
