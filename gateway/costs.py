@@ -235,7 +235,10 @@ class DraftBudgets:
         budget (SmolLM2 and a 4-layer draft on copy prompts, AMD EPYC: the
         opens were most of the hybrid's model forwards)."""
         after_idle, self._after_idle[addr] = self._idle_rounds.get(addr, 0) > 0, False
-        planned, mixed, opening, fresh = [], [], [], []
+        planned: list[Sequence] = []
+        mixed: list[Sequence] = []
+        opening: list[Sequence] = []
+        fresh: list[Sequence] = []
         model_methods = self._model_methods.setdefault(addr, set())
         for seq in seqs:
             seq.planned_budget = seq.planned_model_steps = None
