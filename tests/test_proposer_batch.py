@@ -418,16 +418,10 @@ def test_upkeep_left_is_done_when_the_stream_ends(how):
     servicer = ProposerServicer(build_proposers(["suffix"], _settings(True)))
     servicer.upkeep.max_postponed = 100
     proposer = servicer.proposers["suffix"]
-    outputs = {f"s{i}": [100 + 10 * i + j for j in range(8)] for i in range(6)}
 
     async def drive() -> None:
         stream = InProcessStream(servicer)
-        await stream.after_idle(pb.ProposeRequest(sequences=[
-            pb.SequenceUpdate(seq_id=s, open=True, token_ids=[1], context_len=1, options=SUFFIX) for s in outputs]))
-        await stream.after_idle(pb.ProposeRequest(sequences=[
-            pb.SequenceUpdate(seq_id=s, token_ids=out, context_len=9) for s, out in outputs.items()]))
-        for seq_id in outputs:
-            await stream.queued(pb.ProposeRequest(releases=[pb.SequenceRelease(seq_id=seq_id, completed=True)]))
+        await _release_six(stream)
         assert proposer.upkeep_progress()[1] == 0
         if how == "stream end":
             await stream.end()
@@ -436,7 +430,7 @@ def test_upkeep_left_is_done_when_the_stream_ends(how):
 
     asyncio.run(drive())
     assert proposer.upkeep_progress() == (6, 6) and proposer.stats()["cached_requests"] == 6
-    for i, out in enumerate(outputs.values()):
+    for i, out in enumerate(SIX.values()):
         proposer.start(f"probe{i}", np.array([7, *out[:3]], dtype=np.int32), SeqOptions())
         assert proposer.propose([(f"probe{i}", 3)])[0].token_ids.tolist() == out[3:6]
 
@@ -514,20 +508,32 @@ PROBE_B = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", open=True, 
 ASK_PROBE = pb.ProposeRequest(sequences=[pb.SequenceUpdate(seq_id="b", context_len=4, num_speculative_tokens=3)])
 
 
+def _unforced(step_s: float) -> tuple[SlowUpkeepSuffix, ProposerServicer]:
+    """A servicer over a slow-upkeep suffix proposer whose upkeep is never forced (no overdue bound)."""
+    proposer = SlowUpkeepSuffix(step_s=step_s)
+    servicer = ProposerServicer({"suffix": proposer})
+    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 100, float("inf")
+    return proposer, servicer
+
+
+async def _two_streams_six_released(servicer: ProposerServicer) -> tuple[InProcessStream, InProcessStream]:
+    """Two open streams: an idle one, and one that has released SIX's outputs."""
+    other, stream = InProcessStream(servicer), InProcessStream(servicer)
+    await other.after_idle(pb.ProposeRequest())
+    await _release_six(stream)
+    return other, stream
+
+
 @pytest.mark.parametrize("how", ["stream end", "stream closed"])
 def test_upkeep_left_by_a_stream_waits_for_the_other_streams_messages(how):
     """A stream that ends with upkeep left, while another stream is open,
     leaves it to slices (upkeep is replica-wide): a message on the other
     stream is answered before it is all done, and it is all done
     afterwards, the other stream still open."""
-    proposer = SlowUpkeepSuffix(step_s=0.01)
-    servicer = ProposerServicer({"suffix": proposer})
-    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 100, float("inf")
+    proposer, servicer = _unforced(step_s=0.01)
 
     async def drive() -> None:
-        other, stream = InProcessStream(servicer), InProcessStream(servicer)
-        await other.after_idle(pb.ProposeRequest())
-        await _release_six(stream)
+        other, stream = await _two_streams_six_released(servicer)
         assert proposer.upkeep_progress() == (6, 0)
         await _end(stream, how)
         assert _drafts(await other.queued(PROBE_B)) == []  # answered before s5's output is cached
@@ -542,14 +548,10 @@ def test_upkeep_left_by_a_stream_waits_for_the_other_streams_messages(how):
 def test_upkeep_left_by_a_stream_is_done_while_the_other_streams_are_idle():
     """Upkeep a stream left when it ended, another stream open, is not all
     done at its end, but in slices while the streams still open send nothing."""
-    proposer = SlowUpkeepSuffix(step_s=0.001)
-    servicer = ProposerServicer({"suffix": proposer})
-    servicer.upkeep.max_postponed, servicer.upkeep.max_delay_s = 100, float("inf")
+    proposer, servicer = _unforced(step_s=0.001)
 
     async def drive() -> None:
-        other, stream = InProcessStream(servicer), InProcessStream(servicer)
-        await other.after_idle(pb.ProposeRequest())
-        await _release_six(stream)
+        other, stream = await _two_streams_six_released(servicer)
         await stream.end()
         assert proposer.upkeep_progress() == (6, 0)  # not all at once at the end
         await _until_done(proposer)
