@@ -205,7 +205,11 @@ class DraftBudgets:
         cost of a draft step during decode-ahead, not in rounds that draft
         (on 2 cores of an AMD EPYC such calls turned the fit into ~12-16 ms
         fixed + 0 per step, against ~5 ms + 2.5 ms/step with decode-ahead
-        off: the plan then never asked for a draft)."""
+        off: the plan then never asked for a draft). Nor does the loop
+        give it a call that opened a sequence: the model runs over the whole
+        prompt there, a prefill's cost that fitted as steps had made a
+        draft step read ~6 ms (SmolLM2's 4-layer bfloat16 draft on an AMD
+        EPYC; ~2 ms in process, choosing tokens included)."""
         if self._after_idle.get(addr):
             return
         model = self.models.setdefault(addr, CostModel())

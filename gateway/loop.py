@@ -387,6 +387,7 @@ class SpecLoop:
         elapsed = time.perf_counter() - start
         drafts = {}
         model_steps = 0  # the longest model-made draft: forwards the proposer ran (copies cost none)
+        opens = False  # the call opened a sequence: its time is no draft step's (DraftBudgets.observe)
         for seq, answer in answers:
             seq.stats.propose_s += elapsed
             if answer is None:
@@ -394,6 +395,7 @@ class SpecLoop:
                 continue
             if seq.proposer_len == 0:  # the answer to an open declares the features it drafts from
                 seq.proposer_opened(*answer.features)
+                opens = True
             seq.proposer_len = len(seq.tokens)
             drafting_ahead = ahead and seq.may_draft_ahead
             draft = self._checked(seq, answer.draft, seq.propose_budget(drafting_ahead))
@@ -409,7 +411,8 @@ class SpecLoop:
                 self._ahead[seq.seq_id] = (len(seq.tokens), draft)
                 draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
-        self.budgets.observe(addr, model_steps, elapsed)
+        if not opens:
+            self.budgets.observe(addr, model_steps, elapsed)
         return drafts
 
     def _nothing_to_ask(self, addr: str, seqs: list[Sequence]) -> bool:

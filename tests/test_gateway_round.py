@@ -494,6 +494,43 @@ def test_sequences_without_drafts_yet_get_the_replicas_plan_where_their_method_d
     assert new.planned_budget is None
 
 
+class _ModelDraftsProposer:
+    """A proposer stream answering every sequence with a 2-token draft that
+    carries its sparse q (a model's), every round column with a 2-token copy."""
+
+    async def exchange(self, request, timeout=None):
+        q = pb.SparseProbs(token_ids=[9], probs=[1.0])
+        n = len(request.round.seq_ids)
+        return pb.ProposeResponse(
+            drafts=[pb.Draft(seq_id=u.seq_id, token_ids=[9, 9], probs=[q, q]) for u in request.sequences],
+            round=pb.RoundDrafts(draft_counts=[2] * n, token_ids=[9] * (2 * n)))
+
+
+def test_a_propose_call_that_opens_a_sequence_leaves_the_draft_fit_alone():
+    """The loop gives DraftBudgets.observe no call that opened a sequence
+    (the model ran over the whole prompt: a prefill, not draft steps); the
+    calls of the rounds after it are observed with their longest model draft."""
+    scorer = _ScriptedScorer([(pb.SEQUENCE_STATUS_OK, [9, 9, 7])] * 3)
+    observed: list[int] = []
+
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"draft": ReplicaSet("proposer", ["p:1"])}, vocab_size=100,
+                        config=LoopConfig(stall_sleep_s=0.0))
+        loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+        loop.conns.proposer_stream = lambda addr: _ModelDraftsProposer()  # type: ignore[method-assign]
+        loop.budgets.observe = lambda addr, steps, seconds: observed.append(steps)  # type: ignore[method-assign]
+        seq = Sequence("r", _params("draft", 2, adaptive=False), _Tokenizer(), (2,), 512)
+        loop.submit(seq)
+        await loop._round()
+        assert seq.proposer_len and observed == []  # opened: not observed
+        for _ in range(2):
+            await loop._round()
+        return seq
+
+    seq = asyncio.run(run())
+    assert observed == [2, 2] and seq.tokens[len(PROMPT):] == [9, 9, 7] * 3
+
+
 def test_a_hybrids_model_steps_are_planned_apart_from_its_copies():
     """DraftBudgets on a model-and-copy method (draft_hybrid): its whole
     budget stays for its copies (planned_budget None, num_speculative_tokens
