@@ -11,7 +11,12 @@ Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR [--eagle3 HEAD] \\
         [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--overlap ahead] [--draft-threads N] \\
-        [--vllm-python PY] [--out bench_results/draft.json]
+        [--repeats 3] [--vllm-python PY] [--out bench_results/draft.json]
+
+--repeats N runs the single-stream rows N times, all methods in turns each
+time (on a shared 2-core machine adjacent runs differ by 10 % and more):
+each row reports its median run and lists every run's tokens/s; the mixed
+set adds up each method's median runs.
 
 The draft must share the target's tokenizer (e.g. made by `specdec distill`).
 With --eagle3 (an EAGLE-3 head for the target, e.g. `specdec distill --kind
@@ -173,8 +178,12 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
                                                         "draft-model speculation (target given as --vllm-target)")
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="single-stream rows: runs of all methods in turns; each row reports its median run")
     ap.add_argument("--out", default="bench_results/draft.json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     if not args.draft and not args.eagle3:
         ap.error("give --draft DIR, --eagle3 HEAD or both")
     single = [(m, length) for m, length in SINGLE if args.draft or m not in MODEL_METHODS]
@@ -202,17 +211,24 @@ def main() -> None:
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
                extra_gateway_args=["--overlap", args.overlap],
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
+        runs: dict[str, list[dict]] = {}
+        for repeat in range(args.repeats):
+            for wl, prompts in workloads.items():
+                plain = None
+                for method, length in single:
+                    r = run_single(stack.gateway_addr, prompts, method, args.k, args.max_tokens, length)
+                    ids = {n: p["token_ids"] for n, p in r["per_prompt"].items()}
+                    plain = plain or ids
+                    r["identical_to_plain"] = ids == plain
+                    r.update(timings(r))
+                    r["prompt_tokens"] = sum(map(len, prompts.values()))
+                    runs.setdefault(f"{wl}/{r['method']}", []).append(r)
+                    print(f"  run {repeat + 1}/{args.repeats} {wl}/{r['method']}: {r['tok_s']:.1f} tok/s", flush=True)
+        for key, rows in runs.items():
+            ordered = sorted(rows, key=lambda r: r["tok_s"])
+            results["single"][key] = {**ordered[len(ordered) // 2], "runs_tok_s": [r["tok_s"] for r in rows],
+                                      "identical_to_plain": all(r["identical_to_plain"] for r in rows)}
         for wl, prompts in workloads.items():
-            plain = None
-            for method, length in single:
-                r = run_single(stack.gateway_addr, prompts, method, args.k, args.max_tokens, length)
-                ids = {n: p["token_ids"] for n, p in r["per_prompt"].items()}
-                plain = plain or ids
-                r["identical_to_plain"] = ids == plain
-                r.update(timings(r))
-                r["prompt_tokens"] = sum(map(len, prompts.values()))
-                results["single"][f"{wl}/{r['method']}"] = r
-                print(f"  {wl}/{r['method']}: {r['tok_s']:.1f} tok/s", flush=True)
             for method in concurrent if args.streams > 0 else ():
                 r = run_concurrent(stack.gateway_addr, list(prompts.values()), args.streams, method, args.k,
                                    args.max_tokens)
@@ -247,7 +263,8 @@ def report(results: dict) -> None:
         per_prompt_tok = r.get("feature_bytes", 0) / max(r["prompt_tokens"] + r["tokens"], 1)
         print(f"{key:26} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['mean_accepted_length']:7.2f} {step} "
               f"{r['ms_per_propose']:7.1f} {r['ms_per_verify']:9.1f} {r['feature_bytes_per_round']:12,.0f} "
-              f"{per_prompt_tok:17,.0f} {r['identical_to_plain']}")
+              f"{per_prompt_tok:17,.0f} {r['identical_to_plain']}"
+              + (f"  runs {' '.join(f'{t:.1f}' for t in r['runs_tok_s'])}" if len(r["runs_tok_s"]) > 1 else ""))
     print("\nboth workloads together (mixed set):")
     for method, r in results["mixed"].items():
         print(f"  {method:24} {r['tok_s']:7.1f} tok/s")
