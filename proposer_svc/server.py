@@ -36,8 +36,9 @@ LIVE_SEQUENCES = Gauge("specdec_proposer_live_sequences", "Sequences with propos
 BATCH_SECONDS = Histogram("specdec_proposer_batch_seconds", "Compute time per Propose message")
 MESSAGE_WAIT_SECONDS = Histogram(
     "specdec_proposer_message_wait_seconds",
-    "Time a Propose message waits from its arrival (its read completed) until it is handled: behind upkeep "
-    "or other streams' messages",
+    "Time a Propose message waits from its delivery by the event loop (its read completed) until it is "
+    "handled: behind upkeep slices and other streams' turns; a wait while the loop runs one step (an upkeep "
+    "step, another message) ends before delivery and is not seen",
     buckets=(5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, float("inf")))
 PROPOSER_STATE = Gauge("specdec_proposer_state", "Proposer gauges: memory_bytes, tree_nodes, "
                        "cached_requests, live_sequences", ["method", "key"])
