@@ -32,7 +32,8 @@ left; a copy without budgets: one ``between_messages()`` a round), each call
 timed: its longest is what a message arriving during upkeep may wait (the
 rest of one slice), against the whole round's upkeep before. The calls are
 also told apart by what they did: a hash shard's doubling (or a step of
-one), an eviction (or a step of one), or only inserts.
+one), a compaction of the pool (or a step of one), an eviction (or a step
+of one), or only inserts.
 
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
@@ -240,24 +241,47 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _cache_state(glob) -> tuple[np.ndarray, bool, tuple[int | None, int]]:
-    """(hash shard sizes, a doubling under way, (the oldest output's slot,
-    its tokens evicted)) of a _GlobalCache (a copy that doubles shards or
-    evicts at once has no ``_doubling`` or ``evicted``)."""
-    from specdec.proposer_svc.suffix import T_SIZE
+CacheState = tuple[np.ndarray, bool, bool, np.ndarray, tuple[int | None, int]]
 
+
+def _cache_state(glob) -> CacheState:
+    """(hash shard sizes, a doubling under way, a compaction under way,
+    (slot, time base, start) of each cached output, (the oldest output's
+    slot, its tokens evicted)) of a _GlobalCache (a copy that doubles
+    shards, compacts or evicts at once has no ``_doubling``,
+    ``_compaction`` or ``evicted``)."""
+    from specdec.proposer_svc.suffix import S_START, S_TIME, T_SIZE
+
+    slots = np.fromiter(glob.fifo, dtype=np.int64, count=len(glob.fifo))
+    cached = np.stack([slots, glob.trie.seqs[slots, S_TIME], glob.trie.seqs[slots, S_START]])
     return (glob.trie.shards[:, T_SIZE].copy(), getattr(glob.trie, "_doubling", None) is not None,
+            getattr(glob.trie, "_compaction", None) is not None, cached,
             (glob.fifo[0] if glob.fifo else None, getattr(glob, "evicted", 0)))
 
 
-def _call_kind(glob, before: tuple[np.ndarray, bool, tuple[int | None, int]]) -> str:
+def _moved_any(glob, cached: np.ndarray) -> bool:
+    """Whether an output of cached ((slot, time base, start) columns, as
+    _cache_state) is still in its slot at another start: the pool was
+    compacted."""
+    from specdec.proposer_svc.suffix import S_START, S_TIME
+
+    slots, times, starts = cached
+    seqs = glob.trie.seqs
+    return bool(((seqs[slots, S_TIME] == times) & (seqs[slots, S_START] != starts)).any())
+
+
+def _call_kind(glob, before: CacheState) -> str:
     """What a between_messages call did, from _cache_state before and after
-    it: "double" (a hash shard doubled, or a step of a doubling), "evict"
-    (the oldest output left, or a step of that), or "insert" (only inserts)."""
-    sizes, doubling, oldest = before
-    after_sizes, after_doubling, after_oldest = _cache_state(glob)
+    it, the first that holds of: "double" (a hash shard doubled, or a step
+    of a doubling), "compact" (outputs moved in the pool, or a step of a
+    compaction), "evict" (the oldest output left, or a step of that), or
+    "insert" (only inserts)."""
+    sizes, doubling, compacting, cached, oldest = before
+    after_sizes, after_doubling, after_compacting, _, after_oldest = _cache_state(glob)
     if doubling or after_doubling or (after_sizes != sizes).any():
         return "double"
+    if compacting or after_compacting or _moved_any(glob, cached):
+        return "compact"
     return "evict" if oldest[0] is not None and after_oldest != oldest else "insert"
 
 
@@ -303,7 +327,7 @@ def _upkeep_driver(in_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"stops": run_upkeep(outputs, False), "served": run_upkeep(outputs, True)}))
 
 
-CALL_KINDS = ("insert", "evict", "double")
+CALL_KINDS = ("insert", "evict", "double", "compact")
 
 
 def _by_kind(calls: np.ndarray, kinds: list[str]) -> dict[str, dict]:

@@ -378,6 +378,40 @@ def test_trie_growth_keeps_counts():
     assert live <= 1 + explicit + len(stream)  # root + repeated substrings + leaves
 
 
+def test_compaction_leaves_streams_before_the_first_gap_in_place(monkeypatch):
+    """A compaction with nothing to reclaim moves no stream and grows the
+    pool for the room asked; after a stream in the middle is removed, the
+    stream before it stays, those after move down one a step (COMPACT_CHUNK
+    = 4 tokens, each stream longer), the first onto a place overlapping its
+    old one. After every step each stream reads back at its start and the
+    counts are exact; the used part ends after the last."""
+    monkeypatch.setattr(suffix, "COMPACT_CHUNK", 4)
+    rng = np.random.default_rng(8)
+    trie = SuffixTrie(max_depth=4, num_streams=4)
+    active, n_active = np.zeros(5, dtype=np.int32), np.zeros(1, dtype=np.int64)
+    streams = [rng.integers(0, 4, n).astype(np.int32) for n in (50, 40, 70, 30)]
+    for seq, tokens in enumerate(streams):
+        trie.open_stream(seq, 100 * seq, len(tokens))
+        n_active[0] = 0
+        trie.append(seq, tokens, active, n_active)
+
+    def compacted(live: list[int], extra: int) -> int:
+        steps = 0
+        trie.start_compaction(np.array(live, dtype=np.int64), extra)
+        while trie.compacting:
+            trie.compact_step()
+            steps += 1
+            assert [trie.tokens(s).tolist() for s in live] == [streams[s].tolist() for s in live]
+            _check_trie(trie, [streams[s].tolist() for s in live])
+        return steps
+
+    assert compacted([0, 1, 2, 3], 100) == 1 and trie.seqs[:, suffix.S_START].tolist() == [0, 50, 90, 160]
+    assert trie.pool_end == 190 and trie.pool_cap == 512
+    trie.remove(1, 0, 40)
+    assert compacted([0, 2, 3], 300) == 2 and trie.seqs[[0, 2, 3], suffix.S_START].tolist() == [0, 50, 120]
+    assert trie.pool_end == 150 and trie.pool_cap == 512
+
+
 @pytest.mark.parametrize("reserve_bytes", [None, 1])
 def test_global_trie_grows_and_drafts_as_the_reference(reserve_bytes, monkeypatch):
     """The global trie's hash shards (8 here) double in place one at a time
@@ -501,6 +535,67 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
     assert (trie.shard_rows > shard_rows) == bool(reserve_bytes)
     assert prop.upkeep_progress() == (7, 7) and not prop.between_messages()
     assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-3:]]
+
+
+def test_pool_compaction_in_steps_keeps_every_output_readable_and_drafts_as_the_reference(monkeypatch):
+    """When the next output does not fit in the global trie's pool (256
+    tokens at first), the cached outputs move down to its start in steps
+    (one a between_messages call with a budget of 0) of at most
+    COMPACT_CHUNK = 16 tokens or one longer output alone, each output whole,
+    some onto places overlapping their old ones, some steps moving several;
+    the last step leaves room for the next output (the pool grows once
+    here). After every step each cached output reads back whole at its
+    start, counts and best children are exact, drafts (also of probes
+    opened before) are the reference's, and no output is being inserted
+    while a compaction is under way."""
+    monkeypatch.setattr(suffix, "COMPACT_CHUNK", 16)
+    rng = np.random.default_rng(26)
+    depth = 6
+    prop = SuffixProposer(SuffixConfig(max_cached_requests=6, max_tree_depth=depth, cache_between_messages=True))
+    glob, trie = prop._global, prop._global.trie
+    phrases = [rng.integers(0, 6, int(rng.integers(2, 7))) for _ in range(5)]
+    outputs = [np.concatenate([phrases[i] for i in rng.integers(0, 5, int(rng.choice([1, 1, 2, 10, 14])))])
+               .astype(np.int32) for _ in range(24)]
+    for r, output in enumerate(outputs):
+        prop.start(f"w{r}", _arr([0]), SeqOptions())
+        prop.extend(f"w{r}", output)
+        prop.stop(f"w{r}", completed=True)
+    opts = SeqOptions(max_spec_factor=2.0, min_token_prob=0.0)
+    probes = {f"q{i}": outputs[i][1:1 + int(rng.integers(2, 6))] for i in range(4, 24, 3)}
+    for seq_id, context in probes.items():
+        prop.start(seq_id, context, opts)
+    compactions, steps, overlapping, several, checked = 0, 0, 0, 0, 0
+    left = True
+    while left:
+        compacting, starts = trie.compacting, trie.seqs[:, suffix.S_START].copy()
+        left = prop.between_messages(budget_s=0.0)
+        if compacting:  # a step of it
+            steps += 1
+            moved = [s for s in glob.fifo if trie.seqs[s, suffix.S_START] != starts[s]]
+            sizes = [int(trie.seqs[s, suffix.S_LEN]) for s in moved]
+            assert sum(sizes) <= 16 or len(moved) == 1, sizes
+            overlapping += sum(int(starts[s] - trie.seqs[s, suffix.S_START]) < n for s, n in zip(moved, sizes))
+            several += len(moved) > 1
+        else:
+            compactions += trie.compacting  # (a step that starts one moves nothing)
+        assert not trie.compacting or glob._slot < 0
+        cached = outputs[glob.done - len(glob.fifo):glob.done]
+        assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in cached]
+        streams = _global_streams(glob)
+        _check_trie(trie, [tokens for tokens, _ in streams])
+        _check_best_children(trie, streams)
+        if not glob.fifo:
+            continue
+        reference = ReferenceSuffixProposer(len(streams), depth)
+        reference._cached.extend(streams)
+        for seq_id, context in probes.items():
+            reference.start(seq_id, context, opts)
+            for k in (2, 6):
+                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (steps, seq_id, k)
+                checked += 1
+    assert compactions >= 3 and steps >= 2 * compactions and overlapping and several and checked > 100
+    assert trie.pool_cap == 512 and prop.upkeep_progress() == (24, 24)
+    assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-6:]]
 
 
 def test_an_upkeep_call_with_time_left_does_it_all():
