@@ -39,6 +39,7 @@ from bench_e2e import PROMPTS as OVERLAP_PROMPTS
 from bench_e2e import chat_ids, run_concurrent, run_single
 
 from specdec.launcher import Stack
+from specdec.limits import COLOCATED_DRAFT_THREADS
 from specdec.models import default_model, load_tokenizer, resolve_model
 from specdec.proposer_svc.registry import MODEL_METHODS
 
@@ -169,8 +170,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
                     help="the draft model's dtype and the eagle3 head's projection weights (default: float32)")
-    ap.add_argument("--draft-threads", type=int, default=None,
-                    help="the draft model's CPU threads (specdec proposer --draft-threads; default: its own)")
+    ap.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
+                    help="the draft model's CPU threads (specdec proposer --draft-threads; default: as specdec "
+                         "serve's, limits.COLOCATED_DRAFT_THREADS)")
     ap.add_argument("--decode-ahead", choices=["on", "off"], default="on",
                     help="the scorer's decode-ahead (specdec scorer --decode-ahead)")
     ap.add_argument("--overlap", choices=["off", "on", "always", "ahead"], default="on",
@@ -205,8 +207,7 @@ def main() -> None:
     # no global cache of finished outputs: every variant runs the same prompts, and the suffix-family ones after
     # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
-               draft_dtype=args.draft_dtype,
-               extra_draft_args=["--draft-threads", str(args.draft_threads)] if args.draft_threads else [],
+               draft_dtype=args.draft_dtype, draft_threads=args.draft_threads,
                extra_proposer_args=["--max-cached-requests", "0"],
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
                extra_gateway_args=["--overlap", args.overlap],

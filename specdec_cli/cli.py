@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, DTYPE_NAMES, ENGINE_KINDS, GEMM_CHOICES
     from specdec.gateway.admission import AdmissionConfig
     from specdec.limits import (
+        COLOCATED_DRAFT_THREADS,
         DEFAULT_DECODE_STEPS,
         DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -228,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_NAMES),
                    help="the draft model's dtype (default: --dtype) and the eagle3 head's projection weights "
                         "(default: float32); bfloat16 halves the bytes a draft step reads")
+    p.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
+                   help="the draft proposer's CPU threads (its --draft-threads): on one machine the scorer "
+                        "uses every core, and a draft on more threads waits for them (limits.py, "
+                        "COLOCATED_DRAFT_THREADS)")
     p.add_argument("--default-method", default="ngram")
     p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_DECODE_STEPS
+from specdec.limits import COLOCATED_DRAFT_THREADS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_DECODE_STEPS
 from specdec.security import ClientTls, sync_channel
 
 _handed_out: set[int] = set()  # ports free_port gave this process: never twice
@@ -221,6 +221,7 @@ class Stack:
     draft_dtype: str | None = None  # the draft model's dtype and the heads' projection weights (None: dtype)
     extra_proposer_args: list[str] = field(default_factory=list)
     extra_draft_args: list[str] = field(default_factory=list)  # the draft proposer's only, e.g. --draft-device cuda
+    draft_threads: int | None = COLOCATED_DRAFT_THREADS  # the draft proposer's --draft-threads (None: its default)
     log_dir: str | None = None  # children's output goes to files here, else inherited
     metrics: bool = False  # give every service a Prometheus port (Service.metrics())
     tls: StackTls | None = None  # None: plaintext everywhere
@@ -314,8 +315,9 @@ class Stack:
 
     def _draft_proposer_args(self, methods: list[str]) -> list[str]:
         assert self.draft_model is not None
+        threads = [] if self.draft_threads is None else ["--draft-threads", str(self.draft_threads)]
         return [*self._proposer_args(methods), "--draft-model", self.draft_model, "--target-model", self.model,
-                "--draft-dtype", self.draft_dtype or self.dtype, *self.extra_draft_args]
+                "--draft-dtype", self.draft_dtype or self.dtype, *threads, *self.extra_draft_args]
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
         try:
@@ -390,7 +392,7 @@ def serve_command(args) -> int:
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
                   draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
-                  extra_gateway_args=["--decode-steps", str(args.decode_steps)],
+                  draft_threads=args.draft_threads, extra_gateway_args=["--decode-steps", str(args.decode_steps)],
                   extra_scorer_args=["--device", args.device])
     stopping = False
 

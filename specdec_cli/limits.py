@@ -62,6 +62,18 @@ DEFAULT_DRAFT_TOP_K = 8
 #: (plain decoding for that round): at high batch the scorer's forward is
 #: compute-bound and the draft model's steps cost more than they save.
 DEFAULT_DRAFT_MAX_BATCH = 64
+#: The draft proposer's CPU threads in a stack on one machine (launcher.Stack.draft_threads,
+#: ``specdec serve --draft-threads``): the scorer there uses every core and
+#: keeps OpenMP's active wait (its forward runs hundreds of parallel regions
+#: back to back), so its threads likely still spin when the draft runs, right
+#: after a Verify, and a draft on two threads waits for a core at each of its
+#: parallel regions. SmolLM2 + a 4-layer bfloat16 draft, chat, AMD EPYC, 2
+#: cores, stacks alternating twice: the draft proposer's compute per call
+#: 3.9 / 3.7 ms at 1 thread against 5.4 / 5.3 ms at 2 for one draft token,
+#: 8.8 / 7.4 against 10.8 / 10.4 for five; draft k=5 37.3 / 41.9 tok/s against
+#: 35.4 / 35.8. A draft proposer on a machine or pod of its own keeps the
+#: engine's default.
+COLOCATED_DRAFT_THREADS = 1
 
 # Verification strategies: the numbers of the proto's VerifyStrategy (a test
 # checks that they agree), used by kernels/verify.py.

@@ -68,3 +68,27 @@ def test_a_proposer_process_lets_its_openmp_threads_sleep_unless_told_otherwise(
     assert _openmp_env_of("proposer", {}) == {"policy": "PASSIVE", "torch_before": False}
     assert _openmp_env_of("proposer", {"OMP_WAIT_POLICY": "ACTIVE"})["policy"] == "ACTIVE"
     assert _openmp_env_of("scorer", {})["policy"] is None
+
+
+def test_a_stack_on_one_machine_runs_its_draft_proposer_on_one_thread_unless_told_otherwise():
+    """COLOCATED_DRAFT_THREADS reaches the draft proposer's own parser;
+    Stack.draft_threads and serve's flag change it; None leaves the engine's
+    default (the proposer's own default, for a pod of its own)."""
+    from specdec.cli import build_parser
+    from specdec.launcher import Stack
+    from specdec.limits import COLOCATED_DRAFT_THREADS
+
+    parser = build_parser()
+
+    def threads(**kwargs) -> int | None:
+        stack = Stack(model="M", methods="ngram,draft", draft_model="D", **kwargs)
+        return parser.parse_args(stack._draft_proposer_args(["draft"])).draft_threads
+
+    assert COLOCATED_DRAFT_THREADS == 1
+    assert threads() == 1
+    assert threads(draft_threads=2) == 2
+    assert threads(draft_threads=None) is None
+    assert threads(extra_draft_args=["--draft-threads", "2"]) == 2  # a caller's own flag comes last and wins
+    assert parser.parse_args(["proposer", "--methods", "draft", "--draft-model", "D"]).draft_threads is None
+    assert parser.parse_args(["serve"]).draft_threads == 1
+    assert parser.parse_args(["serve", "--draft-threads", "2"]).draft_threads == 2
