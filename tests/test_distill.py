@@ -366,3 +366,22 @@ def test_a_reduced_head_trains_on_the_teachers_distribution_over_its_ids(stories
         logp = torch.log_softmax(logits[row], -1)[index[top_ids[row]].clamp(min=0)]
         expected.append(-(p * logp).sum())
     assert count == 3 and torch.allclose(loss, torch.stack(expected).mean(), atol=1e-5)
+
+
+def test_the_cards_training_time_leaves_out_the_acceptance_measurement(stories_path, tmp_path, monkeypatch):
+    """train_minutes is the training loop's time (the model card's "trained
+    for ... min"); the held-out measurement after it has its own entry."""
+    import time
+
+    import specdec.distill as mod
+
+    measure = mod.mean_accepted_length
+
+    def slow_measure(*args, **kwargs):
+        time.sleep(5.0)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "mean_accepted_length", slow_measure)
+    card = distill(_config(stories_path, tmp_path / "draft", steps=2), log=lambda *_: None)
+    assert card["acceptance_minutes"] * 60 >= 5.0 - 0.6  # (minutes are rounded to 0.01: 0.6 s)
+    assert card["train_minutes"] * 60 < 5.0
