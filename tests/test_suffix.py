@@ -17,6 +17,20 @@ def _draft(prop, seq_id="s", k=8):
     return prop.propose([(seq_id, k)])[0].token_ids.tolist()
 
 
+def _drafts_as_reference(prop, streams, probes, depth, opts, label) -> int:
+    """Checks every probe's drafts (k = 2, 6) against the reference
+    proposer holding ``streams`` as its cached outputs; returns the checks."""
+    reference = ReferenceSuffixProposer(len(streams), depth)
+    reference._cached.extend(streams)
+    checked = 0
+    for seq_id, context in probes.items():
+        reference.start(seq_id, context, opts)
+        for k in (2, 6):
+            assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (label, seq_id, k)
+            checked += 1
+    return checked
+
+
 def _pair(max_cached_requests=4, max_tree_depth=64):
     return (SuffixProposer(SuffixConfig(max_cached_requests, max_tree_depth)),
             ReferenceSuffixProposer(max_cached_requests, max_tree_depth))
@@ -522,13 +536,7 @@ def test_upkeep_in_steps_keeps_the_global_trie_exact_and_drafts_as_the_reference
             continue
         half_doubled += trie.needs_growth()
         half_evicted += glob.evicted > 0
-        reference = ReferenceSuffixProposer(len(streams), depth)
-        reference._cached.extend(streams)
-        for seq_id, context in probes.items():
-            reference.start(seq_id, context, opts)
-            for k in (2, 6):
-                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (kinds, seq_id, k)
-                checked += 1
+        checked += _drafts_as_reference(prop, streams, probes, depth, opts, kinds)
     assert kinds["evict"] >= sum(-(-len(o) // 3) for o in outputs[:4]) and half_evicted
     assert kinds["insert"] >= sum(-(-len(o) // 5) for o in outputs)
     assert int(trie.shards[:, suffix.T_SIZE].min()) > first_size and half_doubled and checked > 100
@@ -586,13 +594,7 @@ def test_pool_compaction_in_steps_keeps_every_output_readable_and_drafts_as_the_
         _check_best_children(trie, streams)
         if not glob.fifo:
             continue
-        reference = ReferenceSuffixProposer(len(streams), depth)
-        reference._cached.extend(streams)
-        for seq_id, context in probes.items():
-            reference.start(seq_id, context, opts)
-            for k in (2, 6):
-                assert _draft(prop, seq_id, k) == _draft(reference, seq_id, k), (steps, seq_id, k)
-                checked += 1
+        checked += _drafts_as_reference(prop, streams, probes, depth, opts, steps)
     assert compactions >= 3 and steps >= 2 * compactions and overlapping and several and checked > 100
     assert trie.pool_cap == 512 and prop.upkeep_progress() == (24, 24)
     assert [trie.tokens(s).tolist() for s in glob.fifo] == [o.tolist() for o in outputs[-6:]]
