@@ -374,6 +374,8 @@ def serve_command(args) -> int:
         tls = StackTls(args.tls_cert, args.tls_key, args.tls_ca)
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:  # refused here, not by a gateway started minutes later
         raise SystemExit(f"serve: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    if args.draft_threads < 1:  # likewise, not by a draft proposer started after the scorer
+        raise SystemExit(f"serve: --draft-threads must be >= 1, got {args.draft_threads}")
     from specdec.engine.factory import check_device
 
     try:

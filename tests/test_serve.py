@@ -65,6 +65,13 @@ def test_serve_refuses_decode_steps_out_of_range():
     assert done.returncode != 0 and "serve: --decode-steps must be in 1..16, got 0" in done.stderr
 
 
+def test_serve_refuses_draft_threads_below_one_before_starting_anything():
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--draft-threads", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "serve: --draft-threads must be >= 1, got 0" in done.stderr
+    assert "listening" not in done.stdout + done.stderr  # no service was started
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_serve_and_the_engine_refuse_cuda_without_a_cuda_device(stories_path):
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", "--device", "cuda"],
