@@ -460,17 +460,19 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
 
 
 @njit(cache=True)
-def pack_streams(pool, seqs, live, i, at, budget):
+def pack_streams(pool, seqs, live, i, at, budget, room):
     """Moves streams live[i], live[i + 1], ... (int64 [m], in pool order:
-    their starts increasing) down to the pool from ``at`` on, each right
-    after the one before, until the next would take the tokens moved past
-    ``budget`` (at least one is moved); returns (the next i, where it goes).
-    A stream moves whole, its start set once it is at its new place: its
-    tokens are at seqs[s, S_START] before and after."""
+    their starts increasing) down to the pool from ``at`` on, each
+    seqs[s, room] tokens after the one before (``room``: S_LEN, a stream
+    as long as its tokens, or S_CAP, a region with room to grow), until the
+    next would take the tokens moved past ``budget`` (at least one is
+    moved); returns (the next i, where it goes). A stream moves whole, its
+    start set once it is at its new place: its tokens are at
+    seqs[s, S_START] before and after."""
     moved = 0
     while i < live.shape[0]:
         s = live[i]
-        start, n = seqs[s, S_START], seqs[s, S_LEN]
+        start, n = seqs[s, S_START], seqs[s, room]
         if start != at:
             if moved > 0 and moved + n > budget:
                 break
@@ -1017,7 +1019,7 @@ class SuffixTrie:
         longer stream (pack_streams); True while some are left."""
         assert self._compaction is not None
         live, i, at, extra = self._compaction
-        i, at = pack_streams(self.pool, self.seqs, live, i, at, COMPACT_CHUNK)
+        i, at = pack_streams(self.pool, self.seqs, live, i, at, COMPACT_CHUNK, S_LEN)
         self._compaction = (live, int(i), int(at), extra)
         if i < len(live):
             return True
@@ -1320,18 +1322,19 @@ class RequestArena:
         self.pool_hdr[H_POOL_END] = at + cap
 
     def _compact(self, extra: int) -> None:
-        """Packs the live streams' regions at the start of a pool with room
-        for ``extra`` more tokens."""
-        rows = [r for r in range(len(self.seqs)) if self.seqs[r, S_CAP] > 0]
-        used = int(sum(self.seqs[r, S_CAP] for r in rows))
-        pool = np.zeros(max(len(self.pool), 2 * (used + extra)), dtype=np.int32)
-        at = 0
-        for r in rows:
-            start, cap = int(self.seqs[r, S_START]), int(self.seqs[r, S_CAP])
-            pool[at:at + cap] = self.pool[start:start + cap]
-            self.seqs[r, S_START] = at
-            at += cap
-        self.pool, self.pool_hdr[H_POOL_END] = pool, at
+        """Packs the live streams' regions (S_CAP tokens each) at the start of
+        the pool in one pass (pack_streams, in place), then doubles the pool
+        if they and ``extra`` more tokens fill more than half of it. Python
+        over every region and a new pool each time took ~1 ms at 256 live
+        requests, ~3 at 1024 (AMD EPYC), on the message path."""
+        live = np.flatnonzero(self.seqs[:, S_CAP] > 0)
+        live = live[np.argsort(self.seqs[live, S_START])]
+        _, at = pack_streams(self.pool, self.seqs, live, 0, 0, len(self.pool), S_CAP)
+        if 2 * (at + extra) > len(self.pool):
+            pool = np.zeros(2 * (at + extra), dtype=np.int32)
+            pool[:at] = self.pool[:at]
+            self.pool = pool
+        self.pool_hdr[H_POOL_END] = at
 
 
 class _GlobalCache:

@@ -616,12 +616,46 @@ def test_an_upkeep_call_with_time_left_does_it_all():
 
 # ------------------------------------------------------ rounds of many requests
 @pytest.mark.parametrize("seed", range(4))
-def test_rounds_draft_as_one_sequence_at_a_time(seed):
+def test_rounds_draft_as_one_sequence_at_a_time(seed, monkeypatch):
     """advance_scored over many live requests at once (one arena, one kernel
     call a round, regions growing and the pool compacting mid-round) drafts
     what the reference does driven one call at a time, with the scores
     propose_scored gives for each request on its own."""
+    compactions = []
+    compact = suffix.RequestArena._compact
+    monkeypatch.setattr(suffix.RequestArena, "_compact", lambda arena, extra: (compactions.append(extra),
+                                                                                compact(arena, extra)))
     _check_rounds(seed)
+    assert compactions
+
+
+def test_the_arena_packs_its_live_regions_in_place():
+    """RequestArena._compact moves every live stream's region (with its room
+    to grow) down over the closed ones' in pool order: contexts unchanged,
+    regions back to back from 0, the pool kept while half of it is free and
+    doubled when the regions and the room asked for fill more than half."""
+    rng = np.random.default_rng(3)
+    arena = suffix.RequestArena(8)
+    slots = [arena.open(_arr(rng.integers(0, 20, int(rng.integers(1, 300)))), 8,
+                        SeqOptions(reference_token_ids=_arr(rng.integers(0, 20, int(rng.integers(0, 50))))))
+             for _ in range(12)]
+    for slot in slots[::3]:
+        arena.close(slot)
+    live = [s for i, s in enumerate(slots) if i % 3]
+    contexts = {s: arena.context(s).tolist() for s in live}
+    rows = [r for r in range(len(arena.seqs)) if arena.seqs[r, suffix.S_CAP] > 0]
+    caps = {r: int(arena.seqs[r, suffix.S_CAP]) for r in rows}
+    order = sorted(rows, key=lambda r: arena.seqs[r, suffix.S_START])
+    size = len(arena.pool)
+    assert arena.pool_hdr[suffix.H_POOL_END] > sum(caps.values()) and 2 * sum(caps.values()) <= size
+    arena._compact(0)
+    starts = np.cumsum([0] + [caps[r] for r in order])
+    assert [int(arena.seqs[r, suffix.S_START]) for r in order] == starts[:-1].tolist()
+    assert arena.pool_hdr[suffix.H_POOL_END] == starts[-1] and len(arena.pool) == size
+    assert {s: arena.context(s).tolist() for s in live} == contexts
+    arena._compact(size)
+    assert len(arena.pool) == 2 * (starts[-1] + size) and arena.pool_hdr[suffix.H_POOL_END] == starts[-1]
+    assert {s: arena.context(s).tolist() for s in live} == contexts
 
 
 @pytest.mark.parametrize("seed", range(2))
