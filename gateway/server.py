@@ -143,7 +143,7 @@ async def fetch_limits(loop: SpecLoop, tokenizer, wait_s: float) -> ModelLimits:
                 log.info("waiting for scorer %s: %s", addr, e.code().name)
         if asyncio.get_running_loop().time() > deadline:
             raise SystemExit(f"no scorer answered GetModelInfo within {wait_s:.0f} s")
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.2)
 
 
 async def serve(args) -> None:

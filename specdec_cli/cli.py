@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
+from typing import NoReturn
 
 DEFAULT_SCORER_PORT = 50051
 DEFAULT_PROPOSER_PORT = 50052
@@ -258,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", help="name to verify in the service's certificate")
     p.add_argument("--timeout", type=float, default=5.0)
 
-    from specdec.distill import add_parser as add_distill_parser
+    from specdec.distill_args import add_parser as add_distill_parser
 
     add_distill_parser(sub)
 
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return health_command(args)
     if args.command == "distill":
-        from specdec.distill import distill_command
+        from specdec.distill_args import distill_command
 
         return distill_command(args)
     from specdec.servers import setup_logging
@@ -331,7 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.gateway.server import serve as serve_gateway
 
         asyncio.run(serve_gateway(args))
+    if argv is None:  # the process's entry point: a service that stopped cleanly
+        _exit_without_teardown()
     return 0
+
+
+def _exit_without_teardown() -> NoReturn:
+    """Ends a service's process once it has stopped (servers stopped, worker
+    threads joined) without the interpreter's teardown: unloading torch,
+    transformers and grpc took 0.5-0.9 s of every service's stop (a process
+    that had only imported torch: 0.5 s; AMD EPYC), and a stack stops three
+    or more."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

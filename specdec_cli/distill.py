@@ -50,26 +50,20 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdec.distill_args import DEFAULT_DRAFT_VOCAB, WARMUP_STEPS, DistillConfig
 from specdec.proposer_svc.draft_model import DRAFT_VOCAB_FILE
 
 TEACHER_TOP_K = 32  # target probabilities kept per position
-TEACHER_TEMPERATURE = 0.7  # the target's answers: near its greedy text, still varied
 TEACHER_BATCH = 32  # target answers generated at once (one engine forward per token of all of them)
 CHECKPOINT_EVERY_S = 60.0
-WARMUP_STEPS = 20  # the learning rate's linear warm-up (at most a tenth of --steps)
-LR_SCHEDULES = ("cosine", "constant")
-TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 autocast where the CPU has it natively
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
-KINDS = ("draft", "eagle3")
-#: eagle3: target tokens kept in the head's draft vocabulary (capped at the target's)
-DEFAULT_DRAFT_VOCAB = 4096
 
 TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "winter", "friendship",
           "learning to swim", "a busy city", "the ocean", "an old map", "gardening", "a rainy day",
@@ -108,29 +102,6 @@ STORY_OPENINGS = ["Once upon a time, there was {}.", "One day, a girl found {}."
 PROMPT_ORDER_SEED = 1234
 #: held-out prompts of the final acceptance measurement (spread over the held-out topics and instructions)
 HELD_OUT_PROMPTS = 8
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    target: str
-    out: str
-    layers: int = 4
-    minutes: float = 20.0
-    steps: int = 0  # 0: until the time budget ends
-    samples: int = 128  # target answers generated
-    max_new_tokens: int = 128
-    batch_size: int = 8
-    lr: float = 3e-4
-    seed: int = 0
-    device: str = "cpu"
-    threads: int = 1  # torch threads (1 is fastest for small drafts on a shared machine)
-    kind: str = "draft"  # "draft": a small LM (layers of the target); "eagle3": an EAGLE-3 head
-    # draft: > 0 reduces the draft's head to this many target ids (draft_vocab.json), 0 keeps the full head;
-    # eagle3: the head's draft vocabulary (0: DEFAULT_DRAFT_VOCAB)
-    draft_vocab: int = 0
-    teacher_temperature: float = TEACHER_TEMPERATURE  # the target's answers; 0: greedy (argmax)
-    lr_schedule: str = "cosine"  # LR_SCHEDULES
-    train_dtype: str = "auto"  # TRAIN_DTYPES: the student's matmuls (weights and optimiser stay float32)
 
 
 def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
@@ -626,53 +597,3 @@ Made by `specdec distill` (specdec_cli/distill.py):
 {json.dumps(card, indent=2)}
 ```
 """)
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("distill", help="train a small draft model or an EAGLE-3 head for a target (offline)")
-    p.add_argument("--target", required=True, help="the target model (HF id, directory or .gguf)")
-    p.add_argument("--out", required=True, help="output directory (a Hugging Face checkpoint, or an EAGLE-3 "
-                                                "head in the public layout)")
-    p.add_argument("--kind", default="draft", choices=list(KINDS),
-                   help="draft: a small LM made of target layers; eagle3: an EAGLE-3 head (serve with --eagle3)")
-    p.add_argument("--layers", type=int, default=DistillConfig.layers,
-                   help="draft: decoder layers kept from the target")
-    p.add_argument("--minutes", type=float, default=DistillConfig.minutes,
-                   help="time budget: the target's answers plus training (the acceptance measurement follows)")
-    p.add_argument("--steps", type=int, default=0, help="train exactly this many steps (reproducible); 0: "
-                                                        "until --minutes")
-    p.add_argument("--samples", type=int, default=DistillConfig.samples, help="target answers to train on")
-    p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
-    p.add_argument("--lr", type=float, default=DistillConfig.lr)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=["cpu"], help="training device (CPU only for now)")
-    p.add_argument("--threads", type=int, default=DistillConfig.threads, help="torch threads")
-    p.add_argument("--draft-vocab", type=int, default=0,
-                   help="draft: > 0 keeps this many target ids in the draft's head (written to draft_vocab.json; "
-                        "a draft step then computes a smaller head), 0 the full vocabulary; eagle3: the head's "
-                        f"draft vocabulary, the most frequent target tokens in the data (0: {DEFAULT_DRAFT_VOCAB})")
-    p.add_argument("--teacher-temperature", type=float, default=TEACHER_TEMPERATURE,
-                   help="temperature of the target's training answers; 0: its greedy answers (the text greedy "
-                        "requests are served, so drafts for greedy serving learn exactly it)")
-    p.add_argument("--lr-schedule", default=DistillConfig.lr_schedule, choices=list(LR_SCHEDULES),
-                   help=f"cosine: warm up over {WARMUP_STEPS} steps, then decay to 0 at the end of --steps or "
-                        "--minutes; constant: --lr throughout")
-    p.add_argument("--train-dtype", default=DistillConfig.train_dtype, choices=list(TRAIN_DTYPES),
-                   help="the student's matmuls: auto = bfloat16 (autocast; weights and optimiser stay float32) "
-                        "where the CPU has native bfloat16, else float32")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-
-
-def distill_command(args) -> int:
-    cfg = DistillConfig(args.target, args.out, args.layers, args.minutes, args.steps, args.samples,
-                        args.max_new_tokens, args.batch_size, args.lr, args.seed, args.device, args.threads,
-                        args.kind, args.draft_vocab, args.teacher_temperature, args.lr_schedule,
-                        args.train_dtype)
-    if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 1 or cfg.draft_vocab < 0:
-        raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 1, --draft-vocab >= 0")
-    if not math.isfinite(cfg.teacher_temperature) or cfg.teacher_temperature < 0:
-        raise SystemExit(f"--teacher-temperature must be >= 0 (0: greedy answers), got {cfg.teacher_temperature}")
-    card = distill(cfg, resume=args.resume)
-    print(json.dumps(card))
-    return 0

@@ -156,7 +156,9 @@ def test_a_service_whose_port_is_taken_before_it_binds_starts_again_on_new_ones(
                                                                                monkeypatch):
     """The CI failure this guards against: between the launcher choosing a
     port and the child binding it, another socket took it, and the child
-    exited. Here the scorer's metrics port is taken on purpose."""
+    exited. Here the scorer's metrics port is taken on purpose. The gateway,
+    started beside the scorer with its first address, is started again with
+    the new one."""
     import socket
 
     from specdec import launcher
@@ -178,6 +180,8 @@ def test_a_service_whose_port_is_taken_before_it_binds_starts_again_on_new_ones(
         scorer = stack.by_name("scorer")[0]
         assert scorer.metrics_port != taken and f"--metrics-port {taken}" not in " ".join(scorer.cmd)
         assert scorer.metrics()["specdec_scorer_live_sequences"] == 0
+        gateway = stack.by_name("gateway")[0]
+        assert gateway.cmd[gateway.cmd.index("--scorer") + 1] == scorer.addr and len(stack.services) == 3
         result = stream(stack.gateway_addr, _long(4), timeout=120)
         assert len(result.token_ids) == 4
     finally:

@@ -17,7 +17,8 @@ from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 def test_health_reflection_and_metrics_on_a_real_server():
     port, metrics = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "proposer", "--methods", "ngram,suffix",
-                             "--port", str(port), "--metrics-port", str(metrics)])
+                             "--port", str(port), "--metrics-port", str(metrics), "--log-level", "INFO"],
+                            stderr=subprocess.PIPE, text=True)
     try:
         addr = f"127.0.0.1:{port}"
         wait_serving(addr, proc, 120, "proposer")
@@ -38,9 +39,15 @@ def test_health_reflection_and_metrics_on_a_real_server():
         # bounded proposer memory is reported (suffix trees included)
         assert 'specdec_proposer_state{key="live_sequences",method="ngram"} 1.0' in text
         assert 'specdec_proposer_state{key="memory_bytes",method="suffix"}' in text
-    finally:
         proc.terminate()
-        proc.wait(30)
+        _, log = proc.communicate(timeout=30)
+        # stopped, it ends without the interpreter's teardown (cli._exit_without_teardown): successfully, its
+        # log written out to the last line
+        assert proc.returncode == 0 and log.rstrip().endswith("stopping"), log[-500:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def _openmp_env_of(command: str, preset: dict[str, str]) -> dict:
