@@ -129,7 +129,8 @@ def _method_spec(spec: str, flag: str) -> tuple[str, str]:
 
 async def fetch_limits(loop: SpecLoop, tokenizer, wait_s: float) -> ModelLimits:
     """Asks a scorer replica for the model's facts, waiting for one to come up."""
-    deadline = asyncio.get_running_loop().time() + wait_s
+    now = asyncio.get_running_loop().time
+    deadline, next_log = now() + wait_s, now()
     while True:
         addr = loop.scorers.pick("model-info")
         if addr is not None:
@@ -140,8 +141,10 @@ async def fetch_limits(loop: SpecLoop, tokenizer, wait_s: float) -> ModelLimits:
                     eos.add(tokenizer.eos_token_id)
                 return ModelLimits(info.vocab_size, info.max_model_len, tuple(sorted(eos)))
             except grpc.aio.AioRpcError as e:
-                log.info("waiting for scorer %s: %s", addr, e.code().name)
-        if asyncio.get_running_loop().time() > deadline:
+                if now() >= next_log:  # (asked every 0.2 s: a scorer loading its model is seen at once)
+                    log.info("waiting for scorer %s: %s", addr, e.code().name)
+                    next_log = now() + 5.0
+        if now() > deadline:
             raise SystemExit(f"no scorer answered GetModelInfo within {wait_s:.0f} s")
         await asyncio.sleep(0.2)
 

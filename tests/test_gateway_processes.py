@@ -187,3 +187,38 @@ def test_a_service_whose_port_is_taken_before_it_binds_starts_again_on_new_ones(
     finally:
         stack.stop()
         squatter.close()
+
+
+def test_a_gateway_started_before_its_scorer_serves_once_the_scorer_is_up(stories_path, tmp_path):
+    """The launcher starts the gateway beside the scorer: a gateway whose
+    scorer is not listening yet asks again every 0.2 s (logging the wait at
+    most every 5 s) and serves as soon as the scorer answers."""
+    from specdec import launcher
+
+    gw_port, scorer_port = free_port(), free_port()
+    log = tmp_path / "gateway.log"
+    with open(log, "w") as out:
+        gateway = subprocess.Popen([sys.executable, "-m", "specdec.cli", "gateway", "--model", stories_path,
+                                    "--port", str(gw_port), "--scorer", f"127.0.0.1:{scorer_port}",
+                                    "--default-method", "none", "--log-level", "INFO"],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    scorer = None
+    try:
+        deadline = time.monotonic() + 60
+        while "waiting for scorer" not in log.read_text():
+            assert gateway.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        time.sleep(3.0)  # ~15 more asks
+        assert log.read_text().count("waiting for scorer") == 1
+        scorer = subprocess.Popen([sys.executable, "-m", "specdec.cli", "scorer", "--model", stories_path,
+                                   "--port", str(scorer_port)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        launcher.wait_serving(f"127.0.0.1:{gw_port}", gateway, 120, "gateway")
+        request = make_request("Once upon a time", max_tokens=4, method="none")
+        request.ignore_eos = True
+        assert len(stream(f"127.0.0.1:{gw_port}", request, timeout=60).token_ids) == 4
+    finally:
+        for proc in (gateway, scorer):
+            if proc is not None:
+                proc.kill()
+                proc.wait(30)
