@@ -35,11 +35,21 @@ also told apart by what they did: a hash shard's doubling (or a step of
 one), a compaction of the pool (or a step of one), an eviction (or a step
 of one), or only inserts.
 
+``--arena-compact 32,256,1024`` times instead one compaction of the pool
+of live requests' tries (suffix.RequestArena, on the message path when a
+context outgrows its region and the pool is full): 2B requests opened
+(contexts of 100-1200 tokens of stdlib text), every other one closed, then
+the first compaction (which packs the B live ones) is timed, ARENA_REPEATS
+fresh arenas per B (with ``--baseline-src``, the other copy's too, each code
+in its own process, in turns).
+
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
         [--repeats 3] [--k 8] [--out bench_results/suffix_micro.json]
     python benchmarks/bench_suffix_micro.py --upkeep 2400 [--baseline-src /tmp/old/proposer_svc]
         [--out bench_results/suffix_upkeep.json]
+    python benchmarks/bench_suffix_micro.py --arena-compact 32,256,1024 [--baseline-src /tmp/old/proposer_svc]
+        [--out bench_results/suffix_arena_compact.json]
 """
 from __future__ import annotations
 
@@ -385,6 +395,57 @@ def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
     print(f"wrote {out}")
 
 
+ARENA_REPEATS = 4
+
+
+def _arena_driver(in_path: str, out_path: str) -> None:
+    """The arena-compaction timings of the proposer_svc this process loaded."""
+    from specdec.proposer_svc.base import SeqOptions
+    from specdec.proposer_svc.suffix import RequestArena
+
+    spec = json.loads(Path(in_path).read_text())
+    text = np.load(spec["text"])
+    rng = np.random.default_rng(0)
+    ms = []
+    for _ in range(ARENA_REPEATS):
+        arena, at = RequestArena(MAX_TREE_DEPTH), 0
+        slots = []
+        for _ in range(2 * spec["live"]):
+            n = int(rng.integers(100, 1200))
+            slots.append(arena.open(text[at:at + n], MAX_TREE_DEPTH, SeqOptions()))
+            at = (at + n) % (len(text) - 1200)
+        for slot in slots[::2]:
+            arena.close(slot)
+        start = time.perf_counter()
+        arena._compact(1000)
+        ms.append(1e3 * (time.perf_counter() - start))
+    Path(out_path).write_text(json.dumps(ms))
+
+
+def arena_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
+    from bench_proposer import token_stream
+
+    results: dict = {"repeats": ARENA_REPEATS, "baseline_src": baseline_src, "rows": {}}
+    codes = [("baseline", baseline_src)] * bool(baseline_src) + [("this", None)]
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp, "text.npy"), token_stream(400_000).astype(np.int32))
+        for live in sizes:
+            for _ in range(2):  # the codes in turns, twice
+                for label, src in codes:
+                    spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
+                    spec.write_text(json.dumps({"text": str(Path(tmp, "text.npy")), "live": live}))
+                    driver = [__file__, "--arena-driver", str(spec), str(result)]
+                    subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
+                    results["rows"].setdefault(f"{label} B={live}", []).extend(json.loads(result.read_text()))
+    print(f"one compaction of the live requests' pool, ms ({2 * ARENA_REPEATS} fresh arenas each)")
+    print(f"{'code':18s} {'median':>7s} {'min':>7s} {'max':>7s}")
+    for label, ms in results["rows"].items():
+        print(f"{label:18s} {np.median(ms):7.2f} {min(ms):7.2f} {max(ms):7.2f}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
 # ------------------------------------------------------------------ report
 def _summary(runs: list[dict], output_tokens: list[list[int]], schedule) -> dict:
     """Latencies (µs) of the fastest repeat (this 2-core machine is shared,
@@ -436,12 +497,25 @@ def main() -> None:
     parser.add_argument("--arctic-python", default="/tmp/arctic-venv/bin/python")
     parser.add_argument("--upkeep", type=int, metavar="N",
                         help="time the global trie's upkeep over N outputs, the cache filling from empty")
-    parser.add_argument("--baseline-src", help="--upkeep: another proposer_svc package directory to time too")
+    parser.add_argument("--arena-compact", metavar="B,B,...",
+                        help="time one compaction of the live requests' pool at these numbers of live requests")
+    parser.add_argument("--baseline-src", help="--upkeep, --arena-compact: another proposer_svc package directory "
+                                               "to time too")
     parser.add_argument("--out", help="JSON results (default bench_results/suffix_micro.json, "
                                       "with --upkeep bench_results/suffix_upkeep.json)")
     parser.add_argument("--driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--upkeep-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--arena-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.arena_driver:
+        _arena_driver(*args.arena_driver)
+        return
+    if args.arena_compact:
+        sizes = [int(b) for b in args.arena_compact.split(",") if b.strip()]
+        if not sizes or min(sizes) < 1:
+            parser.error(f"--arena-compact: comma-separated numbers of live requests >= 1, got {args.arena_compact!r}")
+        arena_main(sizes, args.baseline_src, args.out or "bench_results/suffix_arena_compact.json")
+        return
     if args.driver:
         _driver_main(*args.driver)
         return
