@@ -3,8 +3,10 @@ method and draft length equals transformers greedy `generate`, for prompts
 that do and do not repeat themselves."""
 from __future__ import annotations
 
+import threading
+
 import pytest
-from conftest import assert_same_as_greedy, hf_greedy, start_stack
+from conftest import assert_same_as_greedy, hf_greedy, hf_model, start_stack
 
 from specdec.client import make_request, stream
 from specdec.engine.gemm_select import native_bf16
@@ -23,15 +25,19 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def smollm_stack(smollm_path, tmp_path_factory):
-    stack = start_stack(smollm_path, tmp_path_factory, "smollm", methods="naive,ngram")
+    # the reference model (for `expected`) loads beside the stack: each takes ~20 s, mostly on one core
+    loading = threading.Thread(target=hf_model, args=(smollm_path,))
+    loading.start()
+    try:
+        stack = start_stack(smollm_path, tmp_path_factory, "smollm", methods="naive,ngram")
+    finally:
+        loading.join()
     yield stack
     stack.stop()
 
 
 @pytest.fixture(scope="module")
 def expected(smollm_path, smollm_stack):
-    from conftest import hf_model
-
     tok = hf_model(smollm_path)[1]
     return {name: (ids := tuple(tok(text)["input_ids"]), hf_greedy(smollm_path, ids, MAX_TOKENS))
             for name, text in PROMPTS.items()}
@@ -51,8 +57,6 @@ def test_greedy_matches_transformers_on_smollm(smollm_stack, smollm_path, expect
 
 
 def test_chat_prompt_uses_the_chat_template(smollm_stack, smollm_path):
-    from conftest import hf_model
-
     tok = hf_model(smollm_path)[1]
     messages = [("system", "You are terse."), ("user", "Name three colours.")]
     rendered = tok.apply_chat_template([{"role": r, "content": c} for r, c in messages],
