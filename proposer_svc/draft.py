@@ -38,8 +38,9 @@ import torch
 
 from specdec.drafts import EMPTY_DRAFT_TOKENS, Draft
 from specdec.engine.base import Engine, ForwardItem, PoolExhausted
-from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K, is_greedy
+from specdec.limits import is_greedy
 from specdec.proposer_svc.base import ContextStore, Proposer, SeqOptions
+from specdec.proposer_svc.model_settings import DraftConfig
 
 _MASK64 = (1 << 64) - 1
 #: Mixed into the seed so that draft randomness is not the scorer's.
@@ -102,20 +103,6 @@ def choose_tokens(logits: torch.Tensor, temperatures: list[float], seeds: list[i
         j = min(j, int(np.flatnonzero(q32)[-1]))  # rounding at the top end
         choices.append(TokenChoice(int(ids[j]), float(q32[j]), sparse_ids, q32))
     return choices
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    """Replica-level settings of the draft proposer."""
-
-    top_k: int = DEFAULT_DRAFT_TOP_K  # sampled drafts: support of q
-    max_batch: int = DEFAULT_DRAFT_MAX_BATCH  # more sequences in one call: no drafts
-    # draft logits columns at or past this id are never drafted (the target's
-    # vocabulary when the draft's head is larger); None: the whole head
-    vocab_limit: int | None = None
-    # a reduced draft head: logits column j is target token head_token_ids[j]
-    # (the engine was built with the same ids); None: column j is token j
-    head_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass

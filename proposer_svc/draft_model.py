@@ -4,27 +4,18 @@ tokenizer (a draft token must mean the same text to the target)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from specdec.engine.config import EngineConfig
 from specdec.models import load_tokenizer, resolve_model
-from specdec.proposer_svc.draft import DraftConfig, DraftModelProposer
+from specdec.proposer_svc.draft import DraftModelProposer
+from specdec.proposer_svc.model_settings import DraftModelSettings
 
 #: how many differing token strings a mismatch message shows
 MISMATCH_EXAMPLES = 3
 #: in a draft's directory: {"target_ids": [...]}, the target token id of each
 #: row of a reduced draft head (the head keeps only those rows)
 DRAFT_VOCAB_FILE = "draft_vocab.json"
-
-
-@dataclass(frozen=True)
-class DraftModelSettings:
-    """What ``specdec proposer --draft-model ...`` asks for."""
-
-    engine: EngineConfig  # the draft model and how to run it
-    target_model: str  # the target whose tokenizer the draft must share
-    draft: DraftConfig = DraftConfig()
 
 
 def tokenizer_mismatch(draft_tok, target_tok) -> str | None:

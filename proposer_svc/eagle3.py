@@ -41,7 +41,6 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -438,9 +437,3 @@ def _check_shapes(spec: HeadSpec, w: dict[str, torch.Tensor], where: str, attent
     for name, shape in want.items():
         if tuple(w[name].shape) != shape:
             raise ValueError(f"{where}: {name} has shape {tuple(w[name].shape)}, the config implies {shape}")
-
-
-def bf16_rows(data: bytes, rows: int, dim: int) -> np.ndarray:
-    """Wire features (bfloat16 bit patterns, little-endian) as float32 [rows, dim]."""
-    bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-    return bits.view(np.float32).reshape(rows, dim)

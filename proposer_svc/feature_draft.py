@@ -34,22 +34,14 @@ import numpy as np
 import torch
 
 from specdec.drafts import EMPTY_DRAFT_TOKENS, Draft
-from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K
 from specdec.proposer_svc.base import ContextStore, Proposer, SeqOptions, UnknownSequence
 from specdec.proposer_svc.draft import DraftRun, TokenChoice, choose_tokens
 from specdec.proposer_svc.eagle3 import FeatureHead, HeadCache, HeadItem
+from specdec.proposer_svc.model_settings import HeadConfig
 
 
 class FeatureGap(ValueError):
     """Features that leave a gap or run past the context; the message names the field."""
-
-
-@dataclass(frozen=True)
-class HeadConfig:
-    """Replica-level settings of a feature-head proposer."""
-
-    top_k: int = DEFAULT_DRAFT_TOP_K  # sampled drafts: support of q
-    max_batch: int = DEFAULT_DRAFT_MAX_BATCH  # more sequences in one call: no drafts
 
 
 @dataclass

@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 from specdec.drafts import ONE_HOT_METHODS
 from specdec.proposer_svc.base import NaiveProposer, Proposer
-from specdec.proposer_svc.draft_model import DraftModelSettings
-from specdec.proposer_svc.feature_draft import HeadConfig
 from specdec.proposer_svc.hybrid import HybridConfig, HybridProposer
+from specdec.proposer_svc.model_settings import DraftModelSettings, HeadConfig
 from specdec.proposer_svc.ngram import NgramProposer
 from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
 

@@ -21,7 +21,6 @@ from specdec.limits import (
     MAX_SPECULATIVE_TOKENS,
 )
 from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, bounds_of
-from specdec.proposer_svc.eagle3 import bf16_rows
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -152,7 +151,8 @@ def _feature_rows(msg: pb.Features, dim: int) -> np.ndarray:
         raise InvalidUpdate(f"features.dim: this method reads {dim} values per row, got {msg.dim}")
     if len(msg.data) != 2 * msg.rows * msg.dim:
         raise InvalidUpdate(f"features.data: {len(msg.data)} bytes, rows * dim * 2 = {2 * msg.rows * msg.dim}")
-    rows = bf16_rows(msg.data, msg.rows, msg.dim)
+    bits = np.frombuffer(msg.data, dtype="<u2").astype(np.uint32) << 16  # bfloat16 bit patterns, little-endian
+    rows = bits.view(np.float32).reshape(msg.rows, msg.dim)
     if not np.isfinite(rows).all():
         raise InvalidUpdate("features.data: non-finite values")
     return rows

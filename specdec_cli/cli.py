@@ -75,9 +75,7 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
 def replica_settings(args):
     """The proposer's ReplicaSettings from its parsed flags."""
     from specdec.engine.config import EngineConfig
-    from specdec.proposer_svc.draft import DraftConfig
-    from specdec.proposer_svc.draft_model import DraftModelSettings
-    from specdec.proposer_svc.feature_draft import HeadConfig
+    from specdec.proposer_svc.model_settings import DraftConfig, DraftModelSettings, HeadConfig
     from specdec.proposer_svc.registry import FeatureHeadSettings, ReplicaSettings
     from specdec.proposer_svc.suffix import SuffixConfig
 

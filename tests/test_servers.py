@@ -22,6 +22,8 @@ def test_health_reflection_and_metrics_on_a_real_server():
     try:
         addr = f"127.0.0.1:{port}"
         wait_serving(addr, proc, 120, "proposer")
+        # copying methods only: torch never loads (proposer_svc/model_settings.py; it took ~2 s of the start)
+        assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
         with grpc.insecure_channel(addr) as ch:
             stub = reflection_pb2_grpc.ServerReflectionStub(ch)
             (answer,) = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
