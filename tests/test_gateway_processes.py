@@ -222,3 +222,26 @@ def test_a_gateway_started_before_its_scorer_serves_once_the_scorer_is_up(storie
             if proc is not None:
                 proc.kill()
                 proc.wait(30)
+
+
+def test_a_gateway_that_gave_up_on_a_loading_scorer_is_started_again(stories_path, tmp_path, monkeypatch):
+    """Stack.start starts the gateway beside the scorer: a gateway whose
+    --scorer-wait-s ran out while the scorer loaded is started again once
+    the scorer serves, and the stack comes up and generates."""
+    from specdec import launcher
+
+    spawned = []
+    spawn = launcher.Stack._spawn_gateway
+    monkeypatch.setattr(launcher.Stack, "_spawn_gateway", lambda self, *a: spawned.append(spawn(self, *a)) or
+                        spawned[-1])
+    stack = launcher.Stack(model=stories_path, methods="ngram", log_dir=str(tmp_path),
+                           extra_gateway_args=["--scorer-wait-s", "0.1"])
+    try:
+        stack.start()
+        first, last = spawned[0], spawned[-1]
+        assert len(spawned) == 2 and first.proc.returncode not in (None, 0)  # it gave up, exit code of SystemExit
+        assert stack.services[-1] is last and len(stack.services) == 3
+        result = stream(stack.gateway_addr, _long(4), timeout=120)
+        assert len(result.token_ids) == 4
+    finally:
+        stack.stop()
