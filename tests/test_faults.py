@@ -202,9 +202,15 @@ class _InProcessProposer:
 def test_wrong_or_slow_proposer_changes_nothing(stories_path, tmp_path_factory, bad):
     proposer = _InProcessProposer(bad())
     addr = f"127.0.0.1:{proposer.port}"
+    # The slow one outlives 100 ms on every call. The garbage one answers in
+    # ms, but it serves from this process: in CI, after hundreds of tests,
+    # a pause of this process once outlived 100 ms, the replica was marked
+    # down for longer than the run and never saw a call. 10 s keeps its
+    # answers in time.
+    timeout_ms = "100" if bad is _SlowProposer else "10000"
     stack = start_stack(stories_path, tmp_path_factory, f"bad-{bad.__name__}", num_proposers=0,
                         methods="ngram", metrics=True, extra_gateway_args=[
-                            "--proposer", f"ngram={addr}", "--propose-timeout-ms", "100"])
+                            "--proposer", f"ngram={addr}", "--propose-timeout-ms", timeout_ms])
     try:
         reference = [stream(stack.gateway_addr, make_request(p, max_tokens=40, method="none")).token_ids
                      for p in PROMPTS]
