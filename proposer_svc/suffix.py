@@ -41,7 +41,10 @@ Invariants:
   count 1 exist only after an eviction;
 - BEST(c) is the child with the largest (count, stamp), or -1; the root's
   (never drafted from: matches have >= 1 token) only has to be one of its
-  children or -1 after removals (a lookup shortcut);
+  children or -1 after removals (a lookup shortcut). In a trie that removes
+  streams, a node whose best child lost occurrences may instead hold a mark
+  (``_lost(c)``, ``_STALE``) until a draft reads it (``_best``): best
+  children are settled lazily, where they are read;
 - FIRST/NEXT chain each node's children; PREV links them back only in a
   trie with stamps (the two serve ``remove_stream``; the per-request tries
   never remove a stream and keep neither);
@@ -84,7 +87,7 @@ REFERENCE_STREAM, CONTEXT_STREAM = 0, 1
 
 ROOT = 0
 _EMPTY = -1
-_STALE = -2  # BEST of a node whose best child is picked again later (remove_stream; see _lost)
+_STALE = -2  # BEST of a node whose best child is picked again when read (remove_stream; see _best)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _LOW32 = np.uint64(0xFFFFFFFF)
 #: guards ceil(m * factor) against round-off (10 * 0.3 -> 3.0000000000000004)
@@ -156,7 +159,7 @@ def _child(table, shards, parent, tok):
 @njit(cache=True, inline="always")
 def _lost(c):
     """BEST of a node whose best child c lost occurrences in remove_stream
-    and lives: <= -3, and _lost(_lost(c)) = c (see _settle)."""
+    and lives: <= -3, and _lost(_lost(c)) = c (see _best)."""
     return -3 - c
 
 
@@ -165,7 +168,7 @@ def _find_child(nodes, table, shards, parent, tok):
     """As _child, trying parent's best child first (usually the one wanted:
     that skips the hash probe, a cache miss in a large trie)."""
     c = nodes[parent, BEST]
-    if c <= _lost(0):  # (only while remove_stream runs)
+    if c <= _lost(0):  # a mark of remove_stream's: c is still the likeliest
         c = _lost(c)
     if c < 0 or nodes[c, TOK] != tok:
         c = _child(table, shards, parent, tok)
@@ -287,9 +290,10 @@ def _free_child(nodes, table, shards, hdr, c):
 
 @njit(cache=True)
 def _child_incremented(nodes, parent, c):
-    """c's count just grew and its stamp is now the newest: it may be best."""
+    """c's count just grew and its stamp is now the newest: it may be best
+    (a parent marked by remove_stream stays marked: see _best)."""
     b = nodes[parent, BEST]
-    if b < 0 or nodes[c, COUNT] >= nodes[b, COUNT]:
+    if b == -1 or (b >= 0 and nodes[c, COUNT] >= nodes[b, COUNT]):
         nodes[parent, BEST] = c
 
 
@@ -375,22 +379,22 @@ def append_tokens(nodes, stamps, table, shards, hdr, pool, seqs, seq, root, end,
     return seqs[seq, S_LEN]
 
 
-@njit(cache=True)
-def _settle(nodes, stamps, unsettled):
-    """Gives each live node of unsettled (int32 [m]) its best child again:
-    the one it lost occurrences of when that still holds more than half of
-    the node's occurrences (a sibling's count is at most count(node) -
-    count(c) < count(c)), else the best of all its children (read one by one)."""
-    for i in range(unsettled.shape[0]):
-        node = unsettled[i]
-        if nodes[node, COUNT] == 0:  # freed since
-            continue
-        b = nodes[node, BEST]
-        c = _lost(b)
-        if b <= _lost(0) and 2 * nodes[c, COUNT] > nodes[node, COUNT]:
-            nodes[node, BEST] = c
-        else:
-            _repick_best(nodes, stamps, node)
+@njit(cache=True, inline="always")
+def _best(nodes, stamps, node):
+    """node's best child (-1: none), settled first if remove_stream marked
+    it: the child c it lost occurrences of when c still holds more than half
+    of the node's occurrences (its siblings then hold at most count(node) -
+    count(c) < count(c) between them, whatever was inserted since), else the
+    best of all its children (read one by one)."""
+    b = nodes[node, BEST]
+    if b >= -1:
+        return b
+    c = _lost(b)
+    if b <= _lost(0) and 2 * nodes[c, COUNT] > nodes[node, COUNT]:
+        nodes[node, BEST] = c
+    else:
+        _repick_best(nodes, stamps, node)
+    return nodes[node, BEST]
 
 
 @njit(cache=True)
@@ -413,17 +417,17 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
     Decrements commute, and a node reaches count 0 only at the visit of its
     last occurrence, so the order changes nothing.
 
-    Best children are settled once, at the end (``_settle``): nodes with
-    thousands of children lose occurrences of their best child many times
-    a stream. A node whose count reaches 0 has no occurrence left, nor has
-    any node below it: all are freed by the end. A node whose best child c lost an occurrence is
-    listed in unsettled once, its BEST then _lost(c) (still tried first by
-    _find_child), or _STALE once c is freed; the root is never listed (see
-    the module invariants).
+    Best children are not settled here but where a draft reads them
+    (``_best``): nodes with thousands of children lose occurrences of their
+    best child many times a stream and in stream after stream, and most of
+    those touched are read rarely or never before they lose more (settling
+    each once per removal took ~58% of a removal's time). A node whose count
+    reaches 0 has no occurrence left, nor has any node below it: all are
+    freed by the end. A node whose best child c lost an occurrence gets
+    BEST _lost(c) (still tried first by _find_child), or _STALE once c is
+    freed; the root is never marked (see the module invariants).
     """
     start, n = seqs[seq, S_START], seqs[seq, S_LEN]
-    unsettled = np.empty((min(stop + max_depth, n) - first) * max_depth, dtype=np.int32)
-    n_unsettled = 0
     active, scratch = np.empty(max_depth + 1, dtype=np.int32), np.empty(max_depth + 1, dtype=np.int32)
     n_active = 0
     for i in range(first, n):
@@ -438,10 +442,8 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
             leaf = nodes[c, LSEQ] >= 0
             if not leaf:
                 nodes[c, COUNT] -= 1
-            if nodes[node, BEST] == c and node != ROOT:  # listed once: BEST changes
+            if nodes[node, BEST] == c and node != ROOT:  # marked: settled when read
                 nodes[node, BEST] = _lost(c)
-                unsettled[n_unsettled] = node
-                n_unsettled += 1
             # a node reaching 0 keeps the children that this stream's pending
             # occurrences still reach (their hash keys); rows are reused only by inserts
             if leaf or nodes[c, COUNT] == 0:
@@ -456,7 +458,6 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
                 num += 1
         active[:num] = scratch[:num]
         n_active = num
-    _settle(nodes, stamps, unsettled[:n_unsettled])
 
 
 @njit(cache=True)
@@ -487,9 +488,10 @@ def pack_streams(pool, seqs, live, i, at, budget, room):
 
 # -------------------------------------------------------------- speculation
 @njit(cache=True)
-def _draft_from(nodes, pool, seqs, node, off, max_depth, cap, min_token_prob, out):
+def _draft_from(nodes, stamps, pool, seqs, node, off, max_depth, cap, min_token_prob, out):
     """Follows the best path from ``node`` (``off`` tokens into its leaf
-    chain); returns (number of tokens written to out, score)."""
+    chain), settling the best children it reads (``_best``); returns
+    (number of tokens written to out, score)."""
     num, score, prob = 0, 0.0, 1.0
     while num < cap:
         if nodes[node, LSEQ] >= 0:  # inside a leaf chain: probability ratio 1
@@ -502,7 +504,7 @@ def _draft_from(nodes, pool, seqs, node, off, max_depth, cap, min_token_prob, ou
             out[num] = pool[seqs[seq, S_START] + pos]
             off += 1
         else:
-            b = nodes[node, BEST]
+            b = _best(nodes, stamps, node)
             if b < 0:
                 break
             prob *= nodes[b, COUNT] / nodes[node, COUNT]
@@ -641,8 +643,8 @@ def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, 
 
 
 @njit(cache=True)
-def speculate_listed(nodes, pool, seqs, max_depth, lst_node, lst_off, n, k, max_spec_factor, min_token_prob,
-                     floor, out, best):
+def speculate_listed(nodes, stamps, pool, seqs, max_depth, lst_node, lst_off, n, k, max_spec_factor,
+                     min_token_prob, floor, out, best):
     """Best draft over a sequence's listed matches (follow_global), as if
     every suffix of length <= max_match were walked from the root; writes out
     (int32 [>= k]) and best (float64 [3]: score, length, match length).
@@ -660,12 +662,13 @@ def speculate_listed(nodes, pool, seqs, max_depth, lst_node, lst_off, n, k, max_
         limit = _max_draft_len(i + 1, k, max_spec_factor)
         if limit <= max(floor, best[0]):
             break
-        num, score = _draft_from(nodes, pool, seqs, lst_node[i], lst_off[i], max_depth, limit, min_token_prob, tmp)
+        num, score = _draft_from(nodes, stamps, pool, seqs, lst_node[i], lst_off[i], max_depth, limit,
+                                 min_token_prob, tmp)
         _keep_if_better(num, score, i + 1, best, tmp, out)
 
 
 @njit(cache=True)
-def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec_factor,
+def speculate_active(nodes, stamps, pool, seqs, max_depth, active, n_active, k, max_spec_factor,
                      min_token_prob, out, best):
     """Best draft over the context's suffixes in a tree that contains the
     context itself: its suffixes with a continuation are exactly the active
@@ -676,7 +679,7 @@ def speculate_active(nodes, pool, seqs, max_depth, active, n_active, k, max_spec
     for i in range(n_active):
         node = active[i]
         m = nodes[node, DEPTH]
-        num, score = _draft_from(nodes, pool, seqs, node, 0, max_depth,
+        num, score = _draft_from(nodes, stamps, pool, seqs, node, 0, max_depth,
                                  _max_draft_len(m, k, max_spec_factor), min_token_prob, tmp)
         _keep_if_better(num, score, m, best, tmp, out)
 
@@ -775,8 +778,8 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
         in_sync[i] = context_lens[i] == 0 or length == context_lens[i]
         scores[i] = 0.0
         if in_sync[i] and k > 0:
-            speculate_active(trie, pool, seqs, depths[s], active[s], n_active[s], k, factors[s], min_probs[s],
-                             out[num:num + k], local_best)
+            speculate_active(trie, no_stamps, pool, seqs, depths[s], active[s], n_active[s], k, factors[s],
+                             min_probs[s], out[num:num + k], local_best)
             drafted, score = int(local_best[1]), local_best[0]
             if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
@@ -785,7 +788,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
                                        lst[2], g_n[s])
                 g_len[s], g_seen[s] = length, g_clock
                 g_out = np.empty(k, dtype=np.int32)
-                speculate_listed(g_nodes, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
+                speculate_listed(g_nodes, g_stamps, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
                                  min_probs[s], local_best[0], g_out, g_best)
                 if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
                     drafted, score = int(g_best[1]), g_best[0]

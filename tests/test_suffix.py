@@ -339,7 +339,10 @@ def _slot_streams(trie: SuffixTrie, slots: list[int]) -> list[tuple[list[int], i
 def _check_best_children(trie: SuffixTrie, streams: list[tuple[list[int], int]]):
     """Every explicit node but the root (see the module invariants) has the
     reference's best child over streams ((tokens, time base) each): the
-    most frequent, ties to the most recent."""
+    most frequent, ties to the most recent; read as a draft reads it
+    (``_best``, settling a node marked by an eviction), on a copy of the rows
+    so that the marks stay for the trie's next steps."""
+    nodes = trie.nodes.copy()
     stack = [([], build_tree(streams, trie.max_depth))]
     checked = 0
     while stack:
@@ -351,27 +354,32 @@ def _check_best_children(trie: SuffixTrie, streams: list[tuple[list[int], int]])
         node, _ = suffix._walk(trie.nodes, trie.table, trie.shards, trie.pool, trie.seqs, _arr(prefix), trie.max_depth)
         if trie.nodes[node, suffix.LSEQ] < 0:
             best_tok = max(ref.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))[0]
-            assert trie.nodes[trie.nodes[node, suffix.BEST], suffix.TOK] == best_tok, prefix
+            assert nodes[suffix._best(nodes, trie.stamps, node), suffix.TOK] == best_tok, prefix
             checked += 1
     return checked
 
 
 def test_best_children_exact_after_many_fifo_evictions():
-    """Evictions subtract a stream token by token and settle best children
-    once at the end (kept when still a majority, else picked among all):
-    after each, every best child is the reference's. Skewed small
-    vocabularies and long repeats give both kinds of settling."""
+    """Evictions subtract a stream token by token and mark the nodes whose
+    best child lost occurrences; a read settles a mark (the child kept
+    when still a majority, else picked among all): after each eviction,
+    every best child read is the reference's, marks left from evictions
+    before and inserts since included. Skewed small vocabularies and long
+    repeats give both kinds of marks and of settling."""
     rng = np.random.default_rng(11)
     cache = suffix._GlobalCache(max_requests=4, max_depth=7)
     phrases = [rng.integers(0, 6, int(rng.integers(3, 12))) for _ in range(5)]
-    checked = 0
+    checked, lost, stale = 0, 0, 0
     for _ in range(40):
         parts = [phrases[int(i)] if rng.random() < 0.6 else rng.integers(0, 3, 4) for i in rng.integers(0, 5, 6)]
         cache.add(np.concatenate(parts).astype(np.int32))
         slots = list(cache.fifo)
+        best = cache.trie.nodes[:int(cache.trie.hdr[suffix.H_USED]), suffix.BEST]
+        lost += int((best <= suffix._lost(0)).sum())
+        stale += int((best == suffix._STALE).sum())
         _check_trie(cache.trie, [cache.trie.tokens(s).tolist() for s in slots])
         checked += _check_best_children(cache.trie, _slot_streams(cache.trie, slots))
-    assert checked > 1000
+    assert checked > 1000 and lost > 100 and stale > 10
 
 
 def test_trie_growth_keeps_counts():
