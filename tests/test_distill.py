@@ -385,3 +385,22 @@ def test_the_cards_training_time_leaves_out_the_acceptance_measurement(stories_p
     card = distill(_config(stories_path, tmp_path / "draft", steps=2), log=lambda *_: None)
     assert card["acceptance_minutes"] * 60 >= 5.0 - 0.6  # (minutes are rounded to 0.01: 0.6 s)
     assert card["train_minutes"] * 60 < 5.0
+
+
+def test_the_learning_rate_defaults_per_kind_and_is_checked():
+    """--lr's default is the kind's (a draft 1e-3, an eagle3 head 3e-4: see
+    distill_args.DEFAULT_LR), a given --lr wins, and one that is not > 0 is
+    refused naming the flag."""
+    import argparse
+
+    from specdec.distill_args import add_parser, config_from_args, distill_command
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    base = ["distill", "--target", "t", "--out", "o"]
+    assert config_from_args(parser.parse_args(base)).lr == 1e-3
+    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3"])).lr == 3e-4
+    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3", "--lr", "5e-4"])).lr == 5e-4
+    for bad in ["0", "-1e-3", "nan"]:
+        with pytest.raises(SystemExit, match=r"--lr must be > 0"):
+            distill_command(parser.parse_args([*base, f"--lr={bad}"]))
