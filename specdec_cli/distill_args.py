@@ -27,7 +27,11 @@ DEFAULT_LR = {"draft": 1e-3, "eagle3": 3e-4}
 class DistillConfig:
     target: str
     out: str
-    layers: int = 4
+    # a draft's decoder layers, kept from the target. 2 reached the held-out
+    # acceptance of 4 in a 30-minute SmolLM2 run at half the cost per draft
+    # step (1.95 in 2179 steps against 1.94 in 1010, the same greedy answers
+    # and rate; AMD EPYC, 2 cores, twentieth session)
+    layers: int = 2
     minutes: float = 20.0
     steps: int = 0  # 0: until the time budget ends
     samples: int = 128  # target answers generated

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from specdec.distill import CHECKPOINT_FILE, DistillConfig, distill, lr_at
 
-SMALL = ["--layers", "2", "--samples", "8", "--max-new-tokens", "16", "--batch-size", "4", "--seed", "3"]
+SMALL = ["--samples", "8", "--max-new-tokens", "16", "--batch-size", "4", "--seed", "3"]
 
 
 def _config(target: str, out, steps: int) -> DistillConfig:
@@ -39,7 +39,7 @@ def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_p
     assert "step 4/4" in done.stderr and "tok/s" in done.stderr and "ETA" in done.stderr
     assert "mean accepted length at k=5" in done.stdout
     model = AutoModelForCausalLM.from_pretrained(out)
-    assert model.config.num_hidden_layers == 2
+    assert model.config.num_hidden_layers == 2  # --layers' default (DistillConfig.layers)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == AutoTokenizer.from_pretrained(stories_path).get_vocab()
     card = (out / "README.md").read_text()
     assert "specdec distill" in card and "answers of the target itself" in card
