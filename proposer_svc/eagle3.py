@@ -147,7 +147,18 @@ class FeatureHead:
         self.draft_to_target = draft_to_target
         self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # float32 [D / 2]
         self.scale = spec.head_dim ** -0.5
+        self.projection_dtype = projection_dtype
+        self.threads = torch.get_num_threads()  # the projections' GEMMs split over as many (set_threads)
         self.proj = _projections(weights, projection_dtype)
+
+    def set_threads(self, threads: int) -> None:
+        """Runs the head on ``threads`` CPU threads: torch's (process-wide)
+        and its projections' GEMMs, rebuilt when the count changes (a GEMM
+        keeps the thread count it was built with)."""
+        torch.set_num_threads(threads)
+        if threads != self.threads:
+            self.threads = threads
+            self.proj = _projections(self.w, self.projection_dtype)
 
     @property
     def draft_vocab_size(self) -> int:

@@ -36,6 +36,13 @@ class FeatureHeadSettings:
     eagle3: str | None = None  # EAGLE-3 head directory (public layout)
     head: HeadConfig = field(default_factory=HeadConfig)
     projection_dtype: str = "float32"  # the head's projection weights: "float32" or "bfloat16" (FeatureHead)
+    # torch and GEMM threads of the head (process-wide, as --draft-threads); None: 1 for a head too small to
+    # gain from more (MULTITHREAD_MIN_LAYER_BYTES), else as the engine's default
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads (--draft-threads) must be >= 1, got {self.threads}")
 
 
 @dataclass(frozen=True)
@@ -71,10 +78,8 @@ def build_proposers(methods: list[str], settings: ReplicaSettings | None = None)
 def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
     """The eagle3 proposer (--eagle3 DIR) or the mtp proposer (the target
     checkpoint's MTP layers); ValueError saying what is missing."""
-    import torch
-
     from specdec.engine.checkpoint import torch_dtype
-    from specdec.engine.llama import MULTITHREAD_MIN_LAYER_BYTES
+    from specdec.engine.llama import MULTITHREAD_MIN_LAYER_BYTES, default_num_threads
     from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp
     from specdec.proposer_svc.feature_draft import FeatureDraftProposer
 
@@ -88,9 +93,9 @@ def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
         head = load_eagle3(heads.eagle3, heads.target_model, dtype)
     else:
         raise ValueError("eagle3: needs an EAGLE-3 head (--eagle3 DIR)")
-    if head.weight_bytes() < MULTITHREAD_MIN_LAYER_BYTES:
-        # as the engine does for small layers: a second thread costs more than it saves (process-wide)
-        torch.set_num_threads(1)
+    # as the engine does for small layers: a second thread costs more than it saves (process-wide)
+    threads = heads.threads or (default_num_threads() if head.weight_bytes() >= MULTITHREAD_MIN_LAYER_BYTES else 1)
+    head.set_threads(threads)
     return FeatureDraftProposer(method, head, heads.head)
 
 

@@ -63,8 +63,9 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                         "bytes a draft step reads, float32 arithmetic; drafts may differ slightly, output never)")
     p.add_argument("--draft-kv-tokens", type=int, default=None, help="draft model's KV pool size in tokens")
     p.add_argument("--draft-threads", type=int, default=None,
-                   help="CPU threads of the draft model's GEMMs and attention (default: as the scorer's --threads: "
-                        "the cores this process may run on; 1 for a model too small to gain from more)")
+                   help="CPU threads of the draft model's (and the eagle3/mtp head's) GEMMs and attention (default: "
+                        "as the scorer's --threads: the cores this process may run on; 1 for a model too small to "
+                        "gain from more)")
     p.add_argument("--draft-top-k", type=int, default=DEFAULT_DRAFT_TOP_K,
                    help="sampled drafts come from the draft's (or head's) K most likely tokens (sent with their "
                         "probabilities)")
@@ -86,7 +87,7 @@ def replica_settings(args):
                          kv_capacity_tokens=args.draft_kv_tokens, num_threads=args.draft_threads),
             target_model=args.target_model, draft=DraftConfig(top_k=args.draft_top_k, max_batch=args.draft_max_batch))
     heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch),
-                                args.draft_dtype)
+                                args.draft_dtype, threads=args.draft_threads)
     return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests, cache_between_messages=True),
                            draft, heads)
 

@@ -226,7 +226,8 @@ class Stack:
     draft_dtype: str | None = None  # the draft model's dtype and the heads' projection weights (None: dtype)
     extra_proposer_args: list[str] = field(default_factory=list)
     extra_draft_args: list[str] = field(default_factory=list)  # the draft proposer's only, e.g. --draft-device cuda
-    draft_threads: int | None = COLOCATED_DRAFT_THREADS  # the draft proposer's --draft-threads (None: its default)
+    # --draft-threads of the proposers that draft with a model (draft model, eagle3/mtp head; None: their default)
+    draft_threads: int | None = COLOCATED_DRAFT_THREADS
     log_dir: str | None = None  # children's output goes to files here, else inherited
     metrics: bool = False  # give every service a Prometheus port (Service.metrics())
     tls: StackTls | None = None  # None: plaintext everywhere
@@ -315,14 +316,17 @@ class Stack:
         if self.eagle3 and "eagle3" in methods:
             args += ["--eagle3", self.eagle3]
         if "eagle3" in methods or "mtp" in methods:  # feature heads read the target's embeddings
-            args += ["--target-model", self.model, "--draft-dtype", self.draft_dtype or "float32"]
+            args += ["--target-model", self.model, "--draft-dtype", self.draft_dtype or "float32", *self._threads()]
         return args
 
     def _draft_proposer_args(self, methods: list[str]) -> list[str]:
         assert self.draft_model is not None
-        threads = [] if self.draft_threads is None else ["--draft-threads", str(self.draft_threads)]
         return [*self._proposer_args(methods), "--draft-model", self.draft_model, "--target-model", self.model,
-                "--draft-dtype", self.draft_dtype or self.dtype, *threads, *self.extra_draft_args]
+                "--draft-dtype", self.draft_dtype or self.dtype, *self._threads(), *self.extra_draft_args]
+
+    def _threads(self) -> list[str]:
+        """A model-drafting proposer's --draft-threads (a draft model's, a feature head's)."""
+        return [] if self.draft_threads is None else ["--draft-threads", str(self.draft_threads)]
 
     def _spawn_gateway(self, scorers: list[Service], copy_methods: list[str], proposers: list[Service],
                        draft_methods: list[str], drafters: list[Service]) -> Service:

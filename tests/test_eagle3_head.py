@@ -142,6 +142,12 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
     assert build_parser().parse_args(with_draft._draft_proposer_args(["draft"])).draft_dtype == "float32"
     assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "float32"
     assert build_parser().parse_args(["serve", "--draft-dtype", "bfloat16"]).draft_dtype == "bfloat16"
+    # draft_threads reaches the proposer that runs the heads (COLOCATED_DRAFT_THREADS by default), as the draft's
+    assert build_parser().parse_args(proposer_args(with_draft)).draft_threads == 1
+    assert build_parser().parse_args(proposer_args(Stack(model="M", methods="mtp", draft_threads=2))).draft_threads == 2
+    assert build_parser().parse_args(proposer_args(Stack(model="M", methods="eagle3", eagle3="/heads/h",
+                                                         draft_threads=None))).draft_threads is None
+    assert "--draft-threads" not in proposer_args(Stack(model="M", methods="ngram"))
 
 
 def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, stories_path):
@@ -192,6 +198,38 @@ def test_one_row_chain_steps_attend_as_a_whole_chunk_does(head_dir, stories_path
                             HeadItem(HeadCache(s.num_kv_heads, s.head_dim), tokens[:1], -feats[:1])])
     torch.testing.assert_close(both[:1], steps[0][0], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(both[1:], both[:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_draft_threads_sets_the_heads_threads_before_its_gemms_split_work(head_dir, stories_path, target, dtype):
+    """`--draft-threads N` runs the head on N threads: torch's and every
+    projection's GEMM (a GEMM keeps the count it was built with, so the head
+    rebuilds them); without the flag a head this small runs on one thread;
+    0 is refused naming the flag. The drafts do not depend on the count."""
+    import torch
+
+    from specdec.cli import build_parser, replica_settings
+    from specdec.proposer_svc.registry import build_proposers
+
+    def built(*extra: str):
+        args = build_parser().parse_args(["proposer", "--methods", "eagle3", "--eagle3", str(head_dir),
+                                          "--target-model", stories_path, "--draft-dtype", dtype, *extra])
+        return build_proposers(["eagle3"], replica_settings(args))["eagle3"]
+
+    threads = torch.get_num_threads()
+    try:
+        drafts = {}
+        for flag, want in ((["--draft-threads", "2"], 2), ([], 1), (["--draft-threads", "1"], 1)):
+            torch.set_num_threads(2 if want == 1 else 1)  # the other count: the proposer must set it
+            proposer = built(*flag)
+            assert torch.get_num_threads() == want and proposer.head.threads == want
+            assert {getattr(linear, "threads", want) for linear in proposer.head.proj.values()} == {want}  # numba GEMMs
+            drafts[tuple(flag)] = _drafts(proposer, target, CONTEXT)
+        assert len(set(map(tuple, drafts.values()))) == 1 and len(drafts[()]) == 4
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="--draft-threads"):
+        built("--draft-threads", "0")
 
 
 def test_bfloat16_projections_keep_half_the_bytes_and_stay_close(head_dir, stories_path):
