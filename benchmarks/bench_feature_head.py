@@ -10,11 +10,17 @@ way the proposer and the scorer run them, and states the feature traffic.
 - head catch-up: the rows of one round's accepted tokens (fc over the
   relayed features + the layer), 4 rows.
 
+Each head step is timed warm (back to back: its weights stay in the
+caches) and cold: before each timed call, untimed, the benchmark reads as
+many bytes as the target's weights, which is what a Verify on the same
+machine reads between two rounds of a co-located proposer, so the head
+starts from memory as it does in a stack (``--evict-mb`` changes the size).
+
 Feature traffic: bytes per context position (bfloat16, hidden * layers) for
 this target and for an 8B target (hidden 4096, 3 layers), and per round at
 the measured mean accepted length, with its share of a round at 10 Gbit/s.
 
-    python benchmarks/bench_feature_head.py --eagle3 HEAD_DIR [--model M]
+    python benchmarks/bench_feature_head.py --eagle3 HEAD_DIR [--model M] [--projection-dtype bfloat16]
 
 Prints a table and writes JSON to --out (default bench_results/feature_head.json).
 Times are the median of --reps runs.
@@ -39,9 +45,12 @@ from specdec.proposer_svc.eagle3 import HeadCache, HeadItem, load_eagle3
 LINK_GBITS = 10.0
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int, before=None) -> float:
+    """Median wall time of fn in ms; before (untimed) runs ahead of each call."""
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -60,7 +69,7 @@ def target_decode_ms(engine: LlamaEngine, prefix: int, reps: int) -> float:
     return median_ms(step, reps)
 
 
-def head_ms(head, prefix: int, rows: int, reps: int) -> float:
+def head_ms(head, prefix: int, rows: int, reps: int, before=None) -> float:
     """Rows fed after a cached prefix (rows = 1: one chain step), rolled back each time."""
     spec = head.spec
     cache = HeadCache(spec.num_kv_heads, spec.head_dim)
@@ -71,7 +80,13 @@ def head_ms(head, prefix: int, rows: int, reps: int) -> float:
         head.forward([HeadItem(cache, torch.arange(rows) % 100,
                                head.fuse(feats) if rows > 1 else torch.randn(1, spec.hidden_size))])
         cache.length = prefix
-    return median_ms(step, reps)
+    return median_ms(step, reps, before)
+
+
+def evictor(megabytes: float):
+    """A callable that reads ``megabytes`` of memory (the caches then hold that, not the head)."""
+    buffer = np.ones(max(1, int(megabytes * (1 << 20)) // 4), np.float32)
+    return lambda: float(buffer.sum())
 
 
 def main() -> None:
@@ -81,20 +96,34 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=256, help="cached context tokens")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--accepted", type=float, default=None, help="mean accepted length (for bytes per round)")
+    p.add_argument("--projection-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the head's projection weights (specdec proposer --draft-dtype)")
+    p.add_argument("--evict-mb", type=float, default=None,
+                   help="megabytes read before each cold step (default: the target's float32 weights)")
     p.add_argument("--out", default="bench_results/feature_head.json")
     args = p.parse_args()
     torch.set_num_threads(1)
-    engine = LlamaEngine(Checkpoint.load(args.model), "float32", kv_capacity_tokens=4096, num_threads=1)
-    head = load_eagle3(args.eagle3, args.model)
+    checkpoint = Checkpoint.load(args.model)
+    evict_mb = args.evict_mb if args.evict_mb is not None else sum(
+        4 * v.numel() for v in checkpoint.state_dict.values()) / (1 << 20)
+    engine = LlamaEngine(checkpoint, "float32", kv_capacity_tokens=4096, num_threads=1)
+    head = load_eagle3(args.eagle3, args.model, getattr(torch, args.projection_dtype))
+    head.set_threads(1)
     target_ms = target_decode_ms(engine, args.prefix, args.reps)
     chain_ms = head_ms(head, args.prefix, 1, args.reps)
     catchup_ms = head_ms(head, args.prefix, 4, args.reps)
+    cold = evictor(evict_mb)
+    chain_cold_ms = head_ms(head, args.prefix, 1, args.reps, cold)
+    catchup_cold_ms = head_ms(head, args.prefix, 4, args.reps, cold)
     row_bytes = 2 * head.spec.feature_dim
     row_bytes_8b = 2 * 4096 * 3
     result = {
         "cpu": cpu_model(), "model": args.model, "head": args.eagle3, "prefix": args.prefix, "threads": 1,
         "target_decode_ms": round(target_ms, 3), "head_chain_step_ms": round(chain_ms, 3),
         "head_catchup_4_rows_ms": round(catchup_ms, 3), "chain_step_share_of_decode": round(chain_ms / target_ms, 4),
+        "projection_dtype": args.projection_dtype, "evict_mb": round(evict_mb, 1),
+        "head_chain_step_cold_ms": round(chain_cold_ms, 3), "head_catchup_4_rows_cold_ms": round(catchup_cold_ms, 3),
+        "chain_step_cold_share_of_decode": round(chain_cold_ms / target_ms, 4),
         "draft_vocab": head.draft_vocab_size, "feature_layers": list(head.spec.feature_layers),
         "feature_bytes_per_position": row_bytes, "feature_bytes_per_position_8b": row_bytes_8b,
     }
@@ -103,11 +132,13 @@ def main() -> None:
         result["feature_bytes_per_round"] = round(per_round)
         result["feature_bytes_per_round_8b"] = round(args.accepted * row_bytes_8b)
         result["link_us_per_round_8b_at_10gbit"] = round(args.accepted * row_bytes_8b * 8 / (LINK_GBITS * 1e3), 2)
-    print(f"CPU: {result['cpu']}  model: {args.model}  prefix {args.prefix} tokens, 1 thread")
-    print(f"{'step':<34}{'ms':>10}")
+    print(f"CPU: {result['cpu']}  model: {args.model}  prefix {args.prefix} tokens, 1 thread, "
+          f"head projections {args.projection_dtype}; cold: {evict_mb:.0f} MB read before each step")
+    print(f"{'step':<34}{'warm ms':>10}{'cold ms':>10}")
     print(f"{'target decode (1 token)':<34}{target_ms:>10.3f}")
-    print(f"{'head chain step (1 draft token)':<34}{chain_ms:>10.3f}   {100 * chain_ms / target_ms:.1f}% of decode")
-    print(f"{'head catch-up (4 accepted rows)':<34}{catchup_ms:>10.3f}")
+    print(f"{'head chain step (1 draft token)':<34}{chain_ms:>10.3f}{chain_cold_ms:>10.3f}   "
+          f"{100 * chain_ms / target_ms:.1f}% / {100 * chain_cold_ms / target_ms:.1f}% of decode")
+    print(f"{'head catch-up (4 accepted rows)':<34}{catchup_ms:>10.3f}{catchup_cold_ms:>10.3f}")
     print(f"feature bytes per context position: {row_bytes} (this target), {row_bytes_8b} (8B target, hidden 4096)")
     for key in ("feature_bytes_per_round", "feature_bytes_per_round_8b", "link_us_per_round_8b_at_10gbit"):
         if key in result:
