@@ -105,12 +105,24 @@ def run_vllm(python: str, target: str, draft: str, prompts: dict[str, list[int]]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def proposer_compute(stack: Stack) -> tuple[float, float]:
+    """Seconds the stack's proposer processes spent handling Propose
+    messages so far, and how many (``specdec_proposer_batch_seconds``)."""
+    metrics = [service.metrics() for service in stack.by_name("proposer")]
+    return (sum(m.get("specdec_proposer_batch_seconds_sum", 0.0) for m in metrics),
+            sum(m.get("specdec_proposer_batch_seconds_count", 0.0) for m in metrics))
+
+
 def timings(r: dict) -> dict:
-    """ms per draft step (one draft token), per propose call and per verify;
-    target features relayed per round."""
+    """ms per draft step (one draft token), per propose call (the gateway's
+    view: gRPC included) and per verify; the proposer's own compute per
+    call (its batch_seconds metric: the servicer and the drafting, no
+    network); target features relayed per round."""
     rounds = max(r["rounds"], 1)
+    calls = r.get("proposer_calls", 0)
     return {"ms_per_draft_step": 1000 * r["propose_s"] / r["draft_tokens"] if r["draft_tokens"] else None,
             "ms_per_propose": 1000 * r["propose_s"] / rounds, "ms_per_verify": 1000 * r["verify_s"] / rounds,
+            "ms_proposer_compute_per_call": 1000 * r["proposer_compute_s"] / calls if calls else None,
             "feature_bytes_per_round": r.get("feature_bytes", 0) / rounds}
 
 
@@ -210,14 +222,17 @@ def main() -> None:
                draft_dtype=args.draft_dtype, draft_threads=args.draft_threads,
                extra_proposer_args=["--max-cached-requests", "0"],
                extra_scorer_args=["--decode-ahead", args.decode_ahead],
-               extra_gateway_args=["--overlap", args.overlap],
+               extra_gateway_args=["--overlap", args.overlap], metrics=True,
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         runs: dict[str, list[dict]] = {}
         for repeat in range(args.repeats):
             for wl, prompts in workloads.items():
                 plain = None
                 for method, length in single:
+                    before = proposer_compute(stack)
                     r = run_single(stack.gateway_addr, prompts, method, args.k, args.max_tokens, length)
+                    r["proposer_compute_s"], r["proposer_calls"] = (
+                        after - start for after, start in zip(proposer_compute(stack), before))
                     ids = {n: p["token_ids"] for n, p in r["per_prompt"].items()}
                     plain = plain or ids
                     r["identical_to_plain"] = ids == plain
@@ -256,15 +271,18 @@ def main() -> None:
 
 def report(results: dict) -> None:
     print(f"\n{'workload/method':26} {'tok/s':>7} {'x plain':>7} {'acc len':>7} {'ms/draft':>8} {'ms/prop':>7} "
-          f"{'ms/verify':>9} {'feat B/round':>12} {'feat B/prompt tok':>17} same")
+          f"{'ms/p-cpu':>8} {'ms/verify':>9} {'feat B/round':>12} {'feat B/prompt tok':>17} same")
+    print("(ms/prop: the gateway's wait for drafts per round; ms/p-cpu: the proposer's own compute per call)")
     for key, r in results["single"].items():
         base = results["single"][key.split("/")[0] + "/none"]["tok_s"]
         step = f"{r['ms_per_draft_step']:8.1f}" if r["ms_per_draft_step"] is not None else f"{'-':>8}"
+        compute = r.get("ms_proposer_compute_per_call")
+        compute_col = f"{compute:8.1f}" if compute is not None else f"{'-':>8}"
         # feature bytes: the prompt's rows on the first touch, then each round's output rows
         per_prompt_tok = r.get("feature_bytes", 0) / max(r["prompt_tokens"] + r["tokens"], 1)
         print(f"{key:26} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['mean_accepted_length']:7.2f} {step} "
-              f"{r['ms_per_propose']:7.1f} {r['ms_per_verify']:9.1f} {r['feature_bytes_per_round']:12,.0f} "
-              f"{per_prompt_tok:17,.0f} {r['identical_to_plain']}"
+              f"{r['ms_per_propose']:7.1f} {compute_col} {r['ms_per_verify']:9.1f} "
+              f"{r['feature_bytes_per_round']:12,.0f} {per_prompt_tok:17,.0f} {r['identical_to_plain']}"
               + (f"  runs {' '.join(f'{t:.1f}' for t in r['runs_tok_s'])}" if len(r["runs_tok_s"]) > 1 else ""))
     print("\nboth workloads together (mixed set):")
     for method, r in results["mixed"].items():
