@@ -271,13 +271,13 @@ def main() -> None:
 
 def report(results: dict) -> None:
     print(f"\n{'workload/method':26} {'tok/s':>7} {'x plain':>7} {'acc len':>7} {'ms/draft':>8} {'ms/prop':>7} "
-          f"{'ms/p-cpu':>8} {'ms/verify':>9} {'feat B/round':>12} {'feat B/prompt tok':>17} same")
-    print("(ms/prop: the gateway's wait for drafts per round; ms/p-cpu: the proposer's own compute per call)")
+          f"{'ms/p-call':>9} {'ms/verify':>9} {'feat B/round':>12} {'feat B/prompt tok':>17} same")
+    print("(ms/prop: the gateway's wait for drafts per round; ms/p-call: the proposer's own handling time per call)")
     for key, r in results["single"].items():
         base = results["single"][key.split("/")[0] + "/none"]["tok_s"]
         step = f"{r['ms_per_draft_step']:8.1f}" if r["ms_per_draft_step"] is not None else f"{'-':>8}"
         compute = r.get("ms_proposer_compute_per_call")
-        compute_col = f"{compute:8.1f}" if compute is not None else f"{'-':>8}"
+        compute_col = f"{compute:9.1f}" if compute is not None else f"{'-':>9}"
         # feature bytes: the prompt's rows on the first touch, then each round's output rows
         per_prompt_tok = r.get("feature_bytes", 0) / max(r["prompt_tokens"] + r["tokens"], 1)
         print(f"{key:26} {r['tok_s']:7.1f} {r['tok_s'] / base:7.2f} {r['mean_accepted_length']:7.2f} {step} "

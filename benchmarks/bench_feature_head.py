@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from specdec.engine.base import ForwardItem
+from specdec.engine.checkpoint import torch_dtype
 from specdec.engine.gemm_select import cpu_model
 from specdec.engine.llama import Checkpoint, LlamaEngine
 from specdec.models import default_model
@@ -107,7 +108,7 @@ def main() -> None:
     evict_mb = args.evict_mb if args.evict_mb is not None else sum(
         4 * v.numel() for v in checkpoint.state_dict.values()) / (1 << 20)
     engine = LlamaEngine(checkpoint, "float32", kv_capacity_tokens=4096, num_threads=1)
-    head = load_eagle3(args.eagle3, args.model, getattr(torch, args.projection_dtype))
+    head = load_eagle3(args.eagle3, args.model, torch_dtype(args.projection_dtype))
     head.set_threads(1)
     target_ms = target_decode_ms(engine, args.prefix, args.reps)
     chain_ms = head_ms(head, args.prefix, 1, args.reps)
