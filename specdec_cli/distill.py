@@ -44,6 +44,7 @@ across an interrupted run resumed with ``--resume``).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shlex
@@ -70,7 +71,7 @@ TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "
           "music", "a mountain trip", "honey bees", "a new school", "the stars", "cooking pasta", "a storm",
           "a train journey", "saving money", "a haunted house", "playing chess", "the first day of spring",
           "a lighthouse keeper", "recycling", "a lost puppy", "healthy breakfast", "a dragon", "the internet",
-          "a picnic", "writing a letter", "an island", "a football match", "time management", "a snowman",
+          "writing a letter", "an island", "a football match", "time management", "a snowman",
           "the solar system", "a kind neighbour", "camping in the woods",
           # everyday life, work, science and places: the instructions below turn each into many requests
           "drinking enough water", "a job interview", "moving to a new town", "learning a language",
@@ -94,7 +95,15 @@ INSTRUCTIONS = ["Write a short story about {}.", "Explain {} to a child.", "Give
                 "Write a short conversation between two people about {}.",
                 "How would you explain {} step by step?", "Summarize {} in one paragraph.",
                 "Write a diary entry about {}.", "What are the good and bad sides of {}?",
-                "Give me some advice about {}."]
+                "Give me some advice about {}.",
+                # everyday requests of other kinds (practical, factual, messages): a draft trained on the
+                # kinds above alone accepted 1.9-2.5 on stories, poems and diaries but 1.4-1.7 on
+                # explanations, tips and emails (twenty-first session)
+                "Write a short email to a colleague about {}.", "How do I get started with {}?",
+                "Explain how {} works.", "What are some common mistakes people make with {}?",
+                "Write a short speech about {}.", "What is the most interesting thing about {}?",
+                "Make a simple checklist for {}.", "Write a short news report about {}.",
+                "Give me a step-by-step guide to {}.", "Answer in two sentences: why does {} matter?"]
 STORY_OPENINGS = ["Once upon a time, there was {}.", "One day, a girl found {}.", "Tom liked {}.",
                   "The little dog saw {}.", "Lily and her mom talked about {}."]
 #: the recipe's prompts are asked in this seeded order (not cfg.seed: the data set is the recipe's), so that
@@ -117,6 +126,13 @@ def prompts(tokenizer, topics: list[str]) -> list[list[int]]:
         encoded = [list(tokenizer(o.format(t))["input_ids"]) for t in topics for o in STORY_OPENINGS]
     order = torch.randperm(len(encoded), generator=torch.Generator().manual_seed(PROMPT_ORDER_SEED))
     return [encoded[i] for i in order.tolist()]
+
+
+def prompts_digest(prompt_ids: list[list[int]]) -> str:
+    """A short fingerprint of the recipe's prompts in their order: a
+    checkpoint's answer i is only taken back (``--resume``) for the same
+    prompt i."""
+    return hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()[:16]
 
 
 def held_out_prompts(tokenizer) -> list[list[int]]:
@@ -214,8 +230,12 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     all_prompts = prompts(tokenizer, TOPICS)
     recipe = {"--target": cfg.target, "--seed": cfg.seed, "--teacher-temperature": cfg.teacher_temperature,
               "--max-new-tokens": cfg.max_new_tokens, "--kind": cfg.kind}  # what an answer depends on
+    recipe["prompts"] = prompts_digest(all_prompts)  # and which prompt answer i answers
     if resume:
         made_with = resume["recipe"]
+        if made_with.get("prompts") != recipe["prompts"]:
+            raise SystemExit("--resume: the checkpoint's answers answer another list of the recipe's prompts "
+                             "(made by a specdec whose word lists differ); run again without --resume")
         differ = [flag for flag, value in recipe.items() if made_with.get(flag) != value]
         if differ:
             was = ", ".join(f"{flag} {made_with.get(flag)}" for flag in differ)

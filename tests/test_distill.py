@@ -5,10 +5,12 @@ checkpoint that the draft proposer accepts (with the reduced head that
 resumed gives exactly the draft of an uninterrupted run."""
 from __future__ import annotations
 
+import ast
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -218,6 +220,10 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
     torch.save(saved, tmp_path / "other" / CHECKPOINT_FILE)
     with pytest.raises(SystemExit, match=r"other --seed \(--seed 3\)"):
         mod.distill(dataclasses.replace(cut, out=str(tmp_path / "other"), seed=4), resume=True, log=lambda *_: None)
+    # answer i answers the recipe's prompt i: answers made for another list of prompts are refused too
+    monkeypatch.setattr(mod, "STORY_OPENINGS", mod.STORY_OPENINGS + ["Sam wanted {}."])
+    with pytest.raises(SystemExit, match="another list of the recipe's prompts"):
+        mod.distill(dataclasses.replace(cut, out=str(tmp_path / "other")), resume=True, log=lambda *_: None)
 
 
 def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
@@ -291,6 +297,10 @@ def test_the_recipes_prompts_spread_over_topics_and_instructions_in_a_fixed_orde
     assert len({t for t in TOPICS if any(f" {t}" in x for x in first)}) >= 50
     assert len({i for i in INSTRUCTIONS if any(i.split("{}")[0] in x for x in first)}) == len(INSTRUCTIONS)
     assert not any(h in x for h in HELD_OUT_TOPICS for x in texts)
+    bench = ast.parse((Path(__file__).parents[1] / "benchmarks" / "bench_draft.py").read_text())
+    chat = next(ast.literal_eval(n.value) for n in bench.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", "") == "CHAT_PROMPTS")  # bench_draft's: none is trained on
+    assert len(chat) == 6 and not any(c in x for c in chat.values() for x in texts)
     held_out = [tokenizer.decode(p) for p in held_out_prompts(tokenizer)]
     assert len(held_out) == 8 and all(any(h in x for h in HELD_OUT_TOPICS) for x in held_out)
 
