@@ -90,6 +90,35 @@ def test_resume_after_an_interrupted_run_gives_the_same_draft(stories_path, tmp_
     assert not all(torch.allclose(a[k], two[k], rtol=0, atol=1e-5) for k in a)
 
 
+def test_checkpoints_leave_the_data_to_a_file_written_once(stories_path, tmp_path, monkeypatch):
+    """The data is written once (DATA_FILE) and the checkpoint a step holds
+    only the training state; a checkpoint of an older specdec, with the
+    data inside, still resumes (and gets its DATA_FILE); a checkpoint whose
+    DATA_FILE is gone is refused, naming the file."""
+    import specdec.distill as mod
+
+    saved: list[tuple[str, bool]] = []  # (file name, whether the state held data)
+    real_save = mod._save_atomically
+    monkeypatch.setattr(mod, "_save_atomically", lambda path, state: (
+        saved.append((path.name, "data" in state)), real_save(path, state))[-1])
+    _interrupted(_config(stories_path, tmp_path / "cut", steps=4), 3, monkeypatch)
+    assert saved.count((mod.DATA_FILE, True)) == 1
+    assert saved.count((CHECKPOINT_FILE, False)) >= 2 and (CHECKPOINT_FILE, True) not in saved
+    state = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)
+    data = torch.load(tmp_path / "cut" / mod.DATA_FILE, weights_only=False)["data"]
+    assert state["step"] == 2 and "data" not in state and len(data["tokens"]) == 8
+    (tmp_path / "old").mkdir()
+    torch.save({**state, "data": data}, tmp_path / "old" / CHECKPOINT_FILE)
+    distill(_config(stories_path, tmp_path / "cut", steps=4), resume=True, log=lambda *_: None)
+    assert distill(_config(stories_path, tmp_path / "old", steps=4), resume=True, log=lambda *_: None)["steps"] == 4
+    a, b = load_file(tmp_path / "cut" / "model.safetensors"), load_file(tmp_path / "old" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a) and (tmp_path / "old" / mod.DATA_FILE).exists()
+    (tmp_path / "gone").mkdir()
+    torch.save(state, tmp_path / "gone" / CHECKPOINT_FILE)
+    with pytest.raises(SystemExit, match="distill-data.pt, the data the checkpoint trains on, is missing"):
+        distill(_config(stories_path, tmp_path / "gone", steps=4), resume=True, log=lambda *_: None)
+
+
 EAGLE3 = ["--kind", "eagle3", "--draft-vocab", "200", "--samples", "8", "--max-new-tokens", "16", "--batch-size", "4",
           "--seed", "3"]
 
@@ -181,7 +210,7 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
                               draft_vocab=200 if kind == "eagle3" else 0)
     monkeypatch.setattr(mod, "TEACHER_BATCH", 3)  # answers finish along the way
     mod.distill(cfg, log=lambda *_: None)
-    whole = torch.load(tmp_path / "whole" / CHECKPOINT_FILE, weights_only=False)["data"]
+    whole = torch.load(tmp_path / "whole" / mod.DATA_FILE, weights_only=False)["data"]
 
     calls = {"n": 0}
     real_draw = mod.draw
@@ -214,7 +243,7 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
     answers_left = sum(len(t) - s - 1 for i, (t, s) in enumerate(zip(whole["tokens"], whole["start"]))
                        if i not in kept)
     assert remade["n"] == answers_left  # only the answers not kept were made again
-    resumed = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)["data"]
+    resumed = torch.load(tmp_path / "cut" / mod.DATA_FILE, weights_only=False)["data"]
     assert _same_data(whole, resumed)
     (tmp_path / "other").mkdir()  # answers made with another seed are not mixed in: refused, naming the flag
     torch.save(saved, tmp_path / "other" / CHECKPOINT_FILE)
