@@ -227,9 +227,10 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     flight: a seed gives the same data, and so does a run resumed from a
     checkpoint. ``save`` (if given) is called every ``CHECKPOINT_EVERY_S``
     seconds and at the end with {"answers": {i: answer i}, "recipe": the
-    options an answer depends on}, what ``resume`` takes back (refused when
-    those options differ); answers in flight at a checkpoint are not in it (a resumed
-    run starts them again: at most a few seconds of the target's work)."""
+    options an answer depends on and a digest of the prompt list}, what
+    ``resume`` takes back (refused when those options or prompts differ);
+    answers in flight at a checkpoint are not in it (a resumed run starts
+    them again: at most a few seconds of the target's work)."""
     from specdec.engine.base import ForwardItem
 
     all_prompts = prompts(tokenizer, TOPICS)
