@@ -25,7 +25,8 @@ Recipe (all offline; nothing but the target and this package is needed):
    optimiser (autocast) on a CPU with native bfloat16 (``--train-dtype``);
    a checkpoint (student, optimiser, step; the data is written once
    beside it, ``DATA_FILE``) every ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that
-   (also while step 1 makes the data: the finished answers are kept);
+   (also while step 1 makes the data: the finished answers are kept, each
+   written once, in parts, ``ANSWERS_PART``, removed once the data is whole);
 4. acceptance: greedy speculation simulated on held-out prompts (target
    greedy answers, student drafts of k tokens), printed and written to the
    model card;
@@ -69,6 +70,11 @@ CHECKPOINT_FILE = "distill-checkpoint.pt"
 #: minute: ~3.7 GB for an eagle3 run's 6500 answers and their features;
 #: 1.5 GB took 1.2 s to save on an AMD EPYC)
 DATA_FILE = "distill-data.pt"
+#: while the target answers, each checkpoint writes the answers finished
+#: since the one before to a part of its own and names every part: an answer
+#: is written once (a checkpoint that held them all rewrote every answer
+#: made so far each minute, up to ~3.7 GB a save in an 85-minute eagle3 run)
+ANSWERS_PART = "distill-answers-{:05d}.pt"
 ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
 
 TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "winter", "friendship",
@@ -457,14 +463,10 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     if state:
         data, data_s = _resumed_data(out, state), state["data_s"]
     else:
-        data_started = time.monotonic() - (teacher["data_s"] if teacher else 0.0)
-
-        def save_teacher(partial: dict) -> None:
-            _save_atomically(ckpt_path, {"teacher": partial, "data_s": time.monotonic() - data_started})
-
+        saver = _AnswerSaver(out, time.monotonic() - (teacher["data_s"] if teacher else 0.0), teacher)
         data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target),
-                            resume=teacher and teacher["teacher"], save=save_teacher)
-        data_s = time.monotonic() - data_started
+                            resume=saver.resumed, save=saver)
+        data_s = time.monotonic() - saver.started
         _save_atomically(out / DATA_FILE, {"data": data})  # before the first checkpoint that leans on it
     head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.kind == "draft" and cfg.draft_vocab else None
     student, loss_of = _student(cfg, target, data, head_ids)
@@ -475,6 +477,10 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         step, trained_s = state["step"], state["trained_s"]
         torch.set_rng_state(state["rng"])
         log(f"resumed at step {step} ({trained_s / 60:.1f} min trained)")
+    else:  # the data is whole in DATA_FILE: a checkpoint of the training leaves the answers' parts unneeded
+        _save_checkpoint(ckpt_path, student, optimizer, data_s, 0, 0.0)
+        for part in out.glob(ANSWERS_PART.replace("{:05d}", "*")):
+            part.unlink()
     gen = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(data["tokens"]), generator=gen).tolist()
     budget_s = cfg.minutes * 60 - data_s  # --minutes covers the target's answers and the training
@@ -567,6 +573,46 @@ def _student(cfg: DistillConfig, target, data: dict, head_ids: list[int] | None 
     t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     t2d_index[student.hot] = torch.arange(len(student.hot))
     return student, lambda st, d, rows: eagle3_loss(st, d, rows, t2d_index)
+
+
+class _AnswerSaver:
+    """The checkpoints of step 1 (``teacher_data``'s ``save``): each writes
+    the answers finished since the one before to a part of its own
+    (``ANSWERS_PART``), then the checkpoint, which names every part and the
+    recipe; ``resumed`` is what such a checkpoint (or one of an older
+    specdec, with the answers inside) holds, for ``teacher_data``'s
+    ``resume``. A part missing is refused, naming it."""
+
+    def __init__(self, out: Path, started: float, checkpoint: dict | None) -> None:
+        self.out, self.started = out, started
+        self.parts: list[str] = []  # the parts written, in order
+        self.written: set[int] = set()  # the answers in them
+        self.resumed: dict | None = None
+        if checkpoint is None:
+            return
+        teacher = checkpoint["teacher"]
+        if "answers" in teacher:  # an older specdec's: written to a part at the first save
+            self.resumed = teacher
+            return
+        answers: dict[int, dict] = {}
+        for name in teacher["parts"]:
+            if not (out / name).exists():
+                raise SystemExit(f"--resume: {out / name}, a part of the target answers the checkpoint names, "
+                                 "is missing; run again without --resume")
+            answers.update(torch.load(out / name, weights_only=False))
+        self.parts, self.written = list(teacher["parts"]), set(answers)
+        self.resumed = {"answers": answers, "recipe": teacher["recipe"]}
+
+    def __call__(self, partial: dict) -> None:
+        new = {i: a for i, a in partial["answers"].items() if i not in self.written}
+        if new:
+            name = ANSWERS_PART.format(len(self.parts))
+            _save_atomically(self.out / name, new)
+            self.parts.append(name)
+            self.written.update(new)
+        _save_atomically(self.out / CHECKPOINT_FILE, {
+            "teacher": {"parts": list(self.parts), "recipe": partial["recipe"]},
+            "data_s": time.monotonic() - self.started})
 
 
 def _resumed_data(out: Path, state: dict) -> dict:

@@ -228,7 +228,8 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
         with pytest.raises(KeyboardInterrupt):
             mod.distill(cut, log=lambda *_: None)
     saved = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)
-    kept = set(saved["teacher"]["answers"])
+    parts = [torch.load(tmp_path / "cut" / name, weights_only=False) for name in saved["teacher"]["parts"]]
+    kept = {i for part in parts for i in part}
     assert 0 < len(kept) < 8 and saved["data_s"] > 0
     lines: list[str] = []
     remade = {"n": 0}
@@ -245,14 +246,78 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
     assert remade["n"] == answers_left  # only the answers not kept were made again
     resumed = torch.load(tmp_path / "cut" / mod.DATA_FILE, weights_only=False)["data"]
     assert _same_data(whole, resumed)
+    assert not list((tmp_path / "cut").glob("distill-answers-*"))  # the data is whole: its parts are gone
     (tmp_path / "other").mkdir()  # answers made with another seed are not mixed in: refused, naming the flag
-    torch.save(saved, tmp_path / "other" / CHECKPOINT_FILE)
+    torch.save({"teacher": {"answers": parts[0], "recipe": saved["teacher"]["recipe"]},
+                "data_s": 1.0}, tmp_path / "other" / CHECKPOINT_FILE)
     with pytest.raises(SystemExit, match=r"other --seed \(--seed 3\)"):
         mod.distill(dataclasses.replace(cut, out=str(tmp_path / "other"), seed=4), resume=True, log=lambda *_: None)
     # answer i answers the recipe's prompt i: answers made for another list of prompts are refused too
     monkeypatch.setattr(mod, "STORY_OPENINGS", mod.STORY_OPENINGS + ["Sam wanted {}."])
     with pytest.raises(SystemExit, match="another list of the recipe's prompts"):
         mod.distill(dataclasses.replace(cut, out=str(tmp_path / "other")), resume=True, log=lambda *_: None)
+
+
+def test_the_data_phase_writes_each_answer_once_in_parts(stories_path, tmp_path, monkeypatch):
+    """While the target answers, a checkpoint writes only the answers
+    finished since the one before (a part of its own) and names every
+    part; a run resumed from it gives the uninterrupted run's data, and so
+    does one from an older specdec's checkpoint with the answers inside; a
+    part missing is refused, naming it."""
+    import dataclasses
+
+    import specdec.distill as mod
+
+    cfg = _config(stories_path, tmp_path / "whole", steps=1)
+    monkeypatch.setattr(mod, "TEACHER_BATCH", 3)  # answers finish along the way
+    mod.distill(cfg, log=lambda *_: None)
+    whole = torch.load(tmp_path / "whole" / mod.DATA_FILE, weights_only=False)["data"]
+    written: list[set[int]] = []  # the answers each part holds
+    checkpoints: list[list[str]] = []  # the parts each checkpoint of the data names
+    real_save = mod._save_atomically
+
+    def recording_save(path, state):
+        if path.name.startswith("distill-answers-"):
+            written.append(set(state))
+        elif "teacher" in state:
+            checkpoints.append(list(state["teacher"]["parts"]))
+        real_save(path, state)
+
+    calls = {"n": 0}
+    real_draw = mod.draw
+
+    def interrupting_draw(probs, uniforms):
+        calls["n"] += 1
+        if calls["n"] == 40:
+            raise KeyboardInterrupt
+        return real_draw(probs, uniforms)
+
+    cut = dataclasses.replace(cfg, out=str(tmp_path / "cut"))
+    with monkeypatch.context() as m:
+        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
+        m.setattr(mod, "_save_atomically", recording_save)
+        m.setattr(mod, "draw", interrupting_draw)
+        with pytest.raises(KeyboardInterrupt):
+            mod.distill(cut, log=lambda *_: None)
+    # a checkpoint after every token: many, but each answer went into one part, once
+    assert len(checkpoints) > len(written) >= 2
+    assert sum(map(len, written)) == len(set().union(*written))
+    assert checkpoints[-1] == [mod.ANSWERS_PART.format(i) for i in range(len(written))]
+    state = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)
+    answers = {i: a for name in state["teacher"]["parts"]
+               for i, a in torch.load(tmp_path / "cut" / name, weights_only=False).items()}
+    (tmp_path / "old").mkdir()  # an older specdec's checkpoint: the answers inside
+    torch.save({"teacher": {"answers": answers, "recipe": state["teacher"]["recipe"]}, "data_s": state["data_s"]},
+               tmp_path / "old" / CHECKPOINT_FILE)
+    for name in ("cut", "old"):
+        mod.distill(dataclasses.replace(cfg, out=str(tmp_path / name)), resume=True, log=lambda *_: None)
+        assert _same_data(whole, torch.load(tmp_path / name / mod.DATA_FILE, weights_only=False)["data"])
+        assert not list((tmp_path / name).glob("distill-answers-*"))  # removed once the data is whole
+    (tmp_path / "gone").mkdir()
+    torch.save(state, tmp_path / "gone" / CHECKPOINT_FILE)
+    with pytest.raises(SystemExit, match="distill-answers-00000.pt, a part of the target answers the checkpoint "
+                                         "names, is missing"):
+        mod.distill(dataclasses.replace(cfg, out=str(tmp_path / "gone")), resume=True, log=lambda *_: None)
 
 
 def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
