@@ -76,6 +76,16 @@ DATA_FILE = "distill-data.pt"
 #: made so far each minute, up to ~3.7 GB a save in an 85-minute eagle3 run)
 ANSWERS_PART = "distill-answers-{:05d}.pt"
 ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
+#: --samples 0 (the default): the target answers for this share of --minutes
+#: (answers in flight then finish), training gets the rest. The best 30- and
+#: 85-minute SmolLM2 runs of earlier sessions spent 40-57 % of their budget
+#: on the answers (AMD EPYC, 2 cores); a fixed count spends a machine-
+#: dependent share (the same 2600 answers took 17 minutes one day, ~9 another)
+AUTO_DATA_SHARE = 0.5
+#: --samples 0 with sampled answers: at most this many times the recipe's
+#: prompts (each prompt answered anew with its own seed); greedy answers
+#: stop at one per prompt (a second would be the same text)
+AUTO_ANSWERS_PER_PROMPT = 8
 
 TOPICS = ["rivers", "a lost key", "the moon", "baking bread", "a small robot", "winter", "friendship",
           "learning to swim", "a busy city", "the ocean", "an old map", "gardening", "a rainy day",
@@ -208,7 +218,8 @@ def train_dtype(cfg: DistillConfig) -> torch.dtype:
 
 @torch.inference_mode()
 def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tuple[int, ...] = (),
-                 resume: dict | None = None, save: Callable[[dict], None] | None = None) -> dict:
+                 resume: dict | None = None, save: Callable[[dict], None] | None = None,
+                 deadline: float | None = None) -> dict:
     """Target answers to the recipe's prompts and the target's top-K
     next-token distribution (its logits as it generated, before temperature)
     at every answer position: row ``j`` of top_ids/top_logp predicts token
@@ -231,7 +242,10 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     cfg.seed and i, ``answer_generator``), and the engine's rows do not
     depend on the batch, so an answer is the same whatever else is in
     flight: a seed gives the same data, and so does a run resumed from a
-    checkpoint. ``save`` (if given) is called every ``CHECKPOINT_EVERY_S``
+    checkpoint. cfg.samples answers, or with cfg.samples 0 the answers
+    begun before ``deadline`` (``time.monotonic()``; prompts 0, 1, ... in
+    the recipe's order, at most ``_auto_limit``), then the ones in flight
+    finish. ``save`` (if given) is called every ``CHECKPOINT_EVERY_S``
     seconds and at the end with {"answers": {i: answer i}, "recipe": the
     options an answer depends on and a digest of the prompt list}, what
     ``resume`` takes back (refused when those options or prompts differ);
@@ -254,18 +268,27 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
             raise SystemExit(f"--resume: the checkpoint's answers were made with other {', '.join(differ)} "
                              f"({was}); run again with those or without --resume")
     answers: dict[int, dict] = dict(resume["answers"]) if resume else {}
-    todo = [i for i in range(cfg.samples) if i not in answers]
+    todo = [i for i in range(cfg.samples or _auto_limit(cfg, len(all_prompts))) if i not in answers]
+    if not cfg.samples and deadline is None:
+        raise ValueError("teacher_data: cfg.samples 0 (answers until a deadline) needs the deadline")
     width = min(TEACHER_BATCH, max(len(todo), 1))
-    longest = max((len(all_prompts[i % len(all_prompts)]) for i in todo), default=1) + cfg.max_new_tokens
+    longest = max(map(len, all_prompts)) + cfg.max_new_tokens
     engine = teacher_engine(target, cfg.target, width * (longest + 64), cfg.threads)  # + 64: whole KV blocks
     eos = tokenizer.eos_token_id
+    of = f"/{cfg.samples}" if cfg.samples else ""
     if answers:
-        log(f"data: resumed with {len(answers)}/{cfg.samples} target answers")
+        log(f"data: resumed with {len(answers)}{of} target answers")
+    if not cfg.samples:
+        log(f"data: target answers for {AUTO_DATA_SHARE:.0%} of --minutes (--samples 0), at most {len(todo)} more")
     live: dict[int, dict] = {}  # answer index -> {"prompt", "answer", "ids", "logp", "feed", "feats", "gen"}
     admitted, started, reported, saved = 0, time.monotonic(), time.monotonic(), time.monotonic()
     made = sum(len(a["tokens"]) - a["start"] - 1 for a in answers.values())
     made_before = made
     while admitted < len(todo) or live:
+        if not cfg.samples and time.monotonic() >= deadline:
+            del todo[admitted:]  # the time for answers is up: the ones in flight finish
+            if not live:
+                break
         while len(live) < width and admitted < len(todo):
             index = todo[admitted]
             prompt = all_prompts[index % len(all_prompts)]
@@ -308,10 +331,18 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
         if time.monotonic() - reported >= 10 or finished:
             reported = time.monotonic()
             elapsed = reported - started
-            log(f"data: {len(answers)}/{cfg.samples} target answers, {made} tokens, "
+            log(f"data: {len(answers)}{of} target answers, {made} tokens, "
                 f"{(made - made_before) / max(elapsed, 1e-9):.0f} tok/s, {elapsed:.0f}s")
+    if not answers:
+        raise SystemExit(f"distill: no target answer was begun within {AUTO_DATA_SHARE:.0%} of --minutes "
+                         f"{cfg.minutes}; give more --minutes or a --samples count")
     keys = ["tokens", "start", "top_ids", "top_logp"] + (["features"] if feature_layers else [])
-    return {key: [answers[i][key] for i in range(cfg.samples)] for key in keys}
+    return {key: [answers[i][key] for i in sorted(answers)] for key in keys}
+
+
+def _auto_limit(cfg: DistillConfig, num_prompts: int) -> int:
+    """The most answers --samples 0 makes (see AUTO_ANSWERS_PER_PROMPT)."""
+    return num_prompts * (AUTO_ANSWERS_PER_PROMPT if cfg.teacher_temperature > 0 else 1)
 
 
 def answer_generator(seed: int, index: int) -> torch.Generator:
@@ -464,8 +495,9 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         data, data_s = _resumed_data(out, state), state["data_s"]
     else:
         saver = _AnswerSaver(out, time.monotonic() - (teacher["data_s"] if teacher else 0.0), teacher)
-        data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target),
-                            resume=saver.resumed, save=saver)
+        data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target), resume=saver.resumed,
+                            save=saver, deadline=None if cfg.samples else
+                            saver.started + AUTO_DATA_SHARE * cfg.minutes * 60)
         data_s = time.monotonic() - saver.started
         _save_atomically(out / DATA_FILE, {"data": data})  # before the first checkpoint that leans on it
     head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.kind == "draft" and cfg.draft_vocab else None
@@ -645,7 +677,8 @@ def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
              ["--kind", "eagle3"])
     command = "specdec distill " + " ".join(shlex.quote(a) for a in [
         "--target", cfg.target, "--out", cfg.out, *shape, "--minutes", str(cfg.minutes),
-        "--steps", str(cfg.steps), "--samples", str(cfg.samples), "--max-new-tokens", str(cfg.max_new_tokens),
+        "--steps", str(cfg.steps), "--samples", str(cfg.samples or card["examples"]),  # the count made: same data
+        "--max-new-tokens", str(cfg.max_new_tokens),
         "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr), "--seed", str(cfg.seed),
         "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab),
         "--teacher-temperature", str(cfg.teacher_temperature), "--lr-schedule", cfg.lr_schedule,

@@ -35,7 +35,7 @@ class DistillConfig:
     layers: int = 2
     minutes: float = 20.0
     steps: int = 0  # 0: until the time budget ends
-    samples: int = 128  # target answers generated
+    samples: int = 0  # target answers generated; 0: as many as fit in distill.AUTO_DATA_SHARE of --minutes
     max_new_tokens: int = 128
     batch_size: int = 8
     lr: float = DEFAULT_LR["draft"]  # the command line's default depends on --kind (DEFAULT_LR)
@@ -64,7 +64,9 @@ def add_parser(sub) -> None:
                    help="time budget: the target's answers plus training (the acceptance measurement follows)")
     p.add_argument("--steps", type=int, default=0, help="train exactly this many steps (reproducible); 0: "
                                                         "until --minutes")
-    p.add_argument("--samples", type=int, default=DistillConfig.samples, help="target answers to train on")
+    p.add_argument("--samples", type=int, default=DistillConfig.samples,
+                   help="target answers to train on; 0 (default): as many as the target makes in half of --minutes "
+                        "(the model card's command then names the count made, which gives the same data again)")
     p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
     p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
     p.add_argument("--lr", type=float, default=None,
@@ -99,8 +101,9 @@ def config_from_args(args) -> DistillConfig:
 
 def distill_command(args) -> int:
     cfg = config_from_args(args)
-    if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 1 or cfg.draft_vocab < 0:
-        raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 1, --draft-vocab >= 0")
+    if not math.isfinite(cfg.minutes) or cfg.minutes <= 0 or cfg.steps < 0 or cfg.samples < 0 or cfg.draft_vocab < 0:
+        raise SystemExit("--minutes must be > 0, --steps >= 0, --samples >= 0 (0: for half of --minutes), "
+                         "--draft-vocab >= 0")
     if not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise SystemExit(f"--lr must be > 0, got {cfg.lr}")
     if not math.isfinite(cfg.teacher_temperature) or cfg.teacher_temperature < 0:

@@ -320,6 +320,61 @@ def test_the_data_phase_writes_each_answer_once_in_parts(stories_path, tmp_path,
         mod.distill(dataclasses.replace(cfg, out=str(tmp_path / "gone")), resume=True, log=lambda *_: None)
 
 
+def test_samples_zero_answers_for_a_share_of_the_budget_and_the_card_names_the_count(stories_path, tmp_path,
+                                                                                      monkeypatch):
+    """--samples 0 (the default): the target answers prompts 0, 1, ... until
+    its share of --minutes is up, the answers in flight finish, and the data
+    is what --samples n gives for the n answers made; the card's command
+    names n. A run resumed once the time is up keeps its answers and makes
+    none; none begun in time is a clear error; greedy answers stop at one
+    per prompt."""
+    import dataclasses
+    import time
+
+    import specdec.distill as mod
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    class Clock:  # distill's clock, which jumps a day ahead at the target's DRAWS-th draw
+        DRAWS, draws, ahead = 20, 0, 0.0
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + Clock.ahead
+
+    real_draw = mod.draw
+
+    def drawing(probs, uniforms):
+        Clock.draws += 1
+        Clock.ahead = 86400.0 if Clock.draws >= Clock.DRAWS else 0.0
+        return real_draw(probs, uniforms)
+
+    monkeypatch.setattr(mod, "time", Clock)
+    monkeypatch.setattr(mod, "draw", drawing)
+    target, tokenizer = load_hf_model(stories_path), load_tokenizer(resolve_model(stories_path))
+    auto = dataclasses.replace(_config(stories_path, tmp_path / "auto", steps=1), samples=0, minutes=60)
+    saved: dict = {}
+    timed = mod.teacher_data(target, tokenizer, auto, lambda *_: None, save=saved.update,
+                             deadline=time.monotonic() + 3600)
+    n = len(timed["tokens"])
+    # the 32 admitted at once, and those that took the places of the ones finished before the 20th draw
+    assert mod.TEACHER_BATCH < n < mod._auto_limit(auto, len(mod.prompts(tokenizer, mod.TOPICS)))
+    Clock.DRAWS = 10**9
+    counted = mod.teacher_data(target, tokenizer, dataclasses.replace(auto, samples=n), lambda *_: None)
+    assert _same_data(timed, counted)
+    kept = {"answers": {i: saved["answers"][i] for i in range(3)}, "recipe": saved["recipe"]}
+    late = mod.teacher_data(target, tokenizer, auto, lambda *_: None, resume=kept, deadline=time.monotonic())
+    assert late["tokens"] == timed["tokens"][:3]  # resumed with the time up: the answers kept, none made
+    with pytest.raises(SystemExit, match="no target answer was begun within 50% of --minutes"):
+        mod.teacher_data(target, tokenizer, auto, lambda *_: None, deadline=time.monotonic())
+    assert mod._auto_limit(dataclasses.replace(auto, teacher_temperature=0.0), 550) == 550
+    assert mod._auto_limit(auto, 550) == 550 * mod.AUTO_ANSWERS_PER_PROMPT
+    Clock.DRAWS, Clock.draws = 20, 0
+    card = distill(auto, log=lambda *_: None)  # 30 minutes of answers, cut short by the clock
+    assert card["examples"] == n
+    assert f"--samples {n} " in (tmp_path / "auto" / "README.md").read_text()
+
+
 def test_teacher_features_are_the_targets_hidden_states_at_every_position_but_the_last(stories_path):
     """teacher_data takes the eagle3 features from its own forwards: row i of
     a sequence's features is the target's state at position i (the prompt's
