@@ -77,10 +77,11 @@ DATA_FILE = "distill-data.pt"
 ANSWERS_PART = "distill-answers-{:05d}.pt"
 ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
 #: --samples 0 (the default): the target answers for this share of --minutes
-#: (answers in flight then finish), training gets the rest. The best 30- and
-#: 85-minute SmolLM2 runs of earlier sessions spent 40-57 % of their budget
-#: on the answers (AMD EPYC, 2 cores); a fixed count spends a machine-
-#: dependent share (the same 2600 answers took 17 minutes one day, ~9 another)
+#: (answers in flight then finish), training gets the rest. A fixed count
+#: spends a machine-dependent share: 2600 SmolLM2 answers took 17.2 minutes
+#: one day and 8.6 another (AMD EPYC, 2 cores). On the faster day a
+#: 30-minute eagle3 head reached held-out 2.13 with half (4758 answers, 1800
+#: steps) against 2.02 with the 2600 (2489 steps)
 AUTO_DATA_SHARE = 0.5
 #: --samples 0 with sampled answers: at most this many times the recipe's
 #: prompts (each prompt answered anew with its own seed); greedy answers
