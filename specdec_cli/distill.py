@@ -286,7 +286,7 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     made = sum(len(a["tokens"]) - a["start"] - 1 for a in answers.values())
     made_before = made
     while admitted < len(todo) or live:
-        if not cfg.samples and time.monotonic() >= deadline:
+        if deadline is not None and not cfg.samples and time.monotonic() >= deadline:
             del todo[admitted:]  # the time for answers is up: the ones in flight finish
             if not live:
                 break
