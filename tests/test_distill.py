@@ -167,6 +167,30 @@ def test_distill_eagle3_resumed_gives_the_same_head(stories_path, tmp_path, monk
     assert not all(torch.allclose(a[k], two[k], rtol=0, atol=1e-5) for k in a)
 
 
+def _interrupted_while_answering(cfg: DistillConfig, at_draw: int, monkeypatch, **patched) -> None:
+    """distill(cfg) stopped by Ctrl-C at the target's at_draw-th draw (so
+    while it answers), with a checkpoint after every token; ``patched``:
+    more names of specdec.distill replaced meanwhile."""
+    import specdec.distill as mod
+
+    calls = {"n": 0}
+    real_draw = mod.draw
+
+    def interrupting_draw(probs, uniforms):
+        calls["n"] += 1
+        if calls["n"] == at_draw:
+            raise KeyboardInterrupt
+        return real_draw(probs, uniforms)
+
+    with monkeypatch.context() as m:
+        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
+        m.setattr(mod, "draw", interrupting_draw)
+        for name, value in patched.items():
+            m.setattr(mod, name, value)
+        with pytest.raises(KeyboardInterrupt):
+            mod.distill(cfg, log=lambda *_: None)
+
+
 def _same_data(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and a["tokens"] == b["tokens"] and a["start"] == b["start"] and all(
         len(a[k]) == len(b[k]) and all(torch.equal(x, y) for x, y in zip(a[k], b[k]))
@@ -212,21 +236,9 @@ def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(sto
     mod.distill(cfg, log=lambda *_: None)
     whole = torch.load(tmp_path / "whole" / mod.DATA_FILE, weights_only=False)["data"]
 
-    calls = {"n": 0}
-    real_draw = mod.draw
-
-    def interrupting_draw(probs, uniforms):
-        calls["n"] += 1
-        if calls["n"] == 30:
-            raise KeyboardInterrupt
-        return real_draw(probs, uniforms)
-
     cut = dataclasses.replace(cfg, out=str(tmp_path / "cut"))
-    with monkeypatch.context() as m:
-        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
-        m.setattr(mod, "draw", interrupting_draw)
-        with pytest.raises(KeyboardInterrupt):
-            mod.distill(cut, log=lambda *_: None)
+    _interrupted_while_answering(cut, 30, monkeypatch)
+    real_draw = mod.draw
     saved = torch.load(tmp_path / "cut" / CHECKPOINT_FILE, weights_only=False)
     parts = [torch.load(tmp_path / "cut" / name, weights_only=False) for name in saved["teacher"]["parts"]]
     kept = {i for part in parts for i in part}
@@ -283,22 +295,8 @@ def test_the_data_phase_writes_each_answer_once_in_parts(stories_path, tmp_path,
             checkpoints.append(list(state["teacher"]["parts"]))
         real_save(path, state)
 
-    calls = {"n": 0}
-    real_draw = mod.draw
-
-    def interrupting_draw(probs, uniforms):
-        calls["n"] += 1
-        if calls["n"] == 40:
-            raise KeyboardInterrupt
-        return real_draw(probs, uniforms)
-
     cut = dataclasses.replace(cfg, out=str(tmp_path / "cut"))
-    with monkeypatch.context() as m:
-        m.setattr(mod, "CHECKPOINT_EVERY_S", 0.0)
-        m.setattr(mod, "_save_atomically", recording_save)
-        m.setattr(mod, "draw", interrupting_draw)
-        with pytest.raises(KeyboardInterrupt):
-            mod.distill(cut, log=lambda *_: None)
+    _interrupted_while_answering(cut, 40, monkeypatch, _save_atomically=recording_save)
     # a checkpoint after every token: many, but each answer went into one part, once
     assert len(checkpoints) > len(written) >= 2
     assert sum(map(len, written)) == len(set().union(*written))
