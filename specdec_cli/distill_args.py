@@ -62,8 +62,8 @@ def add_parser(sub) -> None:
                    help="draft: decoder layers kept from the target")
     p.add_argument("--minutes", type=float, default=DistillConfig.minutes,
                    help="time budget: the target's answers plus training (the acceptance measurement follows)")
-    p.add_argument("--steps", type=int, default=0, help="train exactly this many steps (reproducible); 0: "
-                                                        "until --minutes")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train exactly this many steps (reproducible with --samples N); 0: until --minutes")
     p.add_argument("--samples", type=int, default=DistillConfig.samples,
                    help="target answers to train on; 0 (default): as many as the target makes in half of --minutes "
                         "(the model card's command then names the count made, which gives the same data again)")
