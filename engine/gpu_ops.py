@@ -24,9 +24,17 @@ Element-wise steps (RoPE, SiLU times up, residual adds, casts) stay torch
 ops: each output element is a function of its own inputs on any device.
 
 The kernels also run on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
-``TRITON_INTERPRET`` must be set before this module is imported.
+``TRITON_INTERPRET`` must be set before this module is imported. There
+``linear`` multiplies a tile as explicit products summed along K
+(``ROWWISE``), not ``tl.dot``: the interpreter computes ``tl.dot`` with
+numpy's BLAS, whose kernels may give a row other bits at another place in
+the tile (OpenBLAS on an AVX-512 AMD EPYC: rows 6-15 of a 16-row tile
+differ from the same row at row 0), which a GPU's tile instruction never
+does.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -37,11 +45,13 @@ from specdec.engine.gemm_select import GemmPath, Linear
 #: linear's one tile shape (module doc); num_warps / num_stages fixed with it.
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 LINEAR_WARPS, LINEAR_STAGES = 4, 3
+#: the kernels run in Triton's interpreter (module doc: linear's products then row by row)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ROWWISE: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -55,7 +65,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
                     other=0.0)
         b = tl.load(w_ptr + rn[:, None] * stride_wn + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
                     other=0.0)
-        if IEEE:
+        if ROWWISE:  # the interpreter's: each row's sums in one order wherever it sits (module doc)
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+        elif IEEE:
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, tl.trans(b), acc)
@@ -80,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))
     _linear_kernel[grid](x, weight, bias if bias is not None else weight, y, M, N, K,
                          x.stride(0), weight.stride(0), y.stride(0),
-                         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+                         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, ROWWISE=INTERPRETED,
                          BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=LINEAR_WARPS, num_stages=LINEAR_STAGES)
     return y
 
