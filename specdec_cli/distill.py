@@ -79,7 +79,7 @@ ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
 #: --samples 0 (the default): the target answers for this share of --minutes
 #: (answers in flight then finish), training gets the rest. A fixed count
 #: spends a machine-dependent share: 2600 SmolLM2 answers took 17.2 minutes
-#: one day and 8.6 another (AMD EPYC, 2 cores). On the faster day a
+#: on one 2-core AMD EPYC and 8.6 on a newer one (CPU family 26). There a
 #: 30-minute eagle3 head reached held-out 2.13 with half (4758 answers, 1800
 #: steps) against 2.02 with the 2600 (2489 steps)
 AUTO_DATA_SHARE = 0.5
