@@ -477,8 +477,10 @@ def distill(cfg: DistillConfig, resume: bool = False, log=print) -> dict:
 
 def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     from specdec.engine.checkpoint import load_hf_model
+    from specdec.engine.memory import keep_freed_memory
     from specdec.models import load_tokenizer, resolve_model
 
+    keep_freed_memory()  # each training step reuses the last one's memory instead of faulting it in again
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)

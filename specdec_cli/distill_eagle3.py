@@ -100,24 +100,20 @@ class Eagle3Student(torch.nn.Module):
     def p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "__")]
 
-    def forward(self, token_ids: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Chained steps over one sequence: token_ids int64 [n], features
-        [n - 1, feature_dim] (f_0 .. f_{n-2}). Step s row i reads x_{i+1+s}
-        and predicts x_{i+2+s}; returns per step the final-normed outputs
-        [n - 1 - s, hidden] (``logits`` turns the rows a loss needs into
-        draft-vocabulary logits)."""
-        m = len(features)
-        g = F.linear(features, self.p("fc.weight"))  # [m, hidden]
-        keys: list[torch.Tensor] = []  # per step: [H, rows, D] (GQA expanded)
+    def forward(self, pack: "Pack", steps: int) -> list[torch.Tensor]:
+        """Chained steps over a batch of sequences packed row after row (see
+        ``Pack``): step s row i of a sequence reads x_{i+1+s} and predicts
+        x_{i+2+s}; returns per step the final-normed outputs [N, hidden] of
+        every packed row (``logits`` turns the rows a loss needs into
+        draft-vocabulary logits). A row past its sequence's end at step s
+        computes on a padding token and is never read."""
+        g = F.linear(pack.features, self.p("fc.weight"))  # [N, hidden]
+        keys: list[torch.Tensor] = []  # per step: [B, H, L, D] (GQA expanded, padded)
         values: list[torch.Tensor] = []
         normed = []
         for s in range(steps):
-            rows = m - s
-            if rows < 1:
-                break
-            e = F.embedding(token_ids[1 + s:1 + s + rows], self.embed)
-            positions = torch.arange(s, s + rows)
-            out = self._layer(e, g[:rows], positions, keys, values)
+            e = F.embedding(pack.tokens[s], self.embed)
+            out = self._layer(e, g, pack.local + s, pack, keys, values)
             normed.append(rms_norm(out, self.p("norm.weight"), self.eps))
             g = out  # the next step feeds this step's own output (row i stays row i)
         return normed
@@ -126,9 +122,12 @@ class Eagle3Student(torch.nn.Module):
         """Draft-vocabulary logits [m, draft_vocab] of final-normed rows [m, hidden]."""
         return F.linear(normed, self.p("lm_head.weight"))
 
-    def _layer(self, e, g, positions, keys, values) -> torch.Tensor:
-        """The EAGLE-3 layer (residual g); attention of step s over step 0's
-        rows causally and over rows 1..s of its own chain (the diagonal)."""
+    def _layer(self, e, g, positions, pack: "Pack", keys, values) -> torch.Tensor:
+        """The EAGLE-3 layer (residual g) over all packed rows at once;
+        attention per sequence (padded to [B, H, L, L]) of step s over step
+        0's rows causally and over rows 1..s of its own chain (the
+        diagonal). Padding sits after each sequence's rows, so the causal
+        mask alone keeps a real row from reading it."""
         rows, H, Hkv, D = len(e), self.num_heads, self.num_kv_heads, self.head_dim
         gn = rms_norm(g, self.p("midlayer.hidden_norm.weight"), self.eps)
         x = torch.cat([rms_norm(e, self.p("midlayer.input_layernorm.weight"), self.eps), gn], dim=-1)
@@ -137,18 +136,17 @@ class Eagle3Student(torch.nn.Module):
         v = F.linear(x, self.p("midlayer.self_attn.v_proj.weight")).view(rows, Hkv, D)
         cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :])  # [rows, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys.append(k.transpose(0, 1).repeat_interleave(H // Hkv, 0))  # [H, rows, D]
-        values.append(v.transpose(0, 1).repeat_interleave(H // Hkv, 0))
-        qh = q.transpose(0, 1) * D ** -0.5  # [H, rows, D]
-        base = qh @ keys[0][:, :rows].transpose(1, 2)  # [H, rows, rows0]: step-0 rows
-        causal = torch.arange(rows)[None, :] <= torch.arange(rows)[:, None]  # [rows, rows]
-        base = base.masked_fill(~causal, float("-inf"))
-        diag = [(qh * kk[:, :rows]).sum(-1, keepdim=True) for kk in keys[1:]]  # own chain rows
+        keys.append(pack.padded(k.repeat_interleave(H // Hkv, 1)))  # [B, H, L, D]
+        values.append(pack.padded(v.repeat_interleave(H // Hkv, 1)))
+        qh = pack.padded(q * D ** -0.5)  # [B, H, L, D]
+        L = qh.shape[2]
+        base = (qh @ keys[0].transpose(2, 3)).masked_fill(~pack.causal, float("-inf"))  # [B, H, L, L]
+        diag = [(qh * kk).sum(-1, keepdim=True) for kk in keys[1:]]  # own chain rows
         att = torch.softmax(torch.cat([base, *diag], dim=-1), dim=-1)
-        out = att[..., :rows] @ values[0][:, :rows]
+        out = att[..., :L] @ values[0]
         for j, vv in enumerate(values[1:]):
-            out = out + att[..., base.shape[-1] + j:base.shape[-1] + j + 1] * vv[:, :rows]
-        o = F.linear(out.transpose(0, 1).reshape(rows, H * D), self.p("midlayer.self_attn.o_proj.weight"))
+            out = out + att[..., L + j:L + j + 1] * vv
+        o = F.linear(pack.unpadded(out).reshape(rows, H * D), self.p("midlayer.self_attn.o_proj.weight"))
         h = g + o
         hn = rms_norm(h, self.p("midlayer.post_attention_layernorm.weight"), self.eps)
         mlp = F.linear(F.silu(F.linear(hn, self.p("midlayer.mlp.gate_proj.weight"))) *
@@ -182,28 +180,74 @@ class Eagle3Student(torch.nn.Module):
         (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
+class Pack:
+    """A batch of training sequences packed row after row for the head's
+    linear layers (row i of a sequence of n tokens reads feature f_i; n - 1
+    rows), with the index that pads them to [B, L] for attention; per
+    chained step the token each row reads, and the rows a loss needs with
+    their teacher rows."""
+
+    def __init__(self, data: dict, rows: list[int], steps: int) -> None:
+        lengths = [len(data["tokens"][r]) - 1 for r in rows]
+        n, L = sum(lengths), max(lengths)
+        offsets = np.cumsum([0, *lengths])
+        self.features = torch.cat([data["features"][r][:m].float() for r, m in zip(rows, lengths)])
+        self.local = torch.cat([torch.arange(m) for m in lengths])  # row i's index in its sequence
+        pad = torch.full((len(rows), L), n, dtype=torch.long)  # packed row of each padded slot (n: padding)
+        for b, m in enumerate(lengths):
+            pad[b, :m] = torch.arange(offsets[b], offsets[b] + m)
+        self.pad_index = pad.flatten()
+        self.valid = (pad < n).flatten().nonzero()[:, 0]  # slots holding a packed row, in packed order
+        self.shape = (len(rows), L)
+        self.causal = torch.ones(L, L, dtype=torch.bool).tril()
+        self.tokens: list[torch.Tensor] = []  # per step: int64 [N], x_{i+1+s} (0 past the end)
+        self.loss_rows: list[torch.Tensor] = []  # per step: packed rows whose position the teacher has
+        self.top_ids: list[torch.Tensor] = []  # per step: the teacher's rows of those
+        self.top_logp: list[torch.Tensor] = []
+        for s in range(steps):
+            tokens, loss_rows, top_ids, top_logp = [], [], [], []
+            for b, (r, m) in enumerate(zip(rows, lengths)):
+                seq, start, teacher = data["tokens"][r], data["start"][r], len(data["top_ids"][r])
+                ids = torch.zeros(m, dtype=torch.long)
+                ids[:m - s] = torch.tensor(seq[1 + s:], dtype=torch.long)[:max(m - s, 0)]
+                tokens.append(ids)
+                i = torch.arange(max(m - s, 0))
+                t = i + 1 + s  # teacher position of row i: i + 1 + s
+                keep = (t >= start) & (t < start + teacher)
+                at = t[keep] - start  # teacher_data's rows start at the last prompt position
+                loss_rows.append(int(offsets[b]) + i[keep])
+                top_ids.append(data["top_ids"][r][at])
+                top_logp.append(data["top_logp"][r][at])
+            self.tokens.append(torch.cat(tokens))
+            self.loss_rows.append(torch.cat(loss_rows))
+            self.top_ids.append(torch.cat(top_ids))
+            self.top_logp.append(torch.cat(top_logp))
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, H, D] packed rows -> [B, H, L, D], zeros after each sequence."""
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.pad_index]
+        return x.view(*self.shape, *x.shape[1:]).transpose(1, 2)
+
+    def unpadded(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, D] -> the packed rows [N, H, D]."""
+        return x.transpose(1, 2).reshape(self.shape[0] * self.shape[1], *x.shape[1:2], x.shape[3])[self.valid]
+
+
 def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: torch.Tensor,
                 steps: int = TTT_STEPS) -> tuple[torch.Tensor, int]:
     """Cross-entropy of every chained step against the teacher's top-K
     distribution restricted to the draft vocabulary (renormalised), on the
-    answer positions of ``rows``; (mean loss, positions). t2d_index: int64
-    [vocab], the draft id of each target id or -1."""
+    answer positions of ``rows`` (all sequences in one packed forward);
+    (mean loss, positions). t2d_index: int64 [vocab], the draft id of each
+    target id or -1."""
+    pack = Pack(data, rows, steps)
     total, count = torch.zeros(()), 0
-    for r in rows:
-        seq, start = data["tokens"][r], data["start"][r]
-        ids = torch.tensor(seq)
-        feats = data["features"][r][:len(seq) - 1].float()
-        for s, normed in enumerate(student(ids, feats, steps)):
-            t = torch.arange(len(normed)) + 1 + s  # teacher position of row i: i + 1 + s
-            keep = (t >= start) & (t < start + len(data["top_ids"][r]))  # rows the teacher has
-            if not keep.any():
-                continue
-            at = t[keep] - start  # teacher_data's rows start at the last prompt position
-            d_ids, t_p, ok = head_targets(data["top_ids"][r][at], data["top_logp"][r][at], t2d_index)
-            logits = student.logits(normed[keep][ok])  # the head over answer rows only (a prompt row has no teacher)
-            logp = torch.log_softmax(logits.float(), -1).gather(1, d_ids)
-            total = total - (t_p * logp).sum()
-            count += int(ok.sum())
+    for s, normed in enumerate(student(pack, steps)):
+        d_ids, t_p, ok = head_targets(pack.top_ids[s], pack.top_logp[s], t2d_index)
+        logits = student.logits(normed[pack.loss_rows[s][ok]])  # the head over answer rows only
+        logp = torch.log_softmax(logits.float(), -1).gather(1, d_ids)
+        total = total - (t_p * logp).sum()
+        count += int(ok.sum())
     return total / max(count, 1), count
 
 

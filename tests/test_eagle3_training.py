@@ -1,0 +1,102 @@
+"""The EAGLE-3 head `specdec distill --kind eagle3` trains: its training
+forward packs a batch's sequences row after row (one GEMM per projection for
+the whole batch, attention per sequence), and must compute exactly what the
+served head computes, for every sequence as if it were alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+SEQ_LENGTHS = (23, 9, 17)  # unequal: padding and packing offsets are exercised
+
+
+@pytest.fixture(scope="module")
+def target(stories_path):
+    from specdec.engine.checkpoint import load_hf_model
+
+    return load_hf_model(stories_path)
+
+
+def _data(target, lengths=SEQ_LENGTHS, top_k: int = 4) -> dict:
+    """Training data as teacher_data lays it out, drawn at random: tokens,
+    the answer's start (the last prompt position), the teacher's top-K rows
+    from there on, and the fused layers' features at every position."""
+    from specdec.distill_eagle3 import eagle3_layers
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = target.config
+    feature_dim = cfg.hidden_size * len(eagle3_layers(target))
+    data: dict = {"tokens": [], "start": [], "top_ids": [], "top_logp": [], "features": []}
+    for n in lengths:
+        start = n // 3
+        data["tokens"].append(torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist())
+        data["start"].append(start)
+        data["top_ids"].append(torch.randint(0, cfg.vocab_size, (n - start, top_k), generator=gen).int())
+        data["top_logp"].append(torch.log_softmax(torch.randn(n - start, top_k, generator=gen), -1))
+        data["features"].append(torch.randn(n, feature_dim, generator=gen).to(torch.bfloat16))
+    return data
+
+
+def _student(target, data):
+    from specdec.distill_eagle3 import Eagle3Student, eagle3_layers, hot_tokens
+
+    student = Eagle3Student(target, eagle3_layers(target), hot_tokens(data, target.config.vocab_size, 200))
+    with torch.no_grad():  # away from the target's copy, so that every weight matters
+        for p in student.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    t2d_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    t2d_index[student.hot] = torch.arange(len(student.hot))
+    return student, t2d_index
+
+
+def test_a_packed_batch_gives_each_sequence_its_loss_and_gradient_alone(target):
+    """The loss of sequences packed together is the position-weighted mean
+    of their losses alone, and so is its gradient: no row reads another
+    sequence's rows or the padding."""
+    from specdec.distill_eagle3 import eagle3_loss
+
+    data = _data(target)
+    student, t2d_index = _student(target, data)
+
+    def loss_and_grad(rows):
+        student.zero_grad()
+        loss, count = eagle3_loss(student, data, rows, t2d_index)
+        loss.backward()
+        return loss.detach(), count, torch.cat([p.grad.flatten() for p in student.parameters()])
+
+    together, count, grad = loss_and_grad([0, 1, 2])
+    alone = [loss_and_grad([r]) for r in range(3)]
+    assert count == sum(c for _, c, _ in alone) > 0
+    torch.testing.assert_close(together, sum(loss * c for loss, c, _ in alone) / count, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, sum(g * c for _, c, g in alone) / count, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("row", [0, 5, 15])
+def test_the_training_forward_is_what_the_served_head_computes(target, stories_path, tmp_path, row):
+    """Step 0 of the training forward is the served head over the real rows;
+    chained step s at row i is the served head's chain step after rows
+    0..i, fed its own output: the head that serving loads, from what
+    training saved, gives the same final-normed rows."""
+    from specdec.distill_eagle3 import TTT_STEPS, Pack
+    from specdec.engine.llama import rms_norm
+    from specdec.proposer_svc.eagle3 import HeadCache, HeadItem, load_eagle3
+
+    data = _data(target, lengths=(11, SEQ_LENGTHS[0]))  # the row's sequence second: packed after another
+    student, _ = _student(target, data)
+    student.save(tmp_path)
+    head = load_eagle3(str(tmp_path), stories_path)
+    eps = head.spec.rms_norm_eps
+    with torch.no_grad():
+        trained = student(Pack(data, [0, 1], TTT_STEPS), TTT_STEPS)  # per step: [N, hidden]
+    offset = len(data["tokens"][0]) - 1  # packed rows of the first sequence
+    tokens = torch.tensor(data["tokens"][1])
+    feats = head.fuse(data["features"][1][:len(tokens) - 1].float())
+    cache = HeadCache(head.spec.num_kv_heads, head.spec.head_dim)
+    out, _ = head.forward([HeadItem(cache, tokens[1:row + 2], feats[:row + 1])])  # real rows 0..row
+    served = [rms_norm(out, head.w["final_norm"], eps)]
+    for s in range(1, TTT_STEPS):
+        out, _ = head.forward([HeadItem(cache, tokens[row + 1 + s:row + 2 + s], out[-1:])])
+        served.append(rms_norm(out, head.w["final_norm"], eps))
+    torch.testing.assert_close(trained[0][offset:offset + row + 1], served[0], rtol=1e-4, atol=1e-4)
+    for s in range(1, TTT_STEPS):
+        torch.testing.assert_close(trained[s][offset + row], served[s][-1], rtol=1e-4, atol=1e-4)
