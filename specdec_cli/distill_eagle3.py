@@ -209,9 +209,10 @@ class Pack:
             for b, (r, m) in enumerate(zip(rows, lengths)):
                 seq, start, teacher = data["tokens"][r], data["start"][r], len(data["top_ids"][r])
                 ids = torch.zeros(m, dtype=torch.long)
-                ids[:m - s] = torch.tensor(seq[1 + s:], dtype=torch.long)[:max(m - s, 0)]
+                alive = max(m - s, 0)  # rows whose step-s token exists
+                ids[:alive] = torch.tensor(seq[1 + s:1 + s + alive], dtype=torch.long)
                 tokens.append(ids)
-                i = torch.arange(max(m - s, 0))
+                i = torch.arange(alive)
                 t = i + 1 + s  # teacher position of row i: i + 1 + s
                 keep = (t >= start) & (t < start + teacher)
                 at = t[keep] - start  # teacher_data's rows start at the last prompt position

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-SEQ_LENGTHS = (23, 9, 17)  # unequal: padding and packing offsets are exercised
+SEQ_LENGTHS = (23, 9, 3, 17)  # unequal: padding and packing offsets are exercised; 3: rows run out at step 2
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,12 @@ def _student(target, data):
     return student, t2d_index
 
 
-def test_a_packed_batch_gives_each_sequence_its_loss_and_gradient_alone(target):
+@pytest.mark.parametrize("steps", [3, 5])
+def test_a_packed_batch_gives_each_sequence_its_loss_and_gradient_alone(target, steps):
     """The loss of sequences packed together is the position-weighted mean
     of their losses alone, and so is its gradient: no row reads another
-    sequence's rows or the padding."""
+    sequence's rows or the padding (also where a short sequence's rows run
+    out before the last chained step)."""
     from specdec.distill_eagle3 import eagle3_loss
 
     data = _data(target)
@@ -60,12 +62,13 @@ def test_a_packed_batch_gives_each_sequence_its_loss_and_gradient_alone(target):
 
     def loss_and_grad(rows):
         student.zero_grad()
-        loss, count = eagle3_loss(student, data, rows, t2d_index)
+        loss, count = eagle3_loss(student, data, rows, t2d_index, steps)
         loss.backward()
         return loss.detach(), count, torch.cat([p.grad.flatten() for p in student.parameters()])
 
-    together, count, grad = loss_and_grad([0, 1, 2])
-    alone = [loss_and_grad([r]) for r in range(3)]
+    rows = list(range(len(SEQ_LENGTHS)))
+    together, count, grad = loss_and_grad(rows)
+    alone = [loss_and_grad([r]) for r in rows]
     assert count == sum(c for _, c, _ in alone) > 0
     torch.testing.assert_close(together, sum(loss * c for loss, c, _ in alone) / count, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, sum(g * c for _, c, g in alone) / count, rtol=1e-4, atol=1e-6)
