@@ -1,5 +1,6 @@
-"""Times the training steps of ``specdec distill --kind eagle3`` (steps per
-minute decide how good a head a --minutes budget gives).
+"""Times the training steps of ``specdec distill`` (--kind eagle3, the
+default, or draft; steps per minute decide how good a head or draft a
+--minutes budget gives).
 
 The target answers --answers recipe prompts first (``distill.teacher_data``,
 as the command does; sampled at 0.7, --max-new-tokens), then child
@@ -8,7 +9,9 @@ two forms, alternating, each from the same initial head:
 
 - per sequence: one forward per sequence of the batch (the form before the
   packed forward; the same loss and gradient);
-- packed: every sequence of the batch in one forward (``distill_eagle3.Pack``).
+- packed: every sequence of the batch in one forward (eagle3:
+  ``distill_eagle3.Pack``; draft: right-padded under an attention mask,
+  ``distill.distill_loss``, a 2-layer draft as the README's command makes).
 
 and with glibc's default malloc settings or ``engine.memory.keep_freed_memory``
 (a child each: the setting is per process). Per row: median seconds a step,
@@ -17,6 +20,7 @@ against per-sequence/default of the same run. Prints the CPU model.
 
     python benchmarks/bench_distill_step.py                 # SmolLM2, 64 answers, 20 steps, 3 rounds
     python benchmarks/bench_distill_step.py --answers 32 --steps 10 --reps 1
+    python benchmarks/bench_distill_step.py --kind draft
 
 Writes JSON to --out (default bench_results/distill_step.json).
 """
@@ -45,7 +49,7 @@ def _faults() -> int:
 
 def child(args) -> None:
     """Times both forms in this process (memory setting args.memory); one JSON line."""
-    from specdec.distill import trainable
+    from specdec.distill import distill_loss, student_from_target, trainable
     from specdec.distill_eagle3 import Eagle3Student, eagle3_layers, eagle3_loss, hot_tokens
     from specdec.engine.checkpoint import load_hf_model
     from specdec.engine.memory import keep_freed_memory
@@ -59,13 +63,23 @@ def child(args) -> None:
     t2d_index[hot] = torch.arange(len(hot))
     order = torch.randperm(len(data["tokens"]), generator=torch.Generator().manual_seed(0)).tolist()
 
+    def batch_loss(student, rows):
+        if args.kind == "draft":
+            return distill_loss(student, data, rows)
+        return eagle3_loss(student, data, rows, t2d_index)
+
     def loss_of(student, rows, form):
         if form == "packed":
-            return eagle3_loss(student, data, rows, t2d_index)[0]
-        parts = [eagle3_loss(student, data, [r], t2d_index) for r in rows]
+            return batch_loss(student, rows)[0]
+        parts = [batch_loss(student, [r]) for r in rows]
         return sum(loss * n for loss, n in parts) / max(sum(n for _, n in parts), 1)
 
-    students = {form: Eagle3Student(target, eagle3_layers(target), hot).train() for form in FORMS}
+    def new_student():
+        if args.kind == "draft":
+            return student_from_target(target, args.layers)
+        return Eagle3Student(target, eagle3_layers(target), hot).train()
+
+    students = {form: new_student() for form in FORMS}
     optimizers = {form: torch.optim.AdamW(trainable(st), lr=1e-3) for form, st in students.items()}
     times: dict[str, list[float]] = {form: [] for form in FORMS}
     faults: dict[str, list[int]] = {form: [] for form in FORMS}
@@ -91,6 +105,8 @@ def child(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="target (default: the project's default model)")
+    p.add_argument("--kind", default="eagle3", choices=["eagle3", "draft"])
+    p.add_argument("--layers", type=int, default=2, help="draft: decoder layers kept from the target")
     p.add_argument("--answers", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -103,12 +119,13 @@ def main() -> None:
                    help="the student's matmuls (auto: distill's --train-dtype auto)")
     p.add_argument("--memory", choices=MEMORY, help=argparse.SUPPRESS)
     p.add_argument("--child", help=argparse.SUPPRESS)
-    p.add_argument("--out", default="bench_results/distill_step.json")
+    p.add_argument("--out", default=None, help="JSON (default bench_results/distill_step_KIND.json)")
     args = p.parse_args()
     from specdec.engine.gemm_select import cpu_model, native_bf16
     from specdec.models import default_model
 
     args.model = args.model or default_model()
+    args.out = args.out or f"bench_results/distill_step_{args.kind}.json"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if native_bf16() else "float32"
     if args.child:
@@ -122,7 +139,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, native bfloat16: {native_bf16()}); model {args.model}; "
-          f"student matmuls {args.dtype}", flush=True)
+          f"--kind {args.kind}; student matmuls {args.dtype}", flush=True)
     target = load_hf_model(args.model)
     cfg = DistillConfig(args.model, "unused", samples=args.answers, max_new_tokens=args.max_new_tokens,
                         threads=args.threads, kind="eagle3", teacher_temperature=0.7)
@@ -139,6 +156,7 @@ def main() -> None:
         for rep in range(args.reps):
             for memory in MEMORY:
                 cmd = [sys.executable, __file__, "--child", str(path), "--memory", memory, "--model", args.model,
+                       "--kind", args.kind, "--layers", str(args.layers),
                        "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size",
                        str(args.batch_size), "--threads", str(args.threads), "--draft-vocab",
                        str(args.draft_vocab), "--dtype", args.dtype]
@@ -161,7 +179,7 @@ def main() -> None:
     print("(medians over rounds of each child's median step; x base: against per-sequence with glibc's defaults)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu_model(), "model": args.model, "answers": len(lengths),
+    out.write_text(json.dumps({"cpu": cpu_model(), "model": args.model, "kind": args.kind, "answers": len(lengths),
                                "mean_tokens": statistics.mean(lengths), "batch_size": args.batch_size,
                                "dtype": args.dtype, "threads": args.threads, "steps": args.steps,
                                "reps": args.reps, "rows": rows, "runs": runs}, indent=2))

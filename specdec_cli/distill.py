@@ -400,23 +400,28 @@ def distill_loss(student, data: dict, rows: list[int], head_ids: torch.Tensor | 
                  t2d_index: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Cross-entropy of the student against the target's renormalised top-K
     distribution on the answer positions of ``rows``; (mean loss, positions).
-    head_ids (int64 [V']: the target ids a reduced head keeps, t2d_index its
-    inverse): the student's logits over those only, the teacher's restricted
-    to them (``head_targets``), as the draft proposer serves the reduced
-    head; the LM head then costs V'/V of the full one's (the largest matmul
-    of a few-layer student)."""
+    The sequences run as one batch, right-padded, under an attention mask:
+    each row sees only its own sequence. head_ids (int64 [V']: the target
+    ids a reduced head keeps, t2d_index its inverse): the student's logits
+    over those only, the teacher's restricted to them (``head_targets``),
+    as the draft proposer serves the reduced head; the LM head then costs
+    V'/V of the full one's (the largest matmul of a few-layer student)."""
     head = student.get_output_embeddings().weight  # [V, hidden], frozen
     if head_ids is not None:
         head = head[head_ids]  # [V', hidden]
-    total, count = torch.zeros(()), 0
-    for r in rows:
-        seq, start = data["tokens"][r], data["start"][r]
-        hidden = student.model(torch.tensor([seq[:-1]])).last_hidden_state[0, start:]  # [m, hidden], answers only
-        ids, t_p, ok = head_targets(data["top_ids"][r], data["top_logp"][r], t2d_index)
-        logp = torch.log_softmax(torch.nn.functional.linear(hidden[ok], head).float(), -1)  # [m', V']
-        total = total - (t_p * logp.gather(1, ids)).sum()
-        count += int(ok.sum())
-    return total / max(count, 1), count
+    inputs = [data["tokens"][r][:-1] for r in rows]
+    width = max(map(len, inputs))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, seq in enumerate(inputs):
+        ids[b, :len(seq)] = torch.tensor(seq)
+        mask[b, :len(seq)] = 1
+    hidden = student.model(ids, attention_mask=mask).last_hidden_state  # [B, width, hidden]
+    answers = torch.cat([hidden[b, data["start"][r]:len(inputs[b])] for b, r in enumerate(rows)])  # [m, hidden]
+    ids_k, t_p, ok = head_targets(torch.cat([data["top_ids"][r] for r in rows]),
+                                  torch.cat([data["top_logp"][r] for r in rows]), t2d_index)
+    logp = torch.log_softmax(torch.nn.functional.linear(answers[ok], head).float(), -1)  # [m', V']
+    return -(t_p * logp.gather(1, ids_k)).sum() / max(int(ok.sum()), 1), int(ok.sum())
 
 
 def draft_vocab(data: dict, tokenizer, size: int) -> list[int]:

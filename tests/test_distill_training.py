@@ -1,7 +1,9 @@
-"""The EAGLE-3 head `specdec distill --kind eagle3` trains: its training
-forward packs a batch's sequences row after row (one GEMM per projection for
-the whole batch, attention per sequence), and must compute exactly what the
-served head computes, for every sequence as if it were alone."""
+"""`specdec distill` trains on a batch at a time: the EAGLE-3 head's
+training forward packs a batch's sequences row after row (one GEMM per
+projection for the whole batch, attention per sequence), a draft model runs
+them right-padded under an attention mask. Each must compute, for every
+sequence, what it computes for that sequence alone, and the head exactly
+what the served head computes."""
 from __future__ import annotations
 
 import pytest
@@ -31,8 +33,9 @@ def _data(target, lengths=SEQ_LENGTHS, top_k: int = 4) -> dict:
         start = n // 3
         data["tokens"].append(torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist())
         data["start"].append(start)
-        data["top_ids"].append(torch.randint(0, cfg.vocab_size, (n - start, top_k), generator=gen).int())
-        data["top_logp"].append(torch.log_softmax(torch.randn(n - start, top_k, generator=gen), -1))
+        answer = n - 1 - start  # one teacher row per answer token, predicted from the position before it
+        data["top_ids"].append(torch.randint(0, cfg.vocab_size, (answer, top_k), generator=gen).int())
+        data["top_logp"].append(torch.log_softmax(torch.randn(answer, top_k, generator=gen), -1))
         data["features"].append(torch.randn(n, feature_dim, generator=gen).to(torch.bfloat16))
     return data
 
@@ -103,3 +106,26 @@ def test_the_training_forward_is_what_the_served_head_computes(target, stories_p
     torch.testing.assert_close(trained[0][offset:offset + row + 1], served[0], rtol=1e-4, atol=1e-4)
     for s in range(1, TTT_STEPS):
         torch.testing.assert_close(trained[s][offset + row], served[s][-1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_draft_trains_on_a_padded_batch_as_on_each_sequence_alone(target):
+    """The draft's loss over a right-padded batch is the position-weighted
+    mean of its losses alone, and so is its gradient: the mask keeps each
+    row to its own sequence, the padding out of the loss."""
+    from specdec.distill import distill_loss, student_from_target
+
+    data = _data(target)
+    student = student_from_target(target, 2)
+    rows = list(range(len(SEQ_LENGTHS)))
+
+    def loss_and_grad(batch):
+        student.zero_grad()
+        loss, count = distill_loss(student, data, batch)
+        loss.backward()
+        return loss.detach(), count, torch.cat([p.grad.flatten() for p in student.parameters() if p.grad is not None])
+
+    together, count, grad = loss_and_grad(rows)
+    alone = [loss_and_grad([r]) for r in rows]
+    assert count == sum(c for _, c, _ in alone) == sum(n - 1 - n // 3 for n in SEQ_LENGTHS)
+    torch.testing.assert_close(together, sum(loss * c for loss, c, _ in alone) / count, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, sum(g * c for _, c, g in alone) / count, rtol=1e-4, atol=1e-6)
