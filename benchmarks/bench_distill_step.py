@@ -3,7 +3,7 @@ default, or draft; steps per minute decide how good a head or draft a
 --minutes budget gives).
 
 The target answers --answers recipe prompts first (``distill.teacher_data``,
-as the command does; sampled at 0.7, --max-new-tokens), then child
+as the command does; sampled at its default temperature, --max-new-tokens), then child
 processes time --steps AdamW steps of batch --batch-size over that data in
 two forms, alternating, each from the same initial head:
 
@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from specdec.distill_args import DEFAULT_DRAFT_VOCAB, DEFAULT_LR, KINDS, TEACHER_TEMPERATURE, DistillConfig
 
 FORMS = ("per-sequence", "packed")
 MEMORY = ("default", "keep")
@@ -80,7 +82,7 @@ def child(args) -> None:
         return Eagle3Student(target, eagle3_layers(target), hot).train()
 
     students = {form: new_student() for form in FORMS}
-    optimizers = {form: torch.optim.AdamW(trainable(st), lr=1e-3) for form, st in students.items()}
+    optimizers = {form: torch.optim.AdamW(trainable(st), lr=DEFAULT_LR[args.kind]) for form, st in students.items()}
     times: dict[str, list[float]] = {form: [] for form in FORMS}
     faults: dict[str, list[int]] = {form: [] for form in FORMS}
     for step in range(args.warmup + args.steps):
@@ -105,8 +107,9 @@ def child(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="target (default: the project's default model)")
-    p.add_argument("--kind", default="eagle3", choices=["eagle3", "draft"])
-    p.add_argument("--layers", type=int, default=2, help="draft: decoder layers kept from the target")
+    p.add_argument("--kind", default="eagle3", choices=list(KINDS))
+    p.add_argument("--layers", type=int, default=DistillConfig.layers,
+                   help="draft: decoder layers kept from the target")
     p.add_argument("--answers", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
@@ -114,7 +117,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=3, help="rounds of the two children (default, keep)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--draft-vocab", type=int, default=DEFAULT_DRAFT_VOCAB, help="eagle3: the head's draft vocabulary")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the student's matmuls (auto: distill's --train-dtype auto)")
     p.add_argument("--memory", choices=MEMORY, help=argparse.SUPPRESS)
@@ -132,7 +135,7 @@ def main() -> None:
         child(args)
         return
 
-    from specdec.distill import DistillConfig, teacher_data
+    from specdec.distill import teacher_data
     from specdec.distill_eagle3 import eagle3_layers
     from specdec.engine.checkpoint import load_hf_model
     from specdec.models import load_tokenizer, resolve_model
@@ -142,7 +145,7 @@ def main() -> None:
           f"--kind {args.kind}; student matmuls {args.dtype}", flush=True)
     target = load_hf_model(args.model)
     cfg = DistillConfig(args.model, "unused", samples=args.answers, max_new_tokens=args.max_new_tokens,
-                        threads=args.threads, kind="eagle3", teacher_temperature=0.7)
+                        threads=args.threads, kind="eagle3", teacher_temperature=TEACHER_TEMPERATURE)
     t0 = time.perf_counter()
     data = teacher_data(target, load_tokenizer(resolve_model(args.model)), cfg, lambda *_: None,
                         eagle3_layers(target))

@@ -231,7 +231,7 @@ class Pack:
 
     def unpadded(self, x: torch.Tensor) -> torch.Tensor:
         """[B, H, L, D] -> the packed rows [N, H, D]."""
-        return x.transpose(1, 2).reshape(self.shape[0] * self.shape[1], *x.shape[1:2], x.shape[3])[self.valid]
+        return x.transpose(1, 2).reshape(self.shape[0] * self.shape[1], x.shape[1], x.shape[3])[self.valid]
 
 
 def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: torch.Tensor,
