@@ -230,12 +230,16 @@ class FeatureHead:
                 out[row] = torch.matmul(torch.softmax(scores, dim=-1), c.v[:, :n]).view(H, D)
                 row += 1
                 continue
-            keys = c.k[:, :n].repeat_interleave(H // Hkv, dim=0)  # [H, n, D]
-            values = c.v[:, :n].repeat_interleave(H // Hkv, dim=0)
-            mask = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]  # [m, n]: causal
-            att = F.scaled_dot_product_attention(q[row:row + m].transpose(0, 1), keys, values,
-                                                 attn_mask=mask, scale=self.scale)  # [H, m, D]
-            out[row:row + m] = att.transpose(0, 1)
+            # catch-up rows: grouped over their kv head as above, under a causal mask (no repeated cache):
+            # 71 us against 171 for scaled_dot_product_attention over a repeated one (4 rows over 256
+            # cached; 455 against 1260 for 6 over 1000; 1 thread, AMD EPYC family 26)
+            G = H // Hkv
+            grouped = q[row:row + m].view(m, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * m, D)
+            scores = torch.matmul(grouped, c.k[:, :n].transpose(1, 2)).view(Hkv, G, m, n) * self.scale
+            causal = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]  # [m, n]
+            weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).view(Hkv, G * m, n)
+            att = torch.matmul(weights, c.v[:, :n])  # [Hkv, G * m, D]
+            out[row:row + m] = att.view(Hkv, G, m, D).permute(2, 0, 1, 3).reshape(m, H, D)
             row += m
         return self.proj["o"](out.view(T, H * D))
 

@@ -22,8 +22,10 @@ SMALL = ["--samples", "8", "--max-new-tokens", "16", "--batch-size", "4", "--see
 
 
 def _config(target: str, out, steps: int) -> DistillConfig:
+    """A small run; the target answers in float32 on every CPU (the tests
+    comparing its answers with transformers' float32 model mean that)."""
     return DistillConfig(target, str(out), layers=2, steps=steps, samples=8, max_new_tokens=16, batch_size=4,
-                         seed=3)
+                         seed=3, teacher_dtype="float32")
 
 
 def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_path):
@@ -355,7 +357,7 @@ def test_samples_zero_answers_for_a_share_of_the_budget_and_the_card_names_the_c
     timed = mod.teacher_data(target, tokenizer, auto, lambda *_: None, save=saved.update,
                              deadline=time.monotonic() + 3600)
     n = len(timed["tokens"])
-    # the 32 admitted at once, and those that took the places of the ones finished before the 20th draw
+    # the TEACHER_BATCH admitted at once, and those that took the places of the ones finished before the 20th draw
     assert mod.TEACHER_BATCH < n < mod._auto_limit(auto, len(mod.prompts(tokenizer, mod.TOPICS)))
     Clock.DRAWS = 10**9
     counted = mod.teacher_data(target, tokenizer, dataclasses.replace(auto, samples=n), lambda *_: None)
@@ -421,6 +423,84 @@ def test_teacher_temperature_zero_answers_with_the_targets_greedy_text(stories_p
     off, total = off_argmax(0.0)
     assert total > 50 and off == 0
     assert off_argmax(DistillConfig.teacher_temperature)[0] > 0
+
+
+def test_the_teacher_answers_in_bfloat16_by_default_only_where_the_cpu_has_it(stories_path, monkeypatch):
+    """--teacher-dtype auto: bfloat16 where the CPU has native bfloat16,
+    float32 elsewhere; a dtype given is kept; the transformers fallback
+    (a model the Llama runner does not run) answers in the model's own."""
+    import dataclasses
+
+    import specdec.engine.gemm_select as gemm_select
+    import specdec.engine.llama as llama
+    from specdec.distill import teacher_dtype
+    from specdec.engine.checkpoint import load_hf_model
+
+    target = load_hf_model(stories_path)
+    cfg = _config(stories_path, "unused", steps=1)
+    auto, bf16 = dataclasses.replace(cfg, teacher_dtype="auto"), dataclasses.replace(cfg, teacher_dtype="bfloat16")
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(gemm_select, "native_bf16", lambda native=native: native)
+        assert teacher_dtype(auto, target) == expected
+        assert teacher_dtype(bf16, target) == "bfloat16" and teacher_dtype(cfg, target) == "float32"
+    monkeypatch.setattr(llama, "unsupported_reason", lambda config: "not a Llama")
+    assert teacher_dtype(bf16, target) == "float32"
+
+
+def test_bfloat16_answers_are_close_to_float32_ones_and_never_mixed_with_them(stories_path, tmp_path):
+    """The target answering in bfloat16 gives a next-token distribution and
+    features close to float32's but not the same bits (the dtype is
+    applied); a checkpoint's answers made in one dtype are refused by a run
+    resumed in the other, naming the flag."""
+    import dataclasses
+
+    from specdec.distill import teacher_data
+    from specdec.engine.checkpoint import load_hf_model
+    from specdec.models import load_tokenizer, resolve_model
+
+    target, tokenizer = load_hf_model(stories_path), load_tokenizer(resolve_model(stories_path))
+    f32 = dataclasses.replace(_config(stories_path, tmp_path / "run", steps=1), teacher_temperature=0.0)
+    bf16 = dataclasses.replace(f32, teacher_dtype="bfloat16")
+    lines: list[str] = []
+    saved: dict = {}
+    a = teacher_data(target, tokenizer, f32, lambda *_: None, (0, 2))
+    b = teacher_data(target, tokenizer, bf16, lines.append, (0, 2), save=saved.update)
+    assert "data: the target answers in bfloat16, 8 at a time" in lines
+    # row 0 of each answer: the same context (its prompt) in both runs
+    first_a = torch.stack([t[0] for t in a["top_logp"]])
+    first_b = torch.stack([t[0] for t in b["top_logp"]])  # [8, K]
+    assert torch.equal(torch.stack([t[0] for t in a["top_ids"]])[:, 0], torch.stack([t[0] for t in b["top_ids"]])[:, 0])
+    assert 0 < (first_a - first_b).abs().max() < 0.1
+    for fa, fb, start in zip(a["features"], b["features"], a["start"]):
+        prompt_a, prompt_b = fa[:start + 1].float(), fb[:start + 1].float()
+        assert not torch.equal(prompt_a, prompt_b) and torch.allclose(prompt_a, prompt_b, rtol=5e-2, atol=5e-2)
+    assert saved["recipe"]["--teacher-dtype"] == "bfloat16"
+    (tmp_path / "run").mkdir()
+    torch.save({"teacher": {"parts": [], "recipe": saved["recipe"]}, "data_s": 1.0},
+               tmp_path / "run" / CHECKPOINT_FILE)
+    with pytest.raises(SystemExit, match=r"other --teacher-dtype \(--teacher-dtype bfloat16\)"):
+        distill(f32, resume=True, log=lambda *_: None)
+
+
+def test_freed_memory_is_kept_only_once_the_target_has_answered(stories_path, tmp_path, monkeypatch):
+    """engine.memory.keep_freed_memory serves the training steps; set
+    before the target answered in bfloat16 it made the first answers ~10x
+    slower and the process hold ~15 GB (distill._distill's comment), so the
+    data comes first."""
+    import specdec.distill as mod
+    import specdec.engine.memory as memory
+
+    calls: list[str] = []
+    real_teacher_data = mod.teacher_data
+
+    def answering(*args, **kwargs):
+        calls.append("data")
+        return real_teacher_data(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "teacher_data", answering)
+    monkeypatch.setattr(memory, "keep_freed_memory", lambda: calls.append("keep") or False)
+    distill(_config(stories_path, tmp_path / "d", steps=1), log=lambda *_: None)
+    assert calls == ["data", "keep"]
 
 
 def test_distill_refuses_a_negative_teacher_temperature(stories_path, tmp_path):

@@ -173,10 +173,11 @@ def test_the_heads_fused_projections_compute_the_checkpoints_linears(head_dir, s
 
 
 def test_one_row_chain_steps_attend_as_a_whole_chunk_does(head_dir, stories_path):
-    """A chain step (one row) takes the head's one-query attention (query
-    heads grouped over their kv head, no mask); the same rows fed as one
-    chunk take the general masked form: every row's output and the logits
-    agree, so the one-row form attends to exactly the rows it should."""
+    """A chain step (one row) takes the head's one-query attention (no
+    mask); the same rows fed as one chunk, or as two, take the masked form
+    (query heads grouped over their kv head in both): every row's output
+    and the logits agree, so each form attends to exactly the rows it
+    should."""
     import torch
 
     from specdec.proposer_svc.eagle3 import HeadCache, HeadItem
@@ -192,6 +193,13 @@ def test_one_row_chain_steps_attend_as_a_whole_chunk_does(head_dir, stories_path
     steps = [head.forward([HeadItem(step_cache, tokens[i:i + 1], feats[i:i + 1])]) for i in range(len(tokens))]
     torch.testing.assert_close(torch.cat([o for o, _ in steps]), whole_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(steps[-1][1], whole_logits, rtol=1e-5, atol=1e-5)
+    # a chunk after cached rows (a round's catch-up: 4 rows over 7 cached) sees the cache and its own
+    # earlier rows, not its later ones
+    split_cache = HeadCache(s.num_kv_heads, s.head_dim)
+    head.forward([HeadItem(split_cache, tokens[:3], feats[:3])])
+    tail_out, tail_logits = head.forward([HeadItem(split_cache, tokens[3:], feats[3:])])
+    torch.testing.assert_close(tail_out, whole_out[3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tail_logits, whole_logits, rtol=1e-5, atol=1e-5)
     # a second item in the same forward keeps its own rows
     other = HeadCache(s.num_kv_heads, s.head_dim)
     both, _ = head.forward([HeadItem(other, tokens[:1], feats[:1]),
