@@ -721,7 +721,8 @@ def _write_card(out: Path, cfg: DistillConfig, card: dict) -> None:
         "--batch-size", str(cfg.batch_size), "--lr", str(cfg.lr), "--seed", str(cfg.seed),
         "--threads", str(cfg.threads), "--draft-vocab", str(cfg.draft_vocab),
         "--teacher-temperature", str(cfg.teacher_temperature), "--lr-schedule", cfg.lr_schedule,
-        "--train-dtype", cfg.train_dtype])
+        "--train-dtype", cfg.train_dtype,
+        "--teacher-dtype", card["teacher_dtype_used"]])  # as resolved here: the same answers anywhere
     if cfg.kind == "draft":
         title = "Draft model"
         student = (f"the target's embeddings, final norm and LM head and {card['num_layers']} of its decoder "
@@ -744,7 +745,8 @@ Made by `specdec distill` (specdec_cli/distill.py):
     {command}
 
 - Student: {student}; trained for {card['steps']} steps ({card['train_minutes']} min).
-- Training data: {card['examples']} answers of the target itself ({answers}) to prompts the
+- Training data: {card['examples']} answers of the target itself ({answers}, in
+  {card['teacher_dtype_used']}) to prompts the
   recipe generates from its fixed word lists (chat instructions or story openings); no other data.
   Loss: cross-entropy against the target's renormalised top-{TEACHER_TOP_K} next-token distribution
   at every answer position. AdamW, learning rate {cfg.lr} ({cfg.lr_schedule}), matmuls in

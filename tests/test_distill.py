@@ -37,7 +37,7 @@ def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_p
     out = tmp_path / "draft"
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "distill", "--target", stories_path,
                            "--out", str(out), "--steps", "4", "--draft-vocab", "100", "--train-dtype", "float32",
-                           "--lr-schedule", "constant", *SMALL],
+                           "--lr-schedule", "constant", "--teacher-dtype", "bfloat16", *SMALL],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "step 4/4" in done.stderr and "tok/s" in done.stderr and "ETA" in done.stderr
@@ -49,8 +49,9 @@ def test_distill_runs_and_its_output_loads_with_transformers(stories_path, tmp_p
     assert "specdec distill" in card and "answers of the target itself" in card
     card = json.loads(done.stdout.strip().splitlines()[-1])
     assert "--draft-vocab 100" in (out / "README.md").read_text() and card["config"]["draft_vocab"] == 100
-    assert "--lr-schedule constant --train-dtype float32" in (out / "README.md").read_text()
+    assert "--lr-schedule constant --train-dtype float32 --teacher-dtype bfloat16" in (out / "README.md").read_text()
     assert card["train_dtype_used"] == "float32" and "training in float32" in done.stdout
+    assert card["teacher_dtype_used"] == "bfloat16" and "data: the target answers in bfloat16" in done.stdout
     head_ids = json.loads((out / "draft_vocab.json").read_text())["target_ids"]
     assert len(head_ids) == 100 and {1, 2} <= set(head_ids)  # BOS and EOS are always kept
     proposer = build_draft_proposer(DraftModelSettings(EngineConfig(str(out), kv_capacity_tokens=1024), stories_path))
