@@ -64,8 +64,12 @@ from specdec.proposer_svc.draft_model import DRAFT_VOCAB_FILE
 
 TEACHER_TOP_K = 32  # target probabilities kept per position
 #: target answers generated at once (one engine forward per token of all of
-#: them). SmolLM2 on 2 cores (AMD EPYC family 26), float32: 605 tokens/s at
-#: 32, 663 at 64, 705 at 128; bfloat16: 956 at 128, 1000 at 256
+#: them). SmolLM2 on 2 cores (AMD EPYC family 26), ``python
+#: benchmarks/bench_teacher.py --answers 768``: float32 603 tokens/s at 32,
+#: 678 at 128; bfloat16 757 at 32, 744 at 128 (that row's peak RSS 9 GB
+#: against 3: bfloat16 through oneDNN at 128 sometimes holds far more
+#: memory). The 30-minute eagle3 distill answered at ~910 tokens/s in
+#: bfloat16 at 128, against ~585 in float32 at 32 in an earlier session
 TEACHER_BATCH = 128
 CHECKPOINT_EVERY_S = 60.0
 CHECKPOINT_FILE = "distill-checkpoint.pt"
@@ -229,9 +233,9 @@ def train_dtype(cfg: DistillConfig) -> torch.dtype:
 def teacher_dtype(cfg: DistillConfig, target) -> str:
     """The dtype the target answers in (--teacher-dtype) where the Llama
     runner runs it; the transformers fallback keeps the loaded model's.
-    bfloat16 answers come ~1.35x faster on a CPU with native bfloat16 (SmolLM2,
-    128 in flight: 956 against 705 tokens/s, AMD EPYC family 26), and differ
-    from float32's little: greedy tokens agree at 97.4 % of 2246 sampled
+    bfloat16 answers come ~1.25x faster on a CPU with native bfloat16 (SmolLM2,
+    ``bench_teacher.py --answers 768``: 757 against 603 tokens/s at 32 in
+    flight, AMD EPYC family 26), and differ from float32's little: greedy tokens agree at 97.4 % of 2246 sampled
     answer positions, mean KL(float32 || bfloat16) 0.0011 nats (twenty-fifth
     session). The acceptance measurement uses the target as loaded."""
     from specdec.engine.llama import unsupported_reason

@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
                         "where the CPU has native bfloat16, else float32")
     p.add_argument("--teacher-dtype", default=DistillConfig.teacher_dtype, choices=list(TEACHER_DTYPES),
                    help="the target's dtype while it answers (the data phase): auto = bfloat16 where the CPU has "
-                        "native bfloat16 (~1.35x the answers a minute there), else float32; the acceptance "
+                        "native bfloat16 (~1.25x the answers a minute there), else float32; the acceptance "
                         "measurement always uses the target as loaded")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
