@@ -14,6 +14,11 @@ eagerly, verification (6 tokens each) with graphs. ``--fused`` adds the
 same rows with the engine's fused small steps (fuse_gpu_steps). Engines with
 graphs first capture all of them as the scorer does at start-up
 (LlamaEngine.prepare): their number, seconds and memory are printed.
+Then the steps of an EAGLE-3 round, whose passes also return the states of
+three feature layers (--features, default EAGLE-3's low/mid/high of the
+model): a decode step and a 6-row verification with features, per run,
+beside the same steps without (graphs with features are captured the first
+time such a pass comes, in the warm-up).
 
     python benchmarks/bench_gpu.py                          # SmolLM2 if found, bfloat16
     python benchmarks/bench_gpu.py --shapes smollm2         # SmolLM2-135M's shapes, random weights
@@ -41,6 +46,7 @@ import torch
 from specdec.engine.base import ForwardItem
 from specdec.engine.checkpoint import Checkpoint
 from specdec.engine.llama import LlamaEngine
+from specdec.proposer_svc.eagle3 import default_eagle3_layers
 
 #: (name, CUDA graphs, fuse_gpu_steps) of the engine runs; the fused two with --fused only
 RUNS = (("eager", False, False), ("graphs", True, False), ("eager fused", False, True), ("graphs fused", True, True))
@@ -131,9 +137,10 @@ def engine_decode(engine: LlamaEngine, prompt: list[int], n: int, reps: int) -> 
     return best_total, best_steps, tokens
 
 
-def step_ms(engine: LlamaEngine, seqs: list[str], rows: int, reps: int) -> float:
+def step_ms(engine: LlamaEngine, seqs: list[str], rows: int, reps: int, features: tuple[int, ...] = ()) -> float:
     """Median ms of one forward of ``rows`` new tokens for each of seqs (their
-    caches already filled), rolled back after each."""
+    caches already filled), asking for the states of the features layers,
+    rolled back after each."""
     times = []
     for _ in range(reps + 3):
         items = [ForwardItem(s, np.ones(rows, np.int32), rows) for s in seqs]
@@ -142,7 +149,10 @@ def step_ms(engine: LlamaEngine, seqs: list[str], rows: int, reps: int) -> float
             engine.ensure_capacity(s, n + rows)
         sync()
         t = time.perf_counter()
-        engine.forward(items).logits.sum().item()
+        out = engine.forward(items, feature_layers=features)
+        out.logits.sum().item()
+        if features:
+            out.features.float().sum().item()  # the states reach the host, as the scorer sends them
         times.append(time.perf_counter() - t)
         for s, n in zip(seqs, lengths):
             engine.truncate(s, n)
@@ -171,6 +181,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fused", action="store_true",
                     help="also run the engine with fuse_gpu_steps (gpu_ops's fused small steps)")
+    ap.add_argument("--features", help="feature layers of the EAGLE-3 rows, e.g. 2,15,27 (default: EAGLE-3's "
+                                       "low/mid/high of the model); 'none' leaves those rows out")
     ap.add_argument("--out", default="bench_results/gpu.json")
     args = ap.parse_args()
     if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -181,6 +193,12 @@ def main() -> None:
     results: dict = {"gpu": gpu, "torch": torch.__version__, "model": what, "prompt_tokens": len(prompt),
                      "tokens": args.tokens, "rows": []}
     batches = [int(b) for b in args.batches.split(",")]
+    n_layers = model.config.num_hidden_layers
+    features = () if args.features == "none" else tuple(dict.fromkeys(  # a small model's low/mid/high may coincide
+        default_eagle3_layers(n_layers) if not args.features else (int(i) for i in args.features.split(","))))
+    results["feature_layers"] = list(features)
+    feature_lines = [f"| dtype | run | decode step ms | with features {list(features)} | verify 6 rows ms | "
+                     "with features |", "| --- " * 6 + "|"]
     header = ("| dtype | run | ms / decode step | tok/s | x transformers | same tokens as transformers | "
               "verify 6 rows / decode step |")
     lines = [header, "| --- " * 7 + "|"]
@@ -223,6 +241,11 @@ def main() -> None:
                          f"{verify / decode:.2f} ({verify:.2f} / {decode:.2f} ms) |")
             row[run] = dict(ms_per_token=ms, step_ms=1e3 * steps_s, vs_transformers=hf_ms / ms, same_tokens=same,
                             first_difference=first, decode_step_ms=decode, verify6_ms=verify)
+            if features:
+                decode_f, verify_f = step_ms(engine, ["v"], 1, 20, features), step_ms(engine, ["v"], 6, 20, features)
+                feature_lines.append(f"| {dtype} | engine {run} | {decode:.2f} | {decode_f:.2f} | {verify:.2f} | "
+                                     f"{verify_f:.2f} |")
+                row[run].update(decode_step_features_ms=decode_f, verify6_features_ms=verify_f)
             for b in batches:
                 seqs = [f"b{b}_{i}" for i in range(b)]
                 prefill(engine, seqs, prompt)
@@ -246,6 +269,9 @@ def main() -> None:
     print("\n".join(lines))
     print("\nbatched decode steps (one token per sequence, prompt cached):")
     print("\n".join(batch_lines))
+    if features:
+        print(f"\nan EAGLE-3 round's passes, returning the states of layers {list(features)} (single stream):")
+        print("\n".join(feature_lines))
     if captures:
         print(f"\nstart-up capture (prepare({PREPARE_SEQS}, {PREPARE_TOKENS}): the scorer's defaults):")
         print("\n".join(captures))

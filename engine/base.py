@@ -108,8 +108,10 @@ class Engine(abc.ABC):
     def free_tokens(self) -> int:
         """Tokens that can still be reserved."""
 
-    def prepare(self, max_batch_size: int, max_tokens_per_forward: int | None = None) -> None:  # noqa: B027
+    def prepare(self, max_batch_size: int, max_tokens_per_forward: int | None = None,  # noqa: B027
+                feature_layers: tuple[int, ...] = ()) -> None:
         """Readies the engine for forward passes of up to max_batch_size
         sequences and max_tokens_per_forward new tokens (None: any number)
-        before the first one comes (LlamaEngine on a GPU: compiles its kernels
-        and captures its CUDA graphs); by default nothing."""
+        before the first one comes, those asking for feature_layers' states
+        too when named (LlamaEngine on a GPU: compiles its kernels and
+        captures its CUDA graphs); by default nothing."""

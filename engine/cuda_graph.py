@@ -6,11 +6,16 @@ microseconds each; launched one by one from Python, the host's launch work
 A captured graph replays the whole pass in one launch.
 
 Which passes: every batch of at most ``MAX_ROWS`` new tokens (decode steps,
-verifications of k + 1 tokens per sequence, short prefills) without hidden
-states or feature layers. One graph per (padded rows, padded sequences),
-both rounded up to a power of two, captured the first time such a batch
-comes, or all of them at start-up (``capture_all``). Its inputs live in one
-static int32 buffer, filled by one host-to-device copy per pass:
+verifications of k + 1 tokens per sequence, short prefills) that asks for no
+final hidden states. One graph per (padded rows, padded sequences, feature
+layers), rows and sequences rounded up to a power of two, captured the first
+time such a batch comes, or all of them at start-up (``capture_all``).
+Passes that ask for the states of feature layers (EAGLE-3 and MTP rounds:
+the scorer returns the target's features) have graphs of their own, which
+also copy those states, [T_pad, layers x hidden] in the engine's dtype, into
+one features buffer their graphs share; without them every such round ran
+eagerly, a Python launch per kernel. Its inputs live in one static int32
+buffer, filled by one host-to-device copy per pass:
 
     [tokens | positions | row sequences | slot blocks | slot offsets | logits rows]  each [T_pad]
     [block tables]                                                                    [B_pad + 1, W]
@@ -22,7 +27,8 @@ write and read nothing of a real sequence. The graph computes logits for all
 T_pad rows (the LM head over a few hundred rows costs microseconds on a GPU)
 into the first T_pad rows of one float32 [MAX_ROWS, vocab] buffer that every
 graph shares (graphs replay one at a time); the rows the items asked for are
-gathered into a new tensor right after the replay. The graphs' other
+gathered into a new tensor right after the replay (the features' first T
+rows likewise). The graphs' other
 intermediates live in one shared memory pool too, so many graphs cost little
 more memory than the largest.
 
@@ -32,8 +38,9 @@ the padding: tests/test_gpu_engine.py checks it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -64,12 +71,17 @@ def graph_keys(max_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
             for s in range(min(1 << r, bucket(max_seqs)).bit_length())]
 
 
+#: a graph's key: (padded rows, padded sequences, feature layers)
+Key = tuple[int, int, tuple[int, ...]]
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], None]  # replays the captured pass (its graph's replay)
     host: np.ndarray  # int32, the static buffer's next contents
     device: torch.Tensor  # int32, the static buffer the graph reads
     logits: torch.Tensor  # float32 [T_pad, vocab], the graph's output: a view of the shared buffer
+    features: torch.Tensor | None  # [T_pad, layers x hidden] when it has feature layers: a view of theirs
 
 
 class ForwardGraphs:
@@ -78,36 +90,43 @@ class ForwardGraphs:
     def __init__(self, engine: LlamaEngine) -> None:
         self.engine = engine
         self.width = -(-engine.max_model_len // engine.pool.block_size)
-        self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._mem_pool = torch.cuda.graph_pool_handle()
+        self._graphs: dict[Key, _Graph] = {}
+        self._mem_pool: Any = None  # the graphs' one memory pool (graph_pool_handle), made at the first capture
         self._logits: torch.Tensor | None = None  # float32 [MAX_ROWS, vocab], every graph's output rows
+        #: [MAX_ROWS, layers x hidden] in the engine's dtype per number of feature layers: their graphs' states
+        self._features: dict[int, torch.Tensor] = {}
 
     def takes(self, items: list[ForwardItem]) -> bool:
         """Whether a graph runs this batch: at most MAX_ROWS new tokens."""
         return sum(len(it.token_ids) for it in items) <= MAX_ROWS
 
-    def capture_all(self, max_seqs: int, max_tokens: int) -> list[tuple[int, int]]:
+    def capture_all(self, max_seqs: int, max_tokens: int,
+                    feature_layers: tuple[int, ...] = ()) -> list[tuple[int, int]]:
         """Captures the graph of every (padded rows, padded sequences) a batch
         of at most max_seqs sequences and max_tokens new tokens can take
-        (graph_keys: at most 54), the largest first, so the smaller ones reuse
-        its pool memory. Returns the keys."""
+        (graph_keys: at most 54), with these feature layers, the largest
+        first, so the smaller ones reuse its pool memory. Returns the keys."""
         keys = graph_keys(max_seqs, max_tokens)
-        for key in sorted(keys, reverse=True):
-            if key not in self._graphs:
-                self._capture(*key)
+        for rows, seqs in sorted(keys, reverse=True):
+            if (rows, seqs, feature_layers) not in self._graphs:
+                self._capture(rows, seqs, feature_layers)
         return keys
 
-    def captured(self) -> list[tuple[int, int]]:
-        """(padded rows, padded sequences) of the graphs captured so far."""
-        return sorted(self._graphs)
+    def captured(self, feature_layers: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+        """(padded rows, padded sequences) of the graphs with these feature
+        layers captured so far."""
+        return sorted((rows, seqs) for rows, seqs, layers in self._graphs if layers == feature_layers)
 
-    def run(self, tokens: np.ndarray, batch: PagedBatch, logit_rows: np.ndarray) -> torch.Tensor:
-        """Logits float32 [len(logit_rows), vocab] of a batch planned by the pool."""
+    def run(self, tokens: np.ndarray, batch: PagedBatch, logit_rows: np.ndarray,
+            feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits float32 [len(logit_rows), vocab] of a batch planned by the
+        pool, and with feature_layers the states of every row's [T, layers x
+        hidden] (Engine.forward's)."""
         T, B = len(tokens), len(batch.block_tables)
-        key = (bucket(T), bucket(B))
+        key = (bucket(T), bucket(B), feature_layers)
         g = self._graphs.get(key) or self._capture(*key)
         rows, host = key[0], g.host
-        self._fill_padding(host, *key)
+        self._fill_padding(host, key[0], key[1])
         fields = host[:_FIELDS * rows].reshape(_FIELDS, rows)
         fields[0, :T] = tokens
         fields[1, :T] = batch.row_pos
@@ -118,9 +137,10 @@ class ForwardGraphs:
         tables = host[_FIELDS * rows:].reshape(key[1] + 1, self.width)
         tables[:B, :batch.block_tables.shape[1]] = batch.block_tables
         g.device.copy_(torch.from_numpy(host))  # pageable source: the host may refill it once this returns
-        g.graph.replay()
+        g.replay()
         picked = g.device[5 * rows:5 * rows + len(logit_rows)]
-        return g.logits.index_select(0, picked)  # a new tensor: the next replay may overwrite g.logits
+        # new tensors: the next replay may overwrite the shared buffers
+        return g.logits.index_select(0, picked), (None if g.features is None else g.features[:T].clone())
 
     def _fill_padding(self, host: np.ndarray, rows: int, seqs: int) -> None:
         """The whole buffer as padding rows (module doc)."""
@@ -130,32 +150,53 @@ class ForwardGraphs:
         fields[3] = self.engine.pool.scratch_block
         host[_FIELDS * rows:].reshape(seqs + 1, self.width)[seqs, 0] = self.engine.pool.scratch_block
 
-    def _capture(self, rows: int, seqs: int) -> _Graph:
+    def _capture(self, rows: int, seqs: int, feature_layers: tuple[int, ...] = ()) -> _Graph:
         engine = self.engine
         dev = engine.device
         if self._logits is None:
             self._logits = torch.empty(MAX_ROWS, engine.lm_head.out_features, dtype=torch.float32, device=dev)
         out = self._logits[:rows]
+        feats = None
+        if feature_layers:
+            n = len(feature_layers)
+            if n not in self._features:
+                self._features[n] = torch.empty(MAX_ROWS, n * engine.spec.hidden_size, dtype=engine.dtype,
+                                                device=dev)
+            feats = self._features[n][:rows]
         host = np.zeros(_FIELDS * rows + (seqs + 1) * self.width, dtype=np.int32)
         self._fill_padding(host, rows, seqs)
         ints = torch.from_numpy(host).to(dev)
         fields = ints[:_FIELDS * rows].view(_FIELDS, rows)
 
-        def step() -> torch.Tensor:
+        def step() -> None:
             # every tensor the graph reads is a view of ``ints`` or made inside it
             placed = DeviceRows(slot_block=fields[3].long(), slot_offset=fields[4].long(),
                                 tables=ints[_FIELDS * rows:].view(seqs + 1, self.width), row_seq=fields[2],
                                 row_pos=fields[1])
-            normed, _ = engine._final_rows(fields[0].long(), fields[1].long(), placed, (), None)
-            return out.copy_(engine.lm_head(normed))  # the head's dtype widened to float32, as eagerly (.float())
+            normed, states = engine._final_rows(fields[0].long(), fields[1].long(), placed, feature_layers, None)
+            if feats is not None:  # in the engine's dtype, as eagerly (torch.cat(states, 1).to(engine.dtype))
+                feats.copy_(torch.cat(states, dim=1))
+            out.copy_(engine.lm_head(normed))  # the head's dtype widened to float32, as eagerly (.float())
 
+        self._graphs[(rows, seqs, feature_layers)] = g = _Graph(replay=self._record(step), host=host, device=ints,
+                                                                 logits=out, features=feats)
+        return g
+
+    def _record(self, step: Callable[[], None]) -> Callable[[], None]:
+        """Captures step, a pass reading and writing only static buffers, as
+        a CUDA graph, after a warm-up on a side stream that compiles its
+        kernels outside the capture; returns the graph's replay. (The only
+        CUDA-specific step: a test replaces it with step itself, to run the
+        rest on CPU.)"""
+        dev = self.engine.device
+        if self._mem_pool is None:
+            self._mem_pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # warm-up: compiles every kernel for these shapes outside the capture
+        with torch.cuda.stream(side):
             step()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._mem_pool):
-            logits = step()
-        self._graphs[(rows, seqs)] = g = _Graph(graph=graph, host=host, device=ints, logits=logits)
-        return g
+            step()
+        return graph.replay

@@ -332,8 +332,9 @@ class LlamaEngine(Engine):
       those kernels (benchmarks compare the two).
     cuda_graphs: on CUDA with the Triton kernels, passes of up to
       cuda_graph.MAX_ROWS tokens (decode steps, verifications, short
-      prefills) replay CUDA graphs captured per padded shape
-      (engine.cuda_graph): no per-layer host work.
+      prefills), with or without feature layers, replay CUDA graphs
+      captured per padded shape (engine.cuda_graph): no per-layer host
+      work.
     fuse_gpu_steps: with the Triton kernels, run the small steps as
       gpu_ops's fused kernels (RoPE + scale + KV write, SiLU x up, residual
       add + RMSNorm: about half the kernels per layer; SmolLM2 bfloat16
@@ -475,16 +476,21 @@ class LlamaEngine(Engine):
         return self.pool.free_tokens()
 
     @torch.inference_mode()
-    def prepare(self, max_batch_size: int, max_tokens_per_forward: int | None = None) -> None:
+    def prepare(self, max_batch_size: int, max_tokens_per_forward: int | None = None,
+                feature_layers: tuple[int, ...] = ()) -> None:
         """Captures every CUDA graph batches of these sizes can need (on a GPU
         with graphs; ForwardGraphs.capture_all, which compiles the kernels on
-        the way), so no request waits for a compile or a capture."""
+        the way), so no request waits for a compile or a capture; with
+        feature_layers, the graphs of passes asking for those layers' states
+        (the others are captured the first time a batch needs them)."""
         if self.graphs is None:
             return
+        check_feature_layers(feature_layers, len(self.layers))
         start = time.perf_counter()
-        keys = self.graphs.capture_all(max_batch_size, max_tokens_per_forward or MAX_ROWS)
-        log.info("LlamaEngine: %d CUDA graphs captured in %.1f s (up to %d rows, %d sequences)", len(keys),
-                 time.perf_counter() - start, max(k[0] for k in keys), max(k[1] for k in keys))
+        keys = self.graphs.capture_all(max_batch_size, max_tokens_per_forward or MAX_ROWS, feature_layers)
+        log.info("LlamaEngine: %d CUDA graphs captured in %.1f s (up to %d rows, %d sequences%s)", len(keys),
+                 time.perf_counter() - start, max(k[0] for k in keys), max(k[1] for k in keys),
+                 f", feature layers {list(feature_layers)}" if feature_layers else "")
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem], return_hidden_states: bool = False,
@@ -504,10 +510,10 @@ class LlamaEngine(Engine):
         batch = self.pool.plan(seq_ids, counts)
         ends = np.cumsum(counts)
         rows = np.concatenate([np.arange(e - it.num_logits, e) for e, it in zip(ends, items)])
-        if self.graphs is not None and not return_hidden_states and not feature_layers and self.graphs.takes(items):
-            logits = self.graphs.run(tokens, batch, rows)
+        if self.graphs is not None and not return_hidden_states and self.graphs.takes(items):
+            logits, features = self.graphs.run(tokens, batch, rows, feature_layers)
             self.pool.commit(seq_ids, counts)
-            return ForwardOutput(logits, None, None)
+            return ForwardOutput(logits, None, features)
         if self.fused:  # numpy from the embedding to the logits (``_decoder_arrays``)
             h_np, states = self._decoder_arrays(tokens, batch, feature_layers)
             normed_np = cpu_ops.rms_norm(h_np[rows], self._final_norm_np, self.spec.rms_norm_eps)

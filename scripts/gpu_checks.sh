@@ -5,7 +5,9 @@
 # runs the Triton kernel tests and the GPU engine tests compiled for the GPU
 # (TRITON_INTERPRET=0), the stories260K end-to-end tests with the scorer on
 # the GPU (and the model-draft ones with the draft model on the GPU too),
-# then benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
+# the EAGLE-3 / MTP end-to-end tests with the scorer on the GPU (its passes
+# returning target features replay graphs of their own), then
+# benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
 #
 #   SPECDEC_MODELS_DIR=DIR OUT=DIR bash scripts/gpu_checks.sh
 #
@@ -13,7 +15,8 @@
 # and the benchmark's JSON go to $OUT (default /tmp/specdec-gpu). WHEELS=DIR:
 # wheels installed beside the package first (the machine's own grpcio and
 # protobuf may be older than the generated code needs). STEPS: the steps to
-# run, of "kernels e2e draft bench" (default all).
+# run, of "kernels e2e draft eagle3 bench" (default all). BENCH_ARGS: more
+# arguments for bench_gpu.py (e.g. "--dtypes bfloat16").
 #
 # Time: on a fresh machine every Triton kernel compiles first. A whole run
 # takes ~8 minutes on an H200 and more than the 10 minutes of one device
@@ -22,7 +25,7 @@
 # commands on the same warm machine, e.g. STEPS="kernels e2e" then
 # STEPS="draft bench" (Triton's cache in ~/.triton stays while it is held).
 set -u
-STEPS=${STEPS:-kernels e2e draft bench}
+STEPS=${STEPS:-kernels e2e draft eagle3 bench}
 step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 OUT=${OUT:-/tmp/specdec-gpu}
 mkdir -p "$OUT"
@@ -50,7 +53,12 @@ step draft && { SPECDEC_TEST_SCORER_ARGS="--device cuda" SPECDEC_TEST_DRAFT_ARGS
     python3 -m pytest -q -p no:cacheprovider --timeout 140 -m "not slow" --basetemp "$OUT/e2e_draft" \
     tests/test_e2e_draft.py >"$OUT/e2e_draft.log" 2>&1 || status=1  # the services' logs under $OUT/e2e_draft
   tail -n 20 "$OUT/e2e_draft.log"; }
+# feature-conditioned drafts: EAGLE-3 and MTP heads fed by a scorer on the GPU (the heads on the CPU)
+step eagle3 && { SPECDEC_TEST_SCORER_ARGS="--device cuda" timeout "${EAGLE3_TIMEOUT:-240}" python3 -m pytest -q \
+    -p no:cacheprovider --timeout 200 --basetemp "$OUT/e2e_eagle3" tests/test_e2e_eagle3.py \
+    >"$OUT/e2e_eagle3.log" 2>&1 || status=1
+  tail -n 20 "$OUT/e2e_eagle3.log"; }
 step bench && { timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --fused --out "$OUT/gpu.json" \
-    >"$OUT/bench.log" 2>&1 || status=1
+    ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=1
   tail -n 30 "$OUT/bench.log"; }
 exit $status

@@ -14,6 +14,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before specdec.engine.gpu_ops defines any @triton.jit
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,8 @@ from conftest import hf_greedy, hf_model, random_model
 from test_llama_engine import STORY, check_invariance, engine_of, feed, greedy, hf_logits
 
 from specdec.engine import gpu_ops
-from specdec.engine.cuda_graph import MAX_ROWS, bucket, graph_keys
+from specdec.engine.base import ForwardItem
+from specdec.engine.cuda_graph import MAX_ROWS, ForwardGraphs, bucket, graph_keys
 from specdec.engine.kv_pool import KVPool
 from specdec.engine.llama import LlamaEngine, apply_rope, rms_norm, rope_inv_freq, rope_tables
 
@@ -38,6 +40,26 @@ slow_here = pytest.mark.slow if INTERPRETED else (lambda test: test)
 def gpu_engine(model, dtype: str = "float32", **kwargs) -> LlamaEngine:
     return engine_of(model, dtype, device=DEVICE, gemm="auto" if DEVICE == "cuda" else "triton",
                      attention="triton", **kwargs)
+
+
+class StepsAsGraphs(ForwardGraphs):
+    """ForwardGraphs whose "graph" is the captured step itself, run again at
+    each replay: everything of the graph path but the CUDA capture (static
+    buffers, padding rows, keys, the shared logits and features buffers) runs
+    here, on CPU under the interpreter."""
+
+    def _record(self, step):
+        return step
+
+
+def graph_engine(model, dtype: str = "float32", **kwargs) -> LlamaEngine:
+    """gpu_engine with its forward passes of up to MAX_ROWS tokens through
+    graphs: CUDA graphs on a GPU, StepsAsGraphs here."""
+    engine = gpu_engine(model, dtype, **kwargs)
+    if INTERPRETED:
+        engine.graphs = StepsAsGraphs(engine)
+    assert engine.graphs is not None
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +295,57 @@ def test_decode_graphs_give_the_eager_logits_bitwise(stories, dtype, fused):
     for g, w in zip(feed(graphs, ragged), feed(eager, ragged)):
         assert torch.equal(g, w)
     assert graphs.graphs.captured() == [(1, 1), (4, 4), (8, 1), (16, 4), (64, 4)]
+
+
+@pytest.mark.parametrize("fused", [pytest.param(False, id="separate"),  # the fused kernels: slower interpreted
+                                   pytest.param(True, id="fused", marks=pytest.mark.slow if INTERPRETED else ())])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_feature_graphs_give_the_eager_features_and_logits_bitwise(stories, dtype, fused):
+    """Passes asking for feature layers (the scorer's EAGLE-3 / MTP rounds)
+    replay graphs of their own: a prefill, decode steps of three sequences,
+    a 6-row verification and a ragged batch give the eager pass's logits and
+    every row's features bitwise; graphs with and without features share the
+    logits buffer, so a plain pass between two feature passes must not leak
+    into either; prepare captures the feature graphs it is told of. (Here
+    through StepsAsGraphs, on a GPU through CUDA graphs.)"""
+    model, prompt = stories
+    layers = (1, 3, 5)  # a low, a middle and the last layer's output, as EAGLE-3 asks
+
+    def both(engine, items):
+        for seq, tokens, _ in items:
+            engine.ensure_capacity(seq, engine.cached_len(seq) + len(tokens))
+        out = engine.forward([ForwardItem(seq, np.asarray(tokens, np.int32), k) for seq, tokens, k in items],
+                             feature_layers=layers)
+        return out.logits, out.features
+
+    graphs, eager = graph_engine(model, dtype, fuse_gpu_steps=fused), gpu_engine(model, dtype, cuda_graphs=False,
+                                                                                  fuse_gpu_steps=fused)
+    assert eager.graphs is None
+    starts = {"a": prompt[:12], "b": prompt[:5], "c": prompt[:9]}
+    prefill = [(s, p, 1) for s, p in starts.items()]
+    got, want = [both(graphs, prefill)], [both(eager, prefill)]
+    nxt = {s: int(w.argmax()) for s, w in zip(starts, want[0][0])}
+    for _ in range(2 if INTERPRETED else 6):
+        step = [(s, [t], 1) for s, t in nxt.items()]
+        got.append(both(graphs, step))
+        want.append(both(eager, step))
+        nxt = {s: int(w.argmax()) for s, w in zip(nxt, want[-1][0])}
+    plain = [("c", [nxt["c"]], 1)]
+    plain_got, plain_want = feed(graphs, plain)[0], feed(eager, plain)[0]
+    for items in ([("b", prompt[5:11], 6)], [("a", prompt[:3], 3), ("b", prompt[5:6], 1), ("c", prompt[1:10], 2)]):
+        got.append(both(graphs, items))
+        want.append(both(eager, items))
+    assert torch.equal(plain_got, plain_want)
+    for (g_logits, g_feats), (w_logits, w_feats) in zip(got, want):  # all kept until the end: none overwritten
+        assert torch.equal(g_logits, w_logits)
+        assert g_feats.dtype == w_feats.dtype == graphs.dtype and g_feats.shape == w_feats.shape
+        assert torch.equal(g_feats, w_feats)
+    assert got[-1][1].shape == (3 + 1 + 9, 3 * 64)
+    assert graphs.graphs.captured(layers) == [(4, 4), (8, 1), (16, 4), (32, 4)]
+    assert graphs.graphs.captured() == [(1, 1)]  # the plain pass
+    fresh = graph_engine(model, dtype, fuse_gpu_steps=fused)
+    fresh.prepare(2, 4, feature_layers=layers)
+    assert fresh.graphs.captured(layers) == sorted(graph_keys(2, 4)) and fresh.graphs.captured() == []
 
 
 @pytest.mark.parametrize("max_seqs,max_tokens", [(1, 1), (3, 6), (8, 64), (256, 512), (300, 4096)])
