@@ -38,6 +38,7 @@ the padding: tests/test_gpu_engine.py checks it.
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -187,7 +188,11 @@ class ForwardGraphs:
         a CUDA graph, after a warm-up on a side stream that compiles its
         kernels outside the capture; returns the graph's replay. (The only
         CUDA-specific step: a test replaces it with step itself, to run the
-        rest on CPU.)"""
+        rest on CPU.) The garbage collector waits until the capture ends:
+        torch no longer collects when a capture begins, and an unreachable
+        engine's graphs destroyed during one invalidate it (seen on an H100:
+        "operation not permitted when stream is capturing (function reset)",
+        the capture then failing in the next kernel launch)."""
         dev = self.engine.device
         if self._mem_pool is None:
             self._mem_pool = torch.cuda.graph_pool_handle()
@@ -197,6 +202,12 @@ class ForwardGraphs:
             step()
         torch.cuda.current_stream(dev).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._mem_pool):
-            step()
+        collecting = gc.isenabled()
+        gc.disable()  # a graph the collector frees mid-capture (a dropped engine's) would invalidate this one
+        try:
+            with torch.cuda.graph(graph, pool=self._mem_pool):
+                step()
+        finally:
+            if collecting:
+                gc.enable()
         return graph.replay

@@ -348,6 +348,31 @@ def test_feature_graphs_give_the_eager_features_and_logits_bitwise(stories, dtyp
     assert fresh.graphs.captured(layers) == sorted(graph_keys(2, 4)) and fresh.graphs.captured() == []
 
 
+@cuda_only
+def test_the_garbage_collector_waits_while_a_graph_is_captured(stories):
+    """An engine and its graphs form a reference cycle, freed whenever the
+    garbage collector runs; destroying a graph while another is captured
+    invalidates that capture (seen on an H100). So the collector is off
+    during every capture, and on again after it."""
+    import gc
+
+    model, prompt = stories
+    engine = gpu_engine(model)
+    seen = []  # (capturing, collector on) at each pass through the model
+    final_rows = engine._final_rows
+
+    def spy(*args, **kwargs):
+        seen.append((torch.cuda.is_current_stream_capturing(), gc.isenabled()))
+        return final_rows(*args, **kwargs)
+
+    engine._final_rows = spy
+    assert gc.isenabled()
+    feed(engine, [("a", prompt[:5], 1)])
+    assert engine.graphs.captured() == [(8, 1)]
+    assert (True, False) in seen and (True, True) not in seen  # the warm-up runs it too, uncaptured
+    assert gc.isenabled()
+
+
 @pytest.mark.parametrize("max_seqs,max_tokens", [(1, 1), (3, 6), (8, 64), (256, 512), (300, 4096)])
 def test_graph_keys_are_exactly_the_shapes_batches_can_take(max_seqs, max_tokens):
     """Every batch of B <= max_seqs sequences and T <= max_tokens new tokens
