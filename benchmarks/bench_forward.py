@@ -60,7 +60,7 @@ import torch
 
 from specdec.client import make_request, stream
 from specdec.engine.base import ForwardItem
-from specdec.engine.gemm_select import GemmRefused, cpu_model, native_bf16, summary
+from specdec.engine.gemm_select import GemmRefused, cpu_model, native_bf16, set_torch_threads, summary
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
 from specdec.launcher import Stack
@@ -333,7 +333,7 @@ def main() -> None:
         ap.error(f"--stack-env: each environment is 'K=V,K=V', environments separated by ';' (got {args.stack_env!r})")
     if any(extra not in ("", "torch-ops") for _, _, extra in configs):
         ap.error("--configs: each entry is dtype:gemm or dtype:gemm:torch-ops")
-    torch.set_num_threads(args.threads)  # transformers runs on as many threads as the engines
+    set_torch_threads(args.threads)  # transformers runs on as many threads as the engines
 
     from transformers import AutoModelForCausalLM
 

@@ -87,6 +87,7 @@ from specdec.engine.gemm_select import (
     invariance_failure,
     native_bf16,
     select,
+    set_torch_threads,
 )
 from specdec.engine.kv_pool import DeviceRows, KVPool, PagedBatch, default_num_threads
 
@@ -392,7 +393,7 @@ class LlamaEngine(Engine):
             linears: list[Linear] = [TritonLinear(w, b) for _, w, b in projections]
             self.gemm = "triton"
         elif on_cpu:
-            torch.set_num_threads(num_threads)
+            set_torch_threads(num_threads)
             selection = select(projections, self.dtype, num_threads, gemm)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
             if self.dtype == torch.bfloat16 and not native_bf16() and selection.path.kind != "simd":

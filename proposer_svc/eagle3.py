@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.engine.gemm_select import GEMM_PATHS, Linear, select
+from specdec.engine.gemm_select import GEMM_PATHS, Linear, select, set_torch_threads
 from specdec.engine.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, rope_parameters
 
 EAGLE3 = "eagle3"
@@ -155,7 +155,7 @@ class FeatureHead:
         """Runs the head on ``threads`` CPU threads: torch's (process-wide)
         and its projections' GEMMs, rebuilt when the count changes (a GEMM
         keeps the thread count it was built with)."""
-        torch.set_num_threads(threads)
+        set_torch_threads(threads)
         if threads != self.threads:
             self.threads = threads
             self.proj = _projections(self.w, self.projection_dtype)

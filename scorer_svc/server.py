@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 from prometheus_client import Gauge, Info
 
-from specdec.engine.base import Engine
+from specdec.engine.base import Engine, check_feature_layers
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
 from specdec.limits import (
@@ -185,6 +185,21 @@ def export_gemm_choice(engine: Engine) -> None:
             ENGINE_GEMM_MS.labels(path, rows).set(ms)
 
 
+def prepare(engine: Engine, args) -> None:
+    """Readies the engine before serving (Engine.prepare: on a GPU, every
+    CUDA graph the batch limits can need), with --feature-layers those of
+    passes returning these layers' states too; ValueError naming the flag
+    for a layer the model lacks (on any device)."""
+    layers = tuple(args.feature_layers)
+    try:
+        check_feature_layers(layers, engine.facts.num_layers)
+    except ValueError as e:
+        raise ValueError(f"--feature-layers: {e}") from None
+    engine.prepare(args.max_batch_size, args.max_tokens_per_forward)
+    if layers:
+        engine.prepare(args.max_batch_size, args.max_tokens_per_forward, layers)
+
+
 def serve(args) -> None:
     """Runs the scorer from the `specdec scorer` arguments: the model and the
     scheduler's worker on the main thread, the gRPC server on an asyncio
@@ -199,7 +214,10 @@ def serve(args) -> None:
     except ValueError as e:
         raise SystemExit(f"scorer: {e}") from None
     export_gemm_choice(engine)
-    engine.prepare(args.max_batch_size, args.max_tokens_per_forward)  # before serving: e.g. CUDA graphs
+    try:
+        prepare(engine, args)
+    except ValueError as e:
+        raise SystemExit(f"scorer: {e}") from None
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
                           idle_timeout_s=args.idle_timeout_s, decode_ahead=args.decode_ahead == "on")
     started = threading.Event()

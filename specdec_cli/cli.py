@@ -30,6 +30,18 @@ CPU_METHODS = "naive,ngram,suffix,hybrid"
 PROPOSER_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """--feature-layers: comma-separated layer indices, in increasing order
+    (as the scorer asks its engine for a batch's layers), each once."""
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not comma-separated integers: {text!r}") from None
+    if len(set(layers)) != len(layers):
+        raise argparse.ArgumentTypeError(f"a layer appears twice in {text!r}")
+    return tuple(sorted(layers))
+
+
 def _add_common(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     p.add_argument("--port", type=int, default=port, help="gRPC port (0: pick a free one)")
@@ -137,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free the KV cache of a sequence not verified for this long (a gateway that "
                         "died); 0: never")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--feature-layers", type=_layer_list, default=(), metavar="L,L,...",
+                   help="on a GPU, also capture at start the CUDA graphs of passes returning these layers' "
+                        "states (the layers the EAGLE-3 / MTP heads of your proposers ask for, e.g. 2,15,27); "
+                        "other layer sets get theirs the first time a round asks for them")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the model's context (tokens)")
     p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS),
                    help="auto: own Llama runner when the architecture allows, else transformers; "

@@ -513,12 +513,13 @@ def distill(cfg: DistillConfig, resume: bool = False, log=print) -> dict:
 
 def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     from specdec.engine.checkpoint import load_hf_model
+    from specdec.engine.gemm_select import set_torch_threads
     from specdec.engine.memory import keep_freed_memory
     from specdec.models import load_tokenizer, resolve_model
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(cfg.threads)
+    set_torch_threads(cfg.threads)
     ckpt_path = out / CHECKPOINT_FILE
     torch.manual_seed(cfg.seed)
     target = load_hf_model(cfg.target)

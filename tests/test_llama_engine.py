@@ -543,3 +543,31 @@ def test_smollm_uses_every_core(smollm):
 def test_smollm_greedy_matches_transformers_generate(smollm_path, smollm):
     _, prompt, engines = smollm
     assert greedy(engines("float32"), "g", prompt, 32) == hf_greedy(smollm_path, tuple(prompt), 32)
+
+
+def test_scorer_feature_layers_flag_prepares_those_graphs_and_names_a_bad_layer(stories_path):
+    """--feature-layers: sorted, each once; the scorer's start-up prepares the
+    plain graphs and then those of passes returning these layers' states
+    (on a GPU; Engine.prepare, recorded here); a layer the model lacks stops
+    the start naming the flag, on any device."""
+    from specdec.cli import build_parser
+    from specdec.scorer_svc.server import prepare
+
+    parse = build_parser().parse_args
+    base = ["scorer", "--model", stories_path, "--max-batch-size", "4", "--max-tokens-per-forward", "32"]
+    args = parse([*base, "--feature-layers", "5,1,3"])
+    assert args.feature_layers == (1, 3, 5) and parse(base).feature_layers == ()
+    for bad in ("1,1", "1,x"):
+        with pytest.raises(SystemExit):
+            parse([*base, "--feature-layers", bad])
+    engine = build_engine(EngineConfig(stories_path, kv_capacity_tokens=64))
+    calls = []
+    engine.prepare = lambda *a: calls.append(a)  # records what start-up asks for
+    prepare(engine, args)
+    assert calls == [(4, 32), (4, 32, (1, 3, 5))]
+    calls.clear()
+    prepare(engine, parse(base))
+    assert calls == [(4, 32)]
+    with pytest.raises(ValueError, match=r"--feature-layers: feature layer 6 outside 0\.\.5"):
+        prepare(engine, parse([*base, "--feature-layers", "1,6"]))
+    assert calls == [(4, 32)]  # nothing prepared
