@@ -170,6 +170,7 @@ BAD_VALUES = {
     "pdb-bad-percent.yaml": "/proposers/suffix/pdb/maxUnavailable",
     "bad-draft-length.yaml": "/speculation/draftLength",
     "http-port-out-of-range.yaml": "/gateway/httpPort",
+    "repeated-feature-layer.yaml": "/scorer/featureLayers",
 }
 
 
@@ -217,6 +218,7 @@ def test_gpu_values_give_the_scorer_and_draft_proposer_a_gpu():
     scorer_args = container(deployments["scorer"])["args"]
     assert flag(scorer_args, "--device") == ["cuda"] and flag(scorer_args, "--dtype") == ["bfloat16"]
     assert flag(scorer_args, "--kv-tokens") == ["262144"]
+    assert flag(scorer_args, "--feature-layers") == ["27,2,15"]  # the scorer sorts them
     for component in ("gateway", "proposer-ngram", "proposer-suffix", "proposer-eagle3", "proposer-mtp"):
         c = container(deployments[component])
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
@@ -230,6 +232,7 @@ def test_cpu_values_request_no_gpu():
     scorer = container(docs_of(docs, "Deployment")["scorer"])
     assert flag(scorer["args"], "--device") == ["cpu"]
     assert flag(scorer["args"], "--model") == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert "--feature-layers" not in scorer["args"]  # none by default
 
 
 def test_each_proposer_has_its_own_hpa_and_pdb():
