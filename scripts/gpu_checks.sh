@@ -5,8 +5,9 @@
 # runs the Triton kernel tests and the GPU engine tests compiled for the GPU
 # (TRITON_INTERPRET=0), the stories260K end-to-end tests with the scorer on
 # the GPU (and the model-draft ones with the draft model on the GPU too),
-# the EAGLE-3 / MTP end-to-end tests with the scorer on the GPU (its passes
-# returning target features replay graphs of their own), then
+# the feature and EAGLE-3 / MTP end-to-end tests with the scorer on the GPU
+# (its passes returning target features replay graphs of their own;
+# EAGLE3_TESTS: which of those test files), then
 # benchmarks/bench_gpu.py on SmolLM2-135M's shapes.
 #
 #   SPECDEC_MODELS_DIR=DIR OUT=DIR bash scripts/gpu_checks.sh
@@ -53,10 +54,11 @@ step draft && { SPECDEC_TEST_SCORER_ARGS="--device cuda" SPECDEC_TEST_DRAFT_ARGS
     python3 -m pytest -q -p no:cacheprovider --timeout 140 -m "not slow" --basetemp "$OUT/e2e_draft" \
     tests/test_e2e_draft.py >"$OUT/e2e_draft.log" 2>&1 || status=1  # the services' logs under $OUT/e2e_draft
   tail -n 20 "$OUT/e2e_draft.log"; }
-# feature-conditioned drafts: EAGLE-3 and MTP heads fed by a scorer on the GPU (the heads on the CPU)
-step eagle3 && { SPECDEC_TEST_SCORER_ARGS="--device cuda" timeout "${EAGLE3_TIMEOUT:-240}" python3 -m pytest -q \
-    -p no:cacheprovider --timeout 200 --basetemp "$OUT/e2e_eagle3" tests/test_e2e_eagle3.py \
-    >"$OUT/e2e_eagle3.log" 2>&1 || status=1
+# feature-conditioned drafts: the features a scorer on the GPU returns (against transformers' hidden states; its
+# start-up capturing the graphs of test_features.py's layers) and EAGLE-3 and MTP heads fed by it (on the CPU)
+step eagle3 && { SPECDEC_TEST_SCORER_ARGS="--device cuda --feature-layers 1,3,5" timeout "${EAGLE3_TIMEOUT:-300}" \
+    python3 -m pytest -q -p no:cacheprovider --timeout 200 --basetemp "$OUT/e2e_eagle3" \
+    ${EAGLE3_TESTS:-tests/test_features.py tests/test_e2e_eagle3.py} >"$OUT/e2e_eagle3.log" 2>&1 || status=1
   tail -n 20 "$OUT/e2e_eagle3.log"; }
 step bench && { timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/bench_gpu.py --shapes smollm2 --fused --out "$OUT/gpu.json" \
     ${BENCH_ARGS:-} >"$OUT/bench.log" 2>&1 || status=1
