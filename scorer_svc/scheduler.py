@@ -715,8 +715,11 @@ def _keep_features(job: _Job, rows: torch.Tensor, layers: tuple[int, ...]) -> No
 
 def _feature_rows(job: _Job, new_context_len: int) -> FeatureRows:
     """The job's feature rows of positions feature_start .. new_context_len - 2
-    (the ones now context; later drafts were rejected)."""
-    rows = torch.cat(job.features)[:new_context_len - 1 - job.feature_start]
+    (the ones now context; later drafts were rejected). A row taken from a
+    decode-ahead step is already on the host, the passes' rows on the
+    engine's device (a GPU's): they join there, and leave it once."""
+    device = job.features[-1].device
+    rows = torch.cat([r.to(device) for r in job.features])[:new_context_len - 1 - job.feature_start]
     return FeatureRows(job.feature_start, rows.contiguous().view(torch.int16).cpu().numpy().view(np.uint16))
 
 
