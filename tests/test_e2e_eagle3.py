@@ -67,6 +67,16 @@ def heads_stack(request, stories_path, tmp_path_factory):
     stack.stop()
 
 
+def _scorer_failures(stack) -> float:
+    """Failed Verify calls the gateway saw: none where no scorer is killed
+    (a failing scorer's sequences move and the output stays right, so only
+    this shows a scorer that fails some calls, as one on a GPU did when a
+    round extended a decode-ahead step with features)."""
+    samples = stack.by_name("gateway")[0].metrics()
+    return sum(v for name, v in samples.items()
+               if name.startswith("specdec_gateway_replica_failures_total") and 'kind="scorer"' in name)
+
+
 def _feature_bytes(stack, method: str) -> float:
     return stack.by_name("gateway")[0].metrics().get(f'specdec_gateway_feature_bytes_total{{method="{method}"}}', 0.0)
 
@@ -83,6 +93,7 @@ def test_greedy_output_is_plain_greedy(heads_stack, stories_path, method, k):
         assert len(gen.token_ids) > 5
         drafted += gen.stats.draft_tokens
     assert _feature_bytes(heads_stack, method) > relayed + 1000  # features reached the proposer every round
+    assert _scorer_failures(heads_stack) == 0
     if heads_stack.overlap == "on":
         assert drafted > 0  # the head did draft from them
     # drafting ahead, a random head's drafts ahead are contradicted and fresh ones never pay (it accepts
@@ -96,6 +107,7 @@ def test_concurrent_streams_equal_solo_runs(heads_stack, stories_path):
     with ThreadPoolExecutor(len(reqs)) as pool:
         together = list(pool.map(lambda r: stream(heads_stack.gateway_addr, r).token_ids, reqs))
     assert together == solo
+    assert _scorer_failures(heads_stack) == 0
 
 
 def test_killing_an_eagle3_proposer_mid_run_changes_nothing(heads_stack):
@@ -160,5 +172,6 @@ def test_a_distilled_head_drafts_ahead_while_the_target_verifies(stories_path, t
             assert gen.token_ids == hf_greedy(stories_path, tuple(ids), MAX_TOKENS)[:len(gen.token_ids)]
         samples = stack.by_name("gateway")[0].metrics()
         assert samples.get('specdec_gateway_ahead_drafts_total{method="eagle3"}', 0.0) > 0
+        assert _scorer_failures(stack) == 0
     finally:
         stack.stop()
