@@ -389,6 +389,26 @@ class Stack:
         self.stop()
 
 
+def head_feature_layers(head_dir: str, model: str) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads, sorted, each once (as the
+    scorer asks its engine for them): its config's, else EAGLE-3's default
+    for the target's layer count in the model's config.json. () where
+    neither can be read: the eagle3 proposer names what is wrong with the
+    head, and the scorer captures those graphs the first time a round asks."""
+    import json
+    from pathlib import Path
+
+    from specdec.models import resolve_model
+    from specdec.proposer_svc.eagle3 import eagle3_layer_ids
+
+    try:
+        config = json.loads((Path(head_dir) / "config.json").read_text())
+        target = json.loads((Path(resolve_model(model).path) / "config.json").read_text())
+        return tuple(sorted(set(eagle3_layer_ids(config, int(target["num_hidden_layers"])))))
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+
+
 def serve_command(args) -> int:
     """`specdec serve`: runs the stack until Ctrl-C or SIGTERM."""
     tls = None
@@ -413,13 +433,18 @@ def serve_command(args) -> int:
         methods = ",".join(dict.fromkeys([*methods.split(","), *MODEL_METHODS]))
     if args.eagle3:  # the EAGLE-3 head runs in the copying proposers
         methods = ",".join(dict.fromkeys([*methods.split(","), "eagle3"]))
+    scorer_args = ["--device", args.device]
+    if args.device == "cuda" and args.eagle3:  # the head's rounds replay graphs captured before serving
+        layers = head_feature_layers(args.eagle3, args.model)
+        if layers:
+            scorer_args += ["--feature-layers", ",".join(map(str, layers))]
     stack = Stack(model=args.model, dtype=args.dtype, methods=methods, gateway_port=args.port,
                   http_port=args.http_port,
                   engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
                   draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
                   draft_threads=args.draft_threads, extra_gateway_args=["--decode-steps", str(args.decode_steps)],
-                  extra_scorer_args=["--device", args.device])
+                  extra_scorer_args=scorer_args)
     stopping = False
 
     def on_signal(signum, frame):

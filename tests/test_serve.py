@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -80,3 +81,20 @@ def test_serve_and_the_engine_refuse_cuda_without_a_cuda_device(stories_path):
     assert "sees no CUDA device" in done.stderr
     with pytest.raises(ValueError, match="device 'cuda'.*sees no CUDA device"):
         build_engine(EngineConfig(stories_path, device="cuda"))
+
+
+def test_serve_on_a_gpu_names_the_eagle3_heads_layers_to_the_scorer(stories_path, tmp_path):
+    """`specdec serve --device cuda --eagle3 DIR` starts the scorer with the
+    head's layers as --feature-layers (its start-up captures those graphs):
+    the config's, else EAGLE-3's default for the target; sorted, each once;
+    none where the head cannot be read (the proposer reports that)."""
+    from feature_heads import write_eagle3_head
+
+    from specdec.launcher import head_feature_layers
+
+    named = write_eagle3_head(tmp_path / "named", Path(stories_path), [4, 1, 3])
+    assert head_feature_layers(str(named), stories_path) == (1, 3, 4)
+    default = write_eagle3_head(tmp_path / "default", Path(stories_path), None)
+    assert head_feature_layers(str(default), stories_path) == (2,)  # (2, 5 // 2, 5 - 3) for 5 layers
+    assert head_feature_layers(str(tmp_path / "missing"), stories_path) == ()
+    assert head_feature_layers(str(named), str(tmp_path / "no-model")) == ()
