@@ -150,7 +150,9 @@ class ChaosMonkey:
         self.stack.restart(victim)
         self.log.append((round(now, 2), victim.name, round(time.monotonic() - now, 2)))
         now = time.monotonic()
-        self.next_at = now + self._interval(now) * self.rng.uniform(0.5, 1.5)
+        # at most the interval, so every kill falls before the deadline (the restarts' seconds come out of
+        # what is left); up to 1.5 intervals, 18 of 20 kills came before a 3-minute deadline (AMD EPYC, 2 cores)
+        self.next_at = now + self._interval(now) * self.rng.uniform(0.5, 1.0)
 
 
 def main() -> int:
