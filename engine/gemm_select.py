@@ -60,17 +60,6 @@ from specdec.engine.config import GEMM_PATH_NAMES
 from specdec.engine.simd import has_dpbf16
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
 
-
-def set_torch_threads(threads: int) -> None:
-    """torch.set_num_threads(threads), after starting numba's thread pool
-    (numba.get_num_threads starts it; a no-op once started): the pool's
-    start resets the process's OpenMP thread count, so an engine built with
-    --threads 1 ran torch's ops on every core once its KV pool first set a
-    numba team (torch.get_num_threads() went 1 -> 2 in KVPool's warm-up,
-    2 cores)."""
-    numba.get_num_threads()
-    torch.set_num_threads(threads)
-
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
@@ -239,6 +228,17 @@ MakeLinear = Callable[[torch.Tensor, "torch.Tensor | None"], Callable[[torch.Ten
 
 
 # ---- the machine -----------------------------------------------------------------
+
+
+def set_torch_threads(threads: int) -> None:
+    """torch.set_num_threads(threads), after starting numba's thread pool
+    (numba.get_num_threads starts it; a no-op once started): the pool's
+    start resets the process's OpenMP thread count, so an engine built with
+    --threads 1 ran torch's ops on every core once its KV pool first set a
+    numba team (torch.get_num_threads() went 1 -> 2 in KVPool's warm-up,
+    2 cores)."""
+    numba.get_num_threads()
+    torch.set_num_threads(threads)
 
 
 def cpu_flags() -> set[str]:
