@@ -44,7 +44,10 @@ Invariants:
   children or -1 after removals (a lookup shortcut). In a trie that removes
   streams, a node whose best child lost occurrences may instead hold a mark
   (``_lost(c)``, ``_STALE``) until a draft reads it (``_best``): best
-  children are settled lazily, where they are read;
+  children are settled lazily, where they are read. There, an unmarked
+  node's GAP is at most count(BEST) minus the largest count of its other
+  children (0 when none), so a removal that leaves it >= 1 leaves BEST
+  the best child, with no mark;
 - FIRST/NEXT chain each node's children; PREV links them back only in a
   trie with stamps (the two serve ``remove_stream``; the per-request tries
   never remove a stream and keep neither);
@@ -70,9 +73,9 @@ from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownS
 
 # columns of `nodes`: first the fields an insert or a draft reads at every
 # step, so that they usually share a cache line; GEN (the row's generation,
-# bumped when it is freed: see follow_global) only in a trie that removes
-# streams, whose rows have NUM_FIELDS + 1 columns
-TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV, GEN = range(11)
+# bumped when it is freed: see follow_global) and GAP (see the invariants)
+# only in a trie that removes streams, whose rows have NUM_FIELDS + 2 columns
+TOK, COUNT, BEST, LSEQ, LPOS, DEPTH, PARENT, FIRST, NEXT, PREV, GEN, GAP = range(12)
 NUM_FIELDS = 10
 # entries of `hdr` (int64 [5]): H_TIGHT the number of tight hash shards (see
 # the hash table), H_POOL_END the end of the used part of the pool
@@ -291,22 +294,34 @@ def _free_child(nodes, table, shards, hdr, c):
 @njit(cache=True)
 def _child_incremented(nodes, parent, c):
     """c's count just grew and its stamp is now the newest: it may be best
-    (a parent marked by remove_stream stays marked: see _best)."""
+    (a parent marked by remove_stream stays marked: see _best); rows with a
+    GAP column keep the parent's (see the invariants)."""
     b = nodes[parent, BEST]
     if b == -1 or (b >= 0 and nodes[c, COUNT] >= nodes[b, COUNT]):
+        if nodes.shape[1] > GAP:  # (b, the best before, has the largest count of the others)
+            nodes[parent, GAP] = (nodes[parent, GAP] + 1 if b == c
+                                  else nodes[c, COUNT] - (nodes[b, COUNT] if b >= 0 else 0))
         nodes[parent, BEST] = c
+    elif nodes.shape[1] > GAP and b >= 0 and nodes[b, COUNT] - nodes[c, COUNT] < nodes[parent, GAP]:
+        nodes[parent, GAP] = nodes[b, COUNT] - nodes[c, COUNT]  # (written only when lower: rows stay clean)
 
 
 @njit(cache=True)
 def _repick_best(nodes, stamps, parent):
-    best = -1
+    """parent's best child read among all its children, and its GAP."""
+    best, second = -1, 0  # second: the largest count of the children but best
     c = nodes[parent, FIRST]
     while c >= 0:
         if best < 0 or nodes[c, COUNT] > nodes[best, COUNT] or (
                 nodes[c, COUNT] == nodes[best, COUNT] and stamps[c] > stamps[best]):
+            if best >= 0:
+                second = max(second, nodes[best, COUNT])
             best = c
+        else:
+            second = max(second, nodes[c, COUNT])
         c = nodes[c, NEXT]
     nodes[parent, BEST] = best
+    nodes[parent, GAP] = nodes[best, COUNT] - second if best >= 0 else 0
 
 
 # ------------------------------------------------------------------ updates
@@ -330,6 +345,8 @@ def _step_new(nodes, stamps, table, shards, hdr, pool, seqs, parent, c, tok, seq
         g = _new_child(nodes, stamps, table, shards, hdr, c, nxt, old_seq, old_pos + 1,
                        seqs[old_seq, S_TIME] + old_pos + 1)
         nodes[c, BEST] = g
+        if nodes.shape[1] > GAP:
+            nodes[c, GAP] = 1  # (its one child's count)
     nodes[c, COUNT] += 1
     if stamps.shape[0]:
         stamps[c] = now
@@ -392,6 +409,7 @@ def _best(nodes, stamps, node):
     c = _lost(b)
     if b <= _lost(0) and 2 * nodes[c, COUNT] > nodes[node, COUNT]:
         nodes[node, BEST] = c
+        nodes[node, GAP] = 2 * nodes[c, COUNT] - nodes[node, COUNT]
     else:
         _repick_best(nodes, stamps, node)
     return nodes[node, BEST]
@@ -423,9 +441,11 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
     those touched are read rarely or never before they lose more (settling
     each once per removal took ~58% of a removal's time). A node whose count
     reaches 0 has no occurrence left, nor has any node below it: all are
-    freed by the end. A node whose best child c lost an occurrence gets
-    BEST _lost(c) (still tried first by _find_child), or _STALE once c is
-    freed; the root is never marked (see the module invariants).
+    freed by the end. A node whose best child c lost an occurrence keeps it
+    while its GAP (one less) stays >= 1: c's count still exceeds every
+    sibling's. Else it gets BEST _lost(c) (still tried first by
+    _find_child), or _STALE once c is freed; the root is never marked (see
+    the module invariants).
     """
     start, n = seqs[seq, S_START], seqs[seq, S_LEN]
     active, scratch = np.empty(max_depth + 1, dtype=np.int32), np.empty(max_depth + 1, dtype=np.int32)
@@ -442,8 +462,10 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
             leaf = nodes[c, LSEQ] >= 0
             if not leaf:
                 nodes[c, COUNT] -= 1
-            if nodes[node, BEST] == c and node != ROOT:  # marked: settled when read
-                nodes[node, BEST] = _lost(c)
+            if nodes[node, BEST] == c and node != ROOT:  # still the best while GAP >= 1, else marked: settled when read
+                nodes[node, GAP] -= 1
+                if nodes[node, GAP] < 1:
+                    nodes[node, BEST] = _lost(c)
             # a node reaching 0 keeps the children that this stream's pending
             # occurrences still reach (their hash keys); rows are reused only by inserts
             if leaf or nodes[c, COUNT] == 0:
@@ -805,7 +827,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
 #: RequestArena's node and hash rows; the global trie's node rows, hash
 #: rows and stamps, its pool a node row's share), committed by the OS only
 #: as rows are first written (see _reserve): a quarter of the machine's
-#: memory, at most 1 GiB (24M global-trie node rows; B=256 sequences of ~1k
+#: memory, at most 1 GiB (22M global-trie node rows; B=256 sequences of ~1k
 #: tokens use about 1M arena rows, 1000 cached outputs of ~500 tokens about
 #: 2M global rows). The cap keeps several proposers' reservations small where
 #: the kernel counts address space (vm.overcommit_memory=2) and on hosts
@@ -904,10 +926,10 @@ class SuffixTrie:
         reserve = RESERVE_BYTES if reserve_bytes is None else reserve_bytes
         num_shards = TABLE_SHARDS if num_shards is None else num_shards
         room = max_depth + 2  # node rows and hash keys an insert step may add
-        node_rows = max(reserve // (4 * (NUM_FIELDS + 1)), 256, 2 * room)
+        node_rows = max(reserve // (4 * (NUM_FIELDS + 2)), 256, 2 * room)
         # huge pages (faulted in by upkeep only: drafts never write these
         # rows): inserts and evictions about 15% faster than over 4 KiB pages
-        self.nodes = _reserve(node_rows, (NUM_FIELDS + 1,), np.int32, huge=True)  # with GEN
+        self.nodes = _reserve(node_rows, (NUM_FIELDS + 2,), np.int32, huge=True)  # with GEN and GAP
         self.stamps = _reserve(node_rows, (), np.int64, huge=True)
         self.hdr = np.array([1, -1, 1, 0, 0], dtype=np.int64)  # root allocated, pool empty
         self.nodes[ROOT] = -1

@@ -355,6 +355,9 @@ def _check_best_children(trie: SuffixTrie, streams: list[tuple[list[int], int]])
         if trie.nodes[node, suffix.LSEQ] < 0:
             best_tok = max(ref.children.items(), key=lambda kv: (kv[1].count, kv[1].stamp))[0]
             assert nodes[suffix._best(nodes, trie.stamps, node), suffix.TOK] == best_tok, prefix
+            # GAP (settled or kept unmarked) bounds how far the best child's count leads its siblings'
+            counts = sorted((child.count for child in ref.children.values()), reverse=True)
+            assert nodes[node, suffix.GAP] <= counts[0] - (counts[1] if len(counts) > 1 else 0), prefix
             checked += 1
     return checked
 
@@ -380,6 +383,27 @@ def test_best_children_exact_after_many_fifo_evictions():
         _check_trie(cache.trie, [cache.trie.tokens(s).tolist() for s in slots])
         checked += _check_best_children(cache.trie, _slot_streams(cache.trie, slots))
     assert checked > 1000 and lost > 100 and stale > 10
+
+
+def test_an_eviction_marks_a_best_child_only_once_its_lead_is_gone():
+    """After "1" is followed by 2 three times and by 3 once, evicting one
+    "1 2" leaves 2 ahead (2 against 1): still the best, no mark. Evicting
+    another makes a tie, which only a read can settle (the newer, 3)."""
+    trie = SuffixTrie(max_depth=4, num_streams=1, reserve_bytes=0, num_shards=1)
+    active, n_active = np.zeros(5, dtype=np.int32), np.zeros(1, dtype=np.int64)
+    trie.open_stream(0, 0, 8)
+    trie.append(0, _arr([1, 2, 1, 2, 1, 2, 1, 3]), active, n_active)
+
+    def node(tokens):
+        return suffix._walk(trie.nodes, trie.table, trie.shards, trie.pool, trie.seqs, _arr(tokens), 4)[0]
+
+    one = node([1])
+    assert trie.nodes[one, suffix.BEST] == node([1, 2]) and trie.nodes[one, suffix.GAP] == 2
+    trie.remove(0, 0, 2)  # the occurrences starting at positions 0 and 1
+    assert trie.nodes[one, suffix.BEST] == node([1, 2]) and trie.nodes[one, suffix.GAP] == 1
+    trie.remove(0, 2, 4)
+    assert trie.nodes[one, suffix.BEST] < -1  # marked
+    assert suffix._best(trie.nodes, trie.stamps, one) == node([1, 3])
 
 
 def test_trie_growth_keeps_counts():
