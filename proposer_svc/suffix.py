@@ -636,6 +636,7 @@ def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, 
             lst_node[keep], lst_off[keep], lst_gen[keep] = node, off, nodes[node, GEN]
         keep += 1
     n = keep
+    ends_now = False  # the list is known to hold every suffix the trie holds now
     for j in range(old_len, c):  # one step per appended token
         tok = context[j]
         node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, ROOT, 0, tok)
@@ -653,8 +654,11 @@ def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, 
             elif (nodes[node, DEPTH] + off > max_depth or nodes[node, LPOS] + off >= seqs[nodes[node, LSEQ], S_LEN]
                   or pool[seqs[nodes[node, LSEQ], S_START] + nodes[node, LPOS] + off] != tok):
                 node, off = -1, 0
+        # a failed step: the next longer suffix is absent now; the list run
+        # out: it extends one that ended where the trie's matches ended
+        ends_now = node < 0 or i == max_match or ends_now
         n = i
-    if cut or n == 0 or _latest(nodes, stamps, seqs, lst_node[n - 1], lst_off[n - 1]) >= since:
+    if not ends_now and (cut or n == 0 or _latest(nodes, stamps, seqs, lst_node[n - 1], lst_off[n - 1]) >= since):
         while n < min(max_match, c):  # longer suffixes may be present now
             node, off = _walk(nodes, table, shards, pool, seqs, context[c - n - 1:], max_depth)
             if node < 0:

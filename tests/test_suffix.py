@@ -195,6 +195,26 @@ def test_longer_global_match_found_after_an_add():
     assert _draft(props[0], "q", k=3) == _draft(props[1], "q", k=3) == [11, 8, 9]
 
 
+def test_longer_global_match_added_since_is_found_when_new_tokens_extend_every_match():
+    """The new token extends every listed match (the list runs out, it does
+    not fail): a longer suffix that an output added since holds is still
+    looked for, and wins ("6 7 8 9" drafts 60 61; "7 8 9" would draft 70)."""
+    props = _pair(max_cached_requests=4)
+    for prop in props:
+        prop.start("a", _arr([0]), SeqOptions())
+        prop.extend("a", _arr([7, 8, 50]))
+        prop.stop("a", completed=True)
+        prop.start("q", _arr([1, 6, 7, 8]), SeqOptions())
+    assert _draft(props[0], "q", k=2) == _draft(props[1], "q", k=2) == [50]
+    for prop in props:
+        for seq_id, output in (("b", [6, 7, 8, 9, 60, 61]), ("c", [7, 8, 9, 70, 7, 8, 9, 70])):
+            prop.start(seq_id, _arr([0]), SeqOptions())
+            prop.extend(seq_id, _arr(output))
+            prop.stop(seq_id, completed=True)
+    _both(props, "extend", "q", _arr([9]))
+    assert _draft(props[0], "q", k=2) == _draft(props[1], "q", k=2) == [60, 61]
+
+
 def test_lifecycle_errors_and_stats():
     prop = SuffixProposer()
     prop.start("a", _arr([1, 2, 1]), SeqOptions())
