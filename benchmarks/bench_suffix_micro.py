@@ -43,6 +43,16 @@ the first compaction (which packs the B live ones) is timed, ARENA_REPEATS
 fresh arenas per B (with ``--baseline-src``, the other copy's too, each code
 in its own process, in turns).
 
+``--rounds 32,256`` times instead B sequences' rounds in process, as
+bench_proposer.py drives them through a server (prompts of 256 tokens,
+3 tokens appended and k=5 asked a round, released after 512 and opened
+again on new text, releases spread over the rounds), with the global trie
+first filled with 1000 outputs: per round, the drafting (``advance``) and
+the upkeep (the stops, then ``between_messages()`` until done), each in
+us per sequence-round; ROUNDS_TIMED rounds after ROUNDS_WARM (with
+``--baseline-src``, the other copy's too, each code in its own process,
+in turns, twice).
+
 Usage:
     python benchmarks/bench_suffix_micro.py [--arctic-python /tmp/arctic-venv/bin/python]
         [--repeats 3] [--k 8] [--out bench_results/suffix_micro.json]
@@ -50,11 +60,14 @@ Usage:
         [--out bench_results/suffix_upkeep.json]
     python benchmarks/bench_suffix_micro.py --arena-compact 32,256,1024 [--baseline-src /tmp/old/proposer_svc]
         [--out bench_results/suffix_arena_compact.json]
+    python benchmarks/bench_suffix_micro.py --rounds 32,256 [--baseline-src /tmp/old/proposer_svc]
+        [--out bench_results/suffix_rounds.json]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import os
 import subprocess
@@ -446,6 +459,90 @@ def arena_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
     print(f"wrote {out}")
 
 
+ROUNDS_WARM, ROUNDS_TIMED = 200, 1000
+ROUNDS_CACHED = 1000  # outputs in the global trie before the rounds (the proposer's default)
+
+
+def _rounds_driver(in_path: str, out_path: str) -> None:
+    """The --rounds timings of the proposer_svc this process loaded."""
+    from bench_proposer import APPEND, OUTPUT_LEN, PROMPT_LEN, K
+
+    from specdec.proposer_svc.base import SeqOptions
+    from specdec.proposer_svc.suffix import SuffixConfig, SuffixProposer
+
+    spec = json.loads(Path(in_path).read_text())
+    text, b = np.load(spec["text"]), spec["batch"]
+    span = PROMPT_LEN + OUTPUT_LEN
+    next_slice = itertools.cycle(range(0, len(text) - span, span))  # (the text may run out: wraps around)
+    prop = SuffixProposer(SuffixConfig(ROUNDS_CACHED, MAX_TREE_DEPTH, cache_between_messages=True))
+    opts = SeqOptions(min_token_prob=MIN_TOKEN_PROB)
+    for i in range(ROUNDS_CACHED):
+        at = next(next_slice)
+        prop.start(f"f{i}", text[at:at + PROMPT_LEN], opts)
+        prop.extend(f"f{i}", text[at + PROMPT_LEN:at + span])
+        prop.stop(f"f{i}", completed=True)
+    prop.between_messages()
+    # per sequence: [id, slice start, tokens held, release at]; the first ones end early (spread releases)
+    seqs = []
+    for i in range(b):
+        at = next(next_slice)
+        prop.start(f"s{i}-{at}", text[at:at + PROMPT_LEN], opts)
+        seqs.append([f"s{i}-{at}", at, PROMPT_LEN, PROMPT_LEN + max(APPEND, OUTPUT_LEN * (i + 1) // b)])
+    advance, upkeep = [], []
+    bounds, ks = np.arange(0, APPEND * b + 1, APPEND, dtype=np.int64), np.full(b, K, dtype=np.int64)
+    gc.disable()
+    for _ in range(ROUNDS_WARM + ROUNDS_TIMED):
+        tokens = np.concatenate([text[at + held:at + held + APPEND] for _, at, held, _ in seqs]).astype(np.int32)
+        context_lens = np.array([held + APPEND for _, _, held, _ in seqs], dtype=np.int64)
+        t0 = time.perf_counter()
+        prop.advance([s[0] for s in seqs], tokens, bounds, context_lens, ks)
+        t1 = time.perf_counter()
+        for i, s in enumerate(seqs):
+            s[2] += APPEND
+            if s[2] >= s[3]:
+                prop.stop(s[0], completed=True)
+                at = next(next_slice)
+                prop.start(f"s{i}-{at}", text[at:at + PROMPT_LEN], opts)
+                seqs[i] = [f"s{i}-{at}", at, PROMPT_LEN, span]
+        prop.between_messages()
+        advance.append(1e6 * (t1 - t0) / b)
+        upkeep.append(1e6 * (time.perf_counter() - t1) / b)
+    gc.enable()
+    Path(out_path).write_text(json.dumps({"advance_us": advance[ROUNDS_WARM:], "upkeep_us": upkeep[ROUNDS_WARM:]}))
+
+
+def rounds_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
+    from bench_proposer import OUTPUT_LEN, PROMPT_LEN, token_stream
+
+    results: dict = {"warm": ROUNDS_WARM, "timed": ROUNDS_TIMED, "cached": ROUNDS_CACHED,
+                     "baseline_src": baseline_src, "rows": {}}
+    codes = [("baseline", baseline_src)] * bool(baseline_src) + [("this", None)]
+    # text for the cache and every sequence's slices (about 1/171 of B released a round)
+    need = ROUNDS_CACHED + max(sizes) * (1 + (ROUNDS_WARM + ROUNDS_TIMED) // 100)
+    with tempfile.TemporaryDirectory() as tmp:
+        np.save(Path(tmp, "text.npy"), token_stream(need * (PROMPT_LEN + OUTPUT_LEN)).astype(np.int32))
+        for b in sizes:
+            for _ in range(2):  # the codes in turns, twice
+                for label, src in codes:
+                    spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
+                    spec.write_text(json.dumps({"text": str(Path(tmp, "text.npy")), "batch": b}))
+                    driver = [__file__, "--rounds-driver", str(spec), str(result)]
+                    subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
+                    timed = json.loads(result.read_text())
+                    results["rows"].setdefault(f"{label} B={b}", []).append(
+                        {"advance_us": float(np.mean(timed["advance_us"])),
+                         "upkeep_us": float(np.mean(timed["upkeep_us"]))})
+    print(f"in-process rounds, us per sequence-round (mean of {ROUNDS_TIMED} rounds; each code's runs in turns)")
+    print(f"{'code':16s} {'advance':>16s} {'upkeep':>16s}")
+    for label, runs in results["rows"].items():
+        advance = ", ".join(f"{r['advance_us']:.2f}" for r in runs)
+        upkeep = ", ".join(f"{r['upkeep_us']:.2f}" for r in runs)
+        print(f"{label:16s} {advance:>16s} {upkeep:>16s}")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
 # ------------------------------------------------------------------ report
 def _summary(runs: list[dict], output_tokens: list[list[int]], schedule) -> dict:
     """Latencies (µs) of the fastest repeat (this 2-core machine is shared,
@@ -499,14 +596,26 @@ def main() -> None:
                         help="time the global trie's upkeep over N outputs, the cache filling from empty")
     parser.add_argument("--arena-compact", metavar="B,B,...",
                         help="time one compaction of the live requests' pool at these numbers of live requests")
-    parser.add_argument("--baseline-src", help="--upkeep, --arena-compact: another proposer_svc package directory "
-                                               "to time too")
+    parser.add_argument("--rounds", metavar="B,B,...",
+                        help="time in-process rounds of B sequences, the global trie full (drafting and upkeep)")
+    parser.add_argument("--baseline-src", help="--upkeep, --arena-compact, --rounds: another proposer_svc package "
+                                               "directory to time too")
     parser.add_argument("--out", help="JSON results (default bench_results/suffix_micro.json, "
                                       "with --upkeep bench_results/suffix_upkeep.json)")
     parser.add_argument("--driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--upkeep-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--arena-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.rounds_driver:
+        _rounds_driver(*args.rounds_driver)
+        return
+    if args.rounds:
+        sizes = [int(b) for b in args.rounds.split(",") if b.strip()]
+        if not sizes or min(sizes) < 1:
+            parser.error(f"--rounds: comma-separated numbers of sequences >= 1, got {args.rounds!r}")
+        rounds_main(sizes, args.baseline_src, args.out or "bench_results/suffix_rounds.json")
+        return
     if args.arena_driver:
         _arena_driver(*args.arena_driver)
         return
