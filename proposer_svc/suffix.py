@@ -45,9 +45,9 @@ Invariants:
   streams, a node whose best child lost occurrences may instead hold a mark
   (``_lost(c)``, ``_STALE``) until a draft reads it (``_best``): best
   children are settled lazily, where they are read. There, an unmarked
-  node's GAP is at most count(BEST) minus the largest count of its other
-  children (0 when none), so a removal that leaves it >= 1 leaves BEST
-  the best child, with no mark;
+  node's GAP (but the root's, see above) is at most count(BEST) minus the
+  largest count of its other children (0 when none), so a removal that
+  leaves it >= 1 leaves BEST the best child, with no mark;
 - FIRST/NEXT chain each node's children; PREV links them back only in a
   trie with stamps (the two serve ``remove_stream``; the per-request tries
   never remove a stream and keep neither);
@@ -654,8 +654,8 @@ def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, 
             elif (nodes[node, DEPTH] + off > max_depth or nodes[node, LPOS] + off >= seqs[nodes[node, LSEQ], S_LEN]
                   or pool[seqs[nodes[node, LSEQ], S_START] + nodes[node, LPOS] + off] != tok):
                 node, off = -1, 0
-        # a failed step: the next longer suffix is absent now; the list run
-        # out: it extends one that ended where the trie's matches ended
+        # a failed step shows the next longer suffix absent now; a list that
+        # ran out extends the token before's, known to end there or not
         ends_now = node < 0 or i == max_match or ends_now
         n = i
     if not ends_now and (cut or n == 0 or _latest(nodes, stamps, seqs, lst_node[n - 1], lst_off[n - 1]) >= since):
