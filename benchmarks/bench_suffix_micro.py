@@ -48,7 +48,8 @@ bench_proposer.py drives them through a server (prompts of 256 tokens,
 3 tokens appended and k=5 asked a round, released after 512 and opened
 again on new text, releases spread over the rounds), with the global trie
 first filled with 1000 outputs: per round, the drafting (``advance``) and
-the upkeep (the stops, then ``between_messages()`` until done), each in
+the rest (the released sequences' stops and new opens, then
+``between_messages()`` until the global trie's upkeep is done), each in
 us per sequence-round; ROUNDS_TIMED rounds after ROUNDS_WARM (with
 ``--baseline-src``, the other copy's too, each code in its own process,
 in turns, twice).
@@ -532,7 +533,8 @@ def rounds_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
                     results["rows"].setdefault(f"{label} B={b}", []).append(
                         {"advance_us": float(np.mean(timed["advance_us"])),
                          "upkeep_us": float(np.mean(timed["upkeep_us"]))})
-    print(f"in-process rounds, us per sequence-round (mean of {ROUNDS_TIMED} rounds; each code's runs in turns)")
+    print(f"in-process rounds, us per sequence-round (mean of {ROUNDS_TIMED} rounds; each code's runs in turns); "
+          "upkeep: stops, opens and the global trie's upkeep")
     print(f"{'code':16s} {'advance':>16s} {'upkeep':>16s}")
     for label, runs in results["rows"].items():
         advance = ", ".join(f"{r['advance_us']:.2f}" for r in runs)
