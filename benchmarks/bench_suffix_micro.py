@@ -412,6 +412,16 @@ def upkeep_main(count: int, baseline_src: str | None, out: str) -> None:
 ARENA_REPEATS = 4
 
 
+def _in_process(driver_flag: str, spec: dict, src: str | None, tmp: str):
+    """Runs this file's driver ``driver_flag`` on spec in a child process
+    (with the proposer_svc copy in src, if any); its JSON result."""
+    spec_path, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
+    spec_path.write_text(json.dumps(spec))
+    driver = [__file__, driver_flag, str(spec_path), str(result)]
+    subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
+    return json.loads(result.read_text())
+
+
 def _arena_driver(in_path: str, out_path: str) -> None:
     """The arena-compaction timings of the proposer_svc this process loaded."""
     from specdec.proposer_svc.base import SeqOptions
@@ -446,11 +456,8 @@ def arena_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
         for live in sizes:
             for _ in range(2):  # the codes in turns, twice
                 for label, src in codes:
-                    spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
-                    spec.write_text(json.dumps({"text": str(Path(tmp, "text.npy")), "live": live}))
-                    driver = [__file__, "--arena-driver", str(spec), str(result)]
-                    subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
-                    results["rows"].setdefault(f"{label} B={live}", []).extend(json.loads(result.read_text()))
+                    ms = _in_process("--arena-driver", {"text": str(Path(tmp, "text.npy")), "live": live}, src, tmp)
+                    results["rows"].setdefault(f"{label} B={live}", []).extend(ms)
     print(f"one compaction of the live requests' pool, ms ({2 * ARENA_REPEATS} fresh arenas each)")
     print(f"{'code':18s} {'median':>7s} {'min':>7s} {'max':>7s}")
     for label, ms in results["rows"].items():
@@ -525,11 +532,7 @@ def rounds_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
         for b in sizes:
             for _ in range(2):  # the codes in turns, twice
                 for label, src in codes:
-                    spec, result = Path(tmp, "spec.json"), Path(tmp, "result.json")
-                    spec.write_text(json.dumps({"text": str(Path(tmp, "text.npy")), "batch": b}))
-                    driver = [__file__, "--rounds-driver", str(spec), str(result)]
-                    subprocess.run([sys.executable, *(["-c", _BOOT, src] if src else []), *driver], check=True)
-                    timed = json.loads(result.read_text())
+                    timed = _in_process("--rounds-driver", {"text": str(Path(tmp, "text.npy")), "batch": b}, src, tmp)
                     results["rows"].setdefault(f"{label} B={b}", []).append(
                         {"advance_us": float(np.mean(timed["advance_us"])),
                          "upkeep_us": float(np.mean(timed["upkeep_us"]))})
@@ -587,6 +590,17 @@ def _print_table(results: dict) -> None:
               f"update {ratio['update_p50']:.2f}x")
 
 
+def _sizes(parser: argparse.ArgumentParser, flag: str, value: str, what: str) -> list[int]:
+    """The comma-separated counts >= 1 of ``flag`` (a clear error otherwise)."""
+    try:
+        sizes = [int(b) for b in value.split(",") if b.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        parser.error(f"{flag}: comma-separated numbers of {what} >= 1, got {value!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16, help="requests per workload")
@@ -609,29 +623,18 @@ def main() -> None:
     parser.add_argument("--arena-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--rounds-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rounds_driver:
-        _rounds_driver(*args.rounds_driver)
-        return
+    for driver, run in (("driver", _driver_main), ("upkeep_driver", _upkeep_driver), ("arena_driver", _arena_driver),
+                        ("rounds_driver", _rounds_driver)):  # a child process of this file's
+        if getattr(args, driver):
+            run(*getattr(args, driver))
+            return
     if args.rounds:
-        sizes = [int(b) for b in args.rounds.split(",") if b.strip()]
-        if not sizes or min(sizes) < 1:
-            parser.error(f"--rounds: comma-separated numbers of sequences >= 1, got {args.rounds!r}")
-        rounds_main(sizes, args.baseline_src, args.out or "bench_results/suffix_rounds.json")
-        return
-    if args.arena_driver:
-        _arena_driver(*args.arena_driver)
+        rounds_main(_sizes(parser, "--rounds", args.rounds, "sequences"), args.baseline_src,
+                    args.out or "bench_results/suffix_rounds.json")
         return
     if args.arena_compact:
-        sizes = [int(b) for b in args.arena_compact.split(",") if b.strip()]
-        if not sizes or min(sizes) < 1:
-            parser.error(f"--arena-compact: comma-separated numbers of live requests >= 1, got {args.arena_compact!r}")
-        arena_main(sizes, args.baseline_src, args.out or "bench_results/suffix_arena_compact.json")
-        return
-    if args.driver:
-        _driver_main(*args.driver)
-        return
-    if args.upkeep_driver:
-        _upkeep_driver(*args.upkeep_driver)
+        arena_main(_sizes(parser, "--arena-compact", args.arena_compact, "live requests"), args.baseline_src,
+                   args.out or "bench_results/suffix_arena_compact.json")
         return
     if args.upkeep:
         upkeep_main(args.upkeep, args.baseline_src, args.out or "bench_results/suffix_upkeep.json")
