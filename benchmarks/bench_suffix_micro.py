@@ -47,7 +47,7 @@ in its own process, in turns).
 bench_proposer.py drives them through a server (prompts of 256 tokens,
 3 tokens appended and k=5 asked a round, released after 512 and opened
 again on new text, releases spread over the rounds), with the global trie
-first filled with 1000 outputs: per round, the drafting (``advance``) and
+first filled to its default size (1000 outputs): per round, the drafting (``advance``) and
 the rest (the released sequences' stops and new opens, then
 ``between_messages()`` until the global trie's upkeep is done), each in
 us per sequence-round; ROUNDS_TIMED rounds after ROUNDS_WARM (with
@@ -468,7 +468,6 @@ def arena_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
 
 
 ROUNDS_WARM, ROUNDS_TIMED = 200, 1000
-ROUNDS_CACHED = 1000  # outputs in the global trie before the rounds (the proposer's default)
 
 
 def _rounds_driver(in_path: str, out_path: str) -> None:
@@ -482,9 +481,10 @@ def _rounds_driver(in_path: str, out_path: str) -> None:
     text, b = np.load(spec["text"]), spec["batch"]
     span = PROMPT_LEN + OUTPUT_LEN
     next_slice = itertools.cycle(range(0, len(text) - span, span))  # (the text may run out: wraps around)
-    prop = SuffixProposer(SuffixConfig(ROUNDS_CACHED, MAX_TREE_DEPTH, cache_between_messages=True))
+    # a served replica's defaults (as bench_proposer.py's processes), the global trie filled to its size
+    prop = SuffixProposer(SuffixConfig(cache_between_messages=True))
     opts = SeqOptions(min_token_prob=MIN_TOKEN_PROB)
-    for i in range(ROUNDS_CACHED):
+    for i in range(prop.config.max_cached_requests):
         at = next(next_slice)
         prop.start(f"f{i}", text[at:at + PROMPT_LEN], opts)
         prop.extend(f"f{i}", text[at + PROMPT_LEN:at + span])
@@ -522,11 +522,14 @@ def _rounds_driver(in_path: str, out_path: str) -> None:
 def rounds_main(sizes: list[int], baseline_src: str | None, out: str) -> None:
     from bench_proposer import OUTPUT_LEN, PROMPT_LEN, token_stream
 
-    results: dict = {"warm": ROUNDS_WARM, "timed": ROUNDS_TIMED, "cached": ROUNDS_CACHED,
+    from specdec.proposer_svc.suffix import SuffixConfig
+
+    cached = SuffixConfig().max_cached_requests
+    results: dict = {"warm": ROUNDS_WARM, "timed": ROUNDS_TIMED, "cached": cached,
                      "baseline_src": baseline_src, "rows": {}}
     codes = [("baseline", baseline_src)] * bool(baseline_src) + [("this", None)]
-    # text for the cache and every sequence's slices (about 1/171 of B released a round)
-    need = ROUNDS_CACHED + max(sizes) * (1 + (ROUNDS_WARM + ROUNDS_TIMED) // 100)
+    # text for the cache and every sequence's slices (about 1/171 of B released a round; wraps around if short)
+    need = cached + max(sizes) * (1 + (ROUNDS_WARM + ROUNDS_TIMED) // 100)
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp, "text.npy"), token_stream(need * (PROMPT_LEN + OUTPUT_LEN)).astype(np.int32))
         for b in sizes:
@@ -616,8 +619,9 @@ def main() -> None:
                         help="time in-process rounds of B sequences, the global trie full (drafting and upkeep)")
     parser.add_argument("--baseline-src", help="--upkeep, --arena-compact, --rounds: another proposer_svc package "
                                                "directory to time too")
-    parser.add_argument("--out", help="JSON results (default bench_results/suffix_micro.json, "
-                                      "with --upkeep bench_results/suffix_upkeep.json)")
+    parser.add_argument("--out", help="JSON results (default bench_results/suffix_micro.json; with --upkeep, "
+                                      "--arena-compact, --rounds: suffix_upkeep.json, suffix_arena_compact.json, "
+                                      "suffix_rounds.json there)")
     parser.add_argument("--driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--upkeep-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--arena-driver", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
