@@ -4,6 +4,7 @@ exhaustion, hidden states, field-naming errors over real gRPC."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -508,6 +509,73 @@ def _alternate_drafts(prompt, reference):
             return []
         return right if done % 3 == 1 else [(t + 1) % 512 for t in right]
     return drafts
+
+
+class _PassClock:
+    """The scheduler module's ``time``: perf_counter jumps PASS_S in each
+    forward pass of the engine it wraps, so a call's compute_s says how
+    many passes it was charged (whatever the passes really took)."""
+
+    PASS_S = 1000.0
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.offset = 0.0
+
+    def perf_counter(self) -> float:
+        return time.perf_counter() + self.offset
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def forward(self, items, return_hidden_states=False, feature_layers=()):
+        out = self._engine.forward(items, return_hidden_states, feature_layers)
+        self.offset += self.PASS_S
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_call_pays_a_decode_ahead_pass_once_however_many_of_its_sequences_it_ran(stories_path, engine,
+                                                                                    monkeypatch):
+    """Eight plain sequences in one Verify a round, decode-ahead on: the
+    steps run ahead of a round are one pass over all eight, and the call
+    that takes them is charged that pass once (its compute_s feeds the
+    gateway's Verify cost model; charged once per sequence, a round of 8
+    read as 8 passes). The tokens stay plain greedy."""
+    from specdec.scorer_svc import scheduler as scheduler_module
+
+    clock = _PassClock(engine)
+    monkeypatch.setattr(scheduler_module, "time", clock)
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 6)
+    used = _ahead_count("used")
+    ids = [f"s{i}" for i in range(8)]
+
+    async def run():
+        sched = Scheduler(clock, decode_ahead=True)
+        try:
+            tokens = {i: list(prompt) for i in ids}
+            charged = []  # passes charged to each call
+            for r in range(6):
+                specs = [spec(i, **({"context": tokens[i]} if r == 0 else {"context_len": len(tokens[i])}))
+                         for i in ids]
+                results, compute_s, _ = await sched.verify(specs)
+                for i, res in zip(ids, results):
+                    assert res.status == OK, res.message
+                    tokens[i] += res.output_token_ids
+                charged.append(compute_s / clock.PASS_S)
+                await asyncio.sleep(0.2)  # the steps ahead of the next round
+            await sched.release(ids)
+            return tokens, charged
+        finally:
+            sched.stop()
+
+    tokens, charged = asyncio.run(run())
+    assert all(t[len(prompt):] == expected for t in tokens.values())
+    assert _ahead_count("used") - used >= 8 * 4  # most rounds took the steps run ahead
+    assert [round(c) for c in charged] == [1] * 6, charged  # one pass each: the prefill, then the steps ahead
 
 
 def test_decode_ahead_starts_a_greedy_verify_with_drafts(stories_path, engine):
