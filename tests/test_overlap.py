@@ -155,8 +155,12 @@ def _expected(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens
 
 
+def _prompt(i: int, prompt_len: int = 3) -> list[int]:
+    return [5 + i, 7, 11 + i] + [(13 + j) % VOCAB for j in range(prompt_len - 3)]
+
+
 def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency_s: float = 0.02,
-              fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3):
+              fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3, prompt_len: int = 3):
     """Runs num_seqs sequences to the end; returns (their tokens, the call log)."""
     calls = _Calls()
     proposer, scorer = _SlowProposer(calls, latency_s), _SlowScorer(calls, fixed_s, per_token_s)
@@ -166,7 +170,7 @@ def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency
                         vocab_size=VOCAB, config=LoopConfig(overlap=overlap, stall_sleep_s=0.0))
         loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
         loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
-        seqs = [Sequence(f"r{i}", _params([5 + i, 7, 11 + i], k, max_tokens), _Tokenizer(), (), 512)
+        seqs = [Sequence(f"r{i}", _params(_prompt(i, prompt_len), k, max_tokens), _Tokenizer(), (), 512)
                 for i in range(num_seqs)]
         for seq in seqs:
             loop.submit(seq)
@@ -364,6 +368,17 @@ def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
     _, quick = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.002, fixed_s=0.03,
                          per_token_s=0.0)
     assert sum(_waited(quick)) >= 5
+
+
+def test_a_prefill_does_not_hold_the_rounds_after_it_waiting_for_drafts():
+    """Long prompts make the first Verify a slow prefill (0.24 s here)
+    against ~3 ms rounds after it, with a 10 ms proposer: waiting for fresh
+    drafts never pays once the rounds are measured. A prefill counted in the
+    measured Verify time made the rounds after it wait (10 of them here)."""
+    outputs, calls = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.01, per_token_s=0.0002,
+                               prompt_len=300)
+    assert outputs == [_expected(_prompt(i, 300), 40) for i in range(4)]
+    assert sum(_waited(calls)) <= 2  # the rounds before a decode round was measured
 
 
 def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
