@@ -511,15 +511,15 @@ def _alternate_drafts(prompt, reference):
     return drafts
 
 
-class _PassClock:
-    """The scheduler module's ``time``: perf_counter jumps PASS_S in each
-    forward pass of the engine it wraps, so a call's compute_s says how
-    many passes it was charged (whatever the passes really took)."""
+class _PassClock(CountingEngine):
+    """The real engine, and the scheduler module's ``time``: perf_counter
+    jumps PASS_S in each forward pass, so a call's compute_s says how many
+    passes it was charged (whatever the passes really took)."""
 
     PASS_S = 1000.0
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.offset = 0.0
 
     def perf_counter(self) -> float:
@@ -529,12 +529,9 @@ class _PassClock:
         return time.monotonic()
 
     def forward(self, items, return_hidden_states=False, feature_layers=()):
-        out = self._engine.forward(items, return_hidden_states, feature_layers)
+        out = super().forward(items, return_hidden_states, feature_layers)
         self.offset += self.PASS_S
         return out
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
 
 def test_a_call_pays_a_decode_ahead_pass_once_however_many_of_its_sequences_it_ran(stories_path, engine,
