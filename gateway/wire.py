@@ -146,7 +146,7 @@ def proposer_answers(message: ProposeMessage,
         counts = cols.draft_counts
         if len(counts) != n or sum(counts) != len(cols.token_ids) or (cols.statuses and len(cols.statuses) != n):
             raise ValueError(f"round drafts do not fit the {n} sequences of the round")
-        flat = np.fromiter(cols.token_ids, dtype=np.int32, count=len(cols.token_ids))
+        flat = np.array(cols.token_ids, dtype=np.int32)  # (as proposer_svc.server._ints)
         bounds = np.cumsum([0, *counts]).tolist()
         ok = [s == pb.SEQUENCE_STATUS_OK for s in cols.statuses] if cols.statuses else [True] * n
         answers += [(seq, ProposerAnswer(Draft(flat[bounds[i]:bounds[i + 1]])) if ok[i] else None)

@@ -12,14 +12,13 @@ context, and at equal n the context wins.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 from specdec.drafts import Draft
 from specdec.limits import MAX_SPECULATIVE_TOKENS
-from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer, SeqOptions
+from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer, SeqOptions, njit_leaf
 
 
-@njit(cache=True)
+@njit_leaf
 def longest_suffix_match(haystack, context, max_n):
     """Finds the last ``n`` tokens of ``context`` in ``haystack``, n <= max_n
     as large as possible, at the most recent position that is followed by at
@@ -48,7 +47,7 @@ def longest_suffix_match(haystack, context, max_n):
     return best_n, best_end
 
 
-@njit(cache=True)
+@njit_leaf
 def ngram_draft(context, reference, min_n, max_n, k, out):
     """Writes up to ``k`` draft tokens into ``out`` and returns their number.
 
@@ -72,7 +71,7 @@ def ngram_draft(context, reference, min_n, max_n, k, out):
     return num
 
 
-@njit(cache=True)
+@njit_leaf
 def ngram_batch(pool, starts, lens, ref_pool, ref_starts, ref_lens, min_ns, max_ns, slots, ref_slots,
                 context_lens, ks, in_sync, out, offsets):
     """``ngram_draft`` for n sequences held in a ContextStore (contexts in

@@ -69,7 +69,7 @@ import numpy as np
 from numba import njit
 
 from specdec.drafts import Draft
-from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence
+from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence, njit_leaf
 
 # columns of `nodes`: first the fields an insert or a draft reads at every
 # step, so that they usually share a cache line; GEN (the row's generation,
@@ -146,7 +146,7 @@ def _at(base, i):
     return np.uint64(base + i)
 
 
-@njit(cache=True)
+@njit_leaf
 def _child(table, shards, parent, tok):
     """The child of ``parent`` reached by ``tok``, or -1."""
     key = _key(parent, tok)
@@ -178,7 +178,7 @@ def _find_child(nodes, table, shards, parent, tok):
     return c
 
 
-@njit(cache=True)
+@njit_leaf
 def _hash_put(table, shards, hdr, key, val):
     s, i = _home(shards, key)
     base, mask = shards[s, T_BASE], shards[s, T_SIZE] - 1
@@ -191,7 +191,7 @@ def _hash_put(table, shards, hdr, key, val):
         hdr[H_TIGHT] += 1
 
 
-@njit(cache=True)
+@njit_leaf
 def _hash_del(table, shards, hdr, key):
     """Linear-probing delete with backward shift (no tombstones)."""
     s, i = _home(shards, key)
@@ -250,7 +250,7 @@ def _limit(s: int, num_shards: int, size: int, room: int) -> int:
 
 
 # ----------------------------------------------------------------- node rows
-@njit(cache=True)
+@njit_leaf
 def _new_child(nodes, stamps, table, shards, hdr, parent, tok, lseq, lpos, stamp):
     """Allocates a count-1 child (a leaf when lseq >= 0) and links it."""
     c = hdr[H_FREE]
@@ -275,7 +275,7 @@ def _new_child(nodes, stamps, table, shards, hdr, parent, tok, lseq, lpos, stamp
     return c
 
 
-@njit(cache=True)
+@njit_leaf
 def _free_child(nodes, table, shards, hdr, c):
     """Unlinks node c from its parent and puts its row on the free list."""
     parent, nxt, prev = nodes[c, PARENT], nodes[c, NEXT], nodes[c, PREV]
@@ -291,7 +291,7 @@ def _free_child(nodes, table, shards, hdr, c):
     hdr[H_FREE] = c
 
 
-@njit(cache=True)
+@njit_leaf
 def _child_incremented(nodes, parent, c):
     """c's count just grew and its stamp is now the newest: it may be best
     (a parent marked by remove_stream stays marked: see _best); rows with a
@@ -306,7 +306,7 @@ def _child_incremented(nodes, parent, c):
         nodes[parent, GAP] = nodes[b, COUNT] - nodes[c, COUNT]  # (written only when lower: rows stay clean)
 
 
-@njit(cache=True)
+@njit_leaf
 def _repick_best(nodes, stamps, parent):
     """parent's best child read among all its children, and its GAP."""
     best, second = -1, 0  # second: the largest count of the children but best
@@ -325,7 +325,7 @@ def _repick_best(nodes, stamps, parent):
 
 
 # ------------------------------------------------------------------ updates
-@njit(cache=True)
+@njit_leaf
 def _step_new(nodes, stamps, table, shards, hdr, pool, seqs, parent, c, tok, seq, pos, now, max_depth):
     """Counts one more occurrence of parent's string + tok, ending at (seq,
     pos), where that child c (_find_child's) is absent (-1) or a leaf: a new
@@ -354,19 +354,18 @@ def _step_new(nodes, stamps, table, shards, hdr, pool, seqs, parent, c, tok, seq
     return c
 
 
-@njit(cache=True)
+@njit_leaf
 def append_tokens(nodes, stamps, table, shards, hdr, pool, seqs, seq, root, end, active, n_active,
-                  max_depth):
+                  max_depth, scratch):
     """Inserts stream ``seq``'s tokens from position seqs[seq, S_LEN] up to
     ``end`` (already written in the pool) into the tree under ``root``,
     stopping early when the node rows might run out or a hash shard is
     tight; returns the new seqs[seq, S_LEN].
 
     active: int32 [max_depth + 1], its first n_active[0] entries the stream's
-    active nodes (updated in place).
+    active nodes (updated in place); scratch: int32 [>= max_depth + 1], work space.
     """
     start, base = seqs[seq, S_START], seqs[seq, S_TIME]
-    scratch = np.empty(max_depth + 1, dtype=np.int32)
     pos = seqs[seq, S_LEN]
     while pos < end:
         if hdr[H_USED] + max_depth + 2 > nodes.shape[0] or hdr[H_TIGHT] > 0:
@@ -390,7 +389,8 @@ def append_tokens(nodes, stamps, table, shards, hdr, pool, seqs, seq, root, end,
             if c >= 0 and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
                 num += 1
-        active[:num] = scratch[:num]
+        for j in range(num):
+            active[j] = scratch[j]
         n_active[0] = num
         pos += 1
     return seqs[seq, S_LEN]
@@ -478,7 +478,8 @@ def remove_stream(nodes, stamps, table, shards, hdr, pool, seqs, seq, first, sto
             if not leaf and nodes[c, DEPTH] < max_depth:
                 scratch[num] = c
                 num += 1
-        active[:num] = scratch[:num]
+        for j in range(num):  # (element by element: a slice costs a refcount here, see base.njit_leaf)
+            active[j] = scratch[j]
         n_active = num
 
 
@@ -509,7 +510,7 @@ def pack_streams(pool, seqs, live, i, at, budget, room):
 
 
 # -------------------------------------------------------------- speculation
-@njit(cache=True)
+@njit_leaf
 def _draft_from(nodes, stamps, pool, seqs, node, off, max_depth, cap, min_token_prob, out):
     """Follows the best path from ``node`` (``off`` tokens into its leaf
     chain), settling the best children it reads (``_best``); returns
@@ -544,7 +545,7 @@ def _max_draft_len(match_len, k, max_spec_factor):
     return min(k, math.ceil(match_len * max_spec_factor - SPEC_FACTOR_EPS))
 
 
-@njit(cache=True)
+@njit_leaf
 def _step_match(nodes, table, shards, pool, seqs, max_depth, node, off, tok):
     """Where the string at (node, off) followed by tok lies in the tree:
     (node, tokens past it in its leaf chain), or (-1, 0) when absent."""
@@ -558,7 +559,7 @@ def _step_match(nodes, table, shards, pool, seqs, max_depth, node, off, tok):
     return _find_child(nodes, table, shards, node, tok), 0
 
 
-@njit(cache=True)
+@njit_leaf
 def _walk(nodes, table, shards, pool, seqs, tokens, max_depth):
     """Locates ``tokens`` in the tree: (node, tokens past it in its leaf
     chain), or (-1, 0) when absent."""
@@ -570,14 +571,15 @@ def _walk(nodes, table, shards, pool, seqs, tokens, max_depth):
     return node, off
 
 
-@njit(cache=True)
+@njit_leaf
 def _keep_if_better(num, score, match_len, best, tmp, out):
     """best: float64 [3] = (score, length, match length) of the draft in out."""
     if num == 0:
         return
     if score > best[0] or (score == best[0] and (
             num > best[1] or (num == best[1] and match_len >= best[2]))):
-        out[:num] = tmp[:num]
+        for j in range(num):
+            out[j] = tmp[j]
         best[0], best[1], best[2] = score, num, match_len
 
 
@@ -607,7 +609,7 @@ def _latest(nodes, stamps, seqs, node, off):
 # the list is extended with walks from the root.
 # Drafts then come from the listed positions exactly as from walks of every
 # suffix: O(max_match) steps a round instead of O(max_match^2).
-@njit(cache=True)
+@njit_leaf
 def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, max_match, old_len, since,
                   lst_node, lst_off, lst_gen, n):
     """Brings the lists of a sequence whose context was context[:old_len]
@@ -668,12 +670,13 @@ def follow_global(nodes, stamps, table, shards, pool, seqs, max_depth, context, 
     return n
 
 
-@njit(cache=True)
+@njit_leaf
 def speculate_listed(nodes, stamps, pool, seqs, max_depth, lst_node, lst_off, n, k, max_spec_factor,
-                     min_token_prob, floor, out, best):
+                     min_token_prob, floor, out, best, tmp):
     """Best draft over a sequence's listed matches (follow_global), as if
     every suffix of length <= max_match were walked from the root; writes out
-    (int32 [>= k]) and best (float64 [3]: score, length, match length).
+    (int32 [>= k]) and best (float64 [3]: score, length, match length); tmp:
+    int32 [>= k], work space.
 
     Only drafts that could beat a draft of score ``floor`` (ties: the
     longer) are looked for. A match of length m drafts at most
@@ -682,7 +685,6 @@ def speculate_listed(nodes, stamps, pool, seqs, max_depth, lst_node, lst_off, n,
     L(m). Longest matches first, then: once L(m) <= max(floor, best score) no
     shorter match can win (L grows with m, and among equals the longer match
     wins), and the walks of the short matches are skipped."""
-    tmp = np.empty(k, dtype=np.int32)
     best[:] = 0.0
     for i in range(n - 1, -1, -1):
         limit = _max_draft_len(i + 1, k, max_spec_factor)
@@ -693,14 +695,13 @@ def speculate_listed(nodes, stamps, pool, seqs, max_depth, lst_node, lst_off, n,
         _keep_if_better(num, score, i + 1, best, tmp, out)
 
 
-@njit(cache=True)
+@njit_leaf
 def speculate_active(nodes, stamps, pool, seqs, max_depth, active, n_active, k, max_spec_factor,
-                     min_token_prob, out, best):
+                     min_token_prob, out, best, tmp):
     """Best draft over the context's suffixes in a tree that contains the
     context itself: its suffixes with a continuation are exactly the active
     nodes (the others are the context's own leaf chain, or at depth
-    max_depth). Writes out and best as speculate_listed."""
-    tmp = np.empty(k, dtype=np.int32)
+    max_depth). Writes out, best and tmp as speculate_listed."""
     best[:] = 0.0
     for i in range(n_active):
         node = active[i]
@@ -725,7 +726,7 @@ def speculate_active(nodes, stamps, pool, seqs, max_depth, active, n_active, k, 
 TOUCH_AHEAD = 4
 
 
-@njit(cache=True)
+@njit_leaf
 def _touch(nodes, table, shards, active, n_active, tok):
     """Reads what inserting tok into a trie reads first: for its root and
     active nodes, the row, the best child's row and the hash slot of (node,
@@ -743,11 +744,11 @@ def _touch(nodes, table, shards, active, n_active, tok):
     return acc
 
 
-@njit(cache=True)
+@njit_leaf
 def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, depths, factors, min_probs,
                 active, n_active, slots, tokens, bounds, ends, context_lens, ks, g_nodes, g_table, g_shards, g_pool,
                 g_seqs, g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, in_sync, out, offsets,
-                scores, first, sink):
+                scores, first, sink, no_stamps, bests, scratch):
     """For i = first.. in order: appends tokens[bounds[i]:bounds[i + 1]] to
     the context stream of the request in slot slots[i] and inserts them (as
     SuffixTrie.append), then, when its context length equals context_lens[i]
@@ -771,9 +772,12 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
     [slots, 3, max_depth + 1] its (node, off, gen) lists, g_n [slots] their
     length, g_len [slots] the context length they are for (-1: none yet),
     g_seen [slots] the trie's clock (g_clock, see SuffixTrie.clock) then.
+
+    Work space (it allocates nothing: see base.njit_leaf): no_stamps int64 [0] (a
+    per-request trie's stamps), bests float64 [2, 3], scratch int32 [3, >=
+    max(max_depth + 1, the largest k)].
     """
-    local_best, g_best = np.zeros(3), np.zeros(3)
-    no_stamps = np.zeros(0, dtype=np.int64)
+    local_best, g_best = bests[0], bests[1]
     touched = 0
     for i in range(first, slots.shape[0]):
         s, k = slots[i], ks[i]
@@ -789,15 +793,17 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
                 cap, at, old = 2 * (length + num), pool_hdr[H_POOL_END], seqs[ctx, S_START]
                 if at + cap > pool.shape[0]:
                     return i
-                pool[at:at + length] = pool[old:old + length]
+                for j in range(length):  # (element by element: a slice copy may allocate a temporary)
+                    pool[at + j] = pool[old + j]
                 seqs[ctx, S_START], seqs[ctx, S_CAP] = at, cap
                 pool_hdr[H_POOL_END] = at + cap
             at = seqs[ctx, S_START] + length
-            pool[at:at + num] = tokens[bounds[i]:bounds[i + 1]]
+            for j in range(num):
+                pool[at + j] = tokens[bounds[i] + j]
             ends[i] = length + num
         trie = nodes[nbase[s]:nbase[s] + ncap[s]]
         if append_tokens(trie, no_stamps, table, tshards[s], hdrs[s], pool, seqs, ctx, ROOT, ends[i], active[s],
-                         n_active[s:s + 1], depths[s]) < ends[i]:
+                         n_active[s:s + 1], depths[s], scratch[0]) < ends[i]:
             return i
         num = offsets[i]
         length = seqs[ctx, S_LEN]
@@ -805,7 +811,7 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
         scores[i] = 0.0
         if in_sync[i] and k > 0:
             speculate_active(trie, no_stamps, pool, seqs, depths[s], active[s], n_active[s], k, factors[s],
-                             min_probs[s], out[num:num + k], local_best)
+                             min_probs[s], out[num:num + k], local_best, scratch[1])
             drafted, score = int(local_best[1]), local_best[0]
             if use_global and score < k:  # (k tokens of probability 1 cannot be beaten)
                 start, lst = seqs[ctx, S_START], g_lists[s]
@@ -813,12 +819,13 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
                                        pool[start:start + length], depths[s], g_len[s], g_seen[s], lst[0], lst[1],
                                        lst[2], g_n[s])
                 g_len[s], g_seen[s] = length, g_clock
-                g_out = np.empty(k, dtype=np.int32)
+                g_out = scratch[2]
                 speculate_listed(g_nodes, g_stamps, g_pool, g_seqs, g_depth, lst[0], lst[1], g_n[s], k, factors[s],
-                                 min_probs[s], local_best[0], g_out, g_best)
+                                 min_probs[s], local_best[0], g_out, g_best, scratch[1])
                 if g_best[0] > local_best[0] or (g_best[0] == local_best[0] and g_best[1] > local_best[1]):
                     drafted, score = int(g_best[1]), g_best[0]
-                    out[num:num + drafted] = g_out[:drafted]
+                    for j in range(drafted):
+                        out[num + j] = g_out[j]
             num += drafted
             scores[i] = score
         offsets[i + 1] = num
@@ -1003,7 +1010,8 @@ class SuffixTrie:
         one of the tokens inserted so far, drafts may read it: the clock
         follows them."""
         done = int(append_tokens(self.nodes, self.stamps, self.table, self.shards, self.hdr, self.pool,
-                                 self.seqs, seq, ROOT, end, active, n_active, self.max_depth))
+                                 self.seqs, seq, ROOT, end, active, n_active, self.max_depth,
+                                 np.empty(self.max_depth + 1, dtype=np.int32)))
         self.clock = max(self.clock, int(self.seqs[seq, S_TIME]) + done)
         return done
 
@@ -1235,6 +1243,8 @@ class RequestArena:
         self._free: list[int] = []  # slots to reuse
         self._num_slots = 0  # slots ever handed out
         self._sink = np.zeros(1, dtype=np.int64)  # see arena_round
+        # arena_round's work space (see there; wider when a round asks for more drafts)
+        self._bests, self._scratch = np.zeros((2, 3)), np.zeros((3, max_depth + 1), dtype=np.int32)
 
     def open(self, context: np.ndarray, depth: int, options: SeqOptions) -> int:
         """A slot with a new request's trie over its reference and context."""
@@ -1257,7 +1267,7 @@ class RequestArena:
             self.n_active[slot] = 0
             while append_tokens(self._trie(slot), _NO_STAMPS, self._table.array, self.tshards[slot],
                                 self.hdrs[slot], self.pool, self.seqs, row, ROOT, end, self.active[slot],
-                                self.n_active[slot:slot + 1], depth) < end:
+                                self.n_active[slot:slot + 1], depth, self._scratch[0]) < end:
                 self._grow(slot)
         return slot
 
@@ -1293,6 +1303,8 @@ class RequestArena:
         n = len(slots)
         ends, in_sync, scores = np.full(n, -1, dtype=np.int64), np.empty(n, dtype=np.bool_), np.empty(n)
         out, offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(n + 1, dtype=np.int64)
+        if n and ks.max() > self._scratch.shape[1]:
+            self._scratch = np.zeros((3, int(ks.max())), dtype=np.int32)
         g = glob if glob is not None else _NO_TRIE
         i = 0
         while (i := arena_round(self._nodes.array, self._table.array, self.hdrs, self.nbase, self.ncap,
@@ -1300,7 +1312,8 @@ class RequestArena:
                                 self.min_probs, self.active, self.n_active, slots, tokens, bounds, ends,
                                 context_lens, ks, g.nodes, g.table, g.shards, g.pool, g.seqs, g.stamps, g.max_depth,
                                 g.clock, glob is not None, self.g_lists, self.g_n, self.g_len, self.g_seen, in_sync,
-                                out, offsets, scores, i, self._sink)) < n:
+                                out, offsets, scores, i, self._sink, _NO_STAMPS, self._bests,
+                                self._scratch)) < n:
             if ends[i] < 0:
                 row = 2 * int(slots[i]) + CONTEXT_STREAM
                 self._compact(2 * int(self.seqs[row, S_LEN] + bounds[i + 1] - bounds[i]))
