@@ -390,7 +390,7 @@ def exp_nonpositive(x):
     return p * pow2(np.int32(k))  # k >= -126: 2^k is a normal float32
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)  # (allocates nothing: no refcounts, see _attend_units)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt; see _attend_units)
 def _block_scores(q, key_cache, block, g, scores, column):
     """scores[column:column + bs] = q's scores against the bs keys of one
     block, kv head g.
@@ -417,7 +417,7 @@ def _block_scores(q, key_cache, block, g, scores, column):
         store(scores, column + lane0, add(add(a0, a1), add(a2, a3)))
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
 def _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head):
     """out[row, head] = inv * sum over i < n of weights[i] * the value at flat
     offset key_rows[i] of value_cache (C-contiguous; D a multiple of LANES).
@@ -471,7 +471,7 @@ def attention_units(row_seq, group, kv_heads):
     return units
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)
+@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
 def _block_scores4(q0, q1, q2, q3, key_cache, block, g, s0, s1, s2, s3, column):
     """``_block_scores`` of four queries against one block (kv head g), each
     key vector loaded once for the four; every score's operations, and so its
@@ -534,7 +534,7 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
                   unit_step, out, scores, key_rows, acc, rows, heads)
 
 
-@numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True, _nrt=False)
+@numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
 def _attend_units(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, unit_begin,
                   unit_step, out, scores, key_rows, acc, rows, heads):
     """``_paged_attention``'s work, in the work space it allocated (scores

@@ -173,7 +173,7 @@ class Proposer(abc.ABC):
 #: two atomic operations each, 13 % of a suffix proposer's samples at B=256
 #: (perf, AMD EPYC). Such a kernel cannot allocate (numba refuses to compile
 #: one that does); its callers pass it work space.
-njit_leaf = njit(cache=True, _nrt=False)
+njit_leaf = njit(cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
 
 
 @njit_leaf
