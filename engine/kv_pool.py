@@ -390,7 +390,7 @@ def exp_nonpositive(x):
     return p * pow2(np.int32(k))  # k >= -126: 2^k is a normal float32
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt; see _attend_units)
+@numba.njit(nogil=True, cache=True)
 def _block_scores(q, key_cache, block, g, scores, column):
     """scores[column:column + bs] = q's scores against the bs keys of one
     block, kv head g.
@@ -417,7 +417,7 @@ def _block_scores(q, key_cache, block, g, scores, column):
         store(scores, column + lane0, add(add(a0, a1), add(a2, a3)))
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
+@numba.njit(nogil=True, cache=True)
 def _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head):
     """out[row, head] = inv * sum over i < n of weights[i] * the value at flat
     offset key_rows[i] of value_cache (C-contiguous; D a multiple of LANES).
@@ -471,7 +471,7 @@ def attention_units(row_seq, group, kv_heads):
     return units
 
 
-@numba.njit(nogil=True, cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
+@numba.njit(nogil=True, cache=True)
 def _block_scores4(q0, q1, q2, q3, key_cache, block, g, s0, s1, s2, s3, column):
     """``_block_scores`` of four queries against one block (kv head g), each
     key vector loaded once for the four; every score's operations, and so its
@@ -525,30 +525,16 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
     visible keys first..pos: their max, the weights e^(s - max) and their
     sum, then the weighted sum of the values (``_weighted_values`` when D is
     a multiple of LANES), each loop in position order."""
-    bs = key_cache.shape[3]
-    scores = np.empty((PACK, (row_pos.max() // bs + 1) * bs), np.float32)
-    key_rows = np.empty(row_pos.max() + 1, np.int64)  # flat offset of each visible key's value
-    acc = np.empty(query.shape[2], np.float32)
-    rows, heads = np.empty(PACK, np.int64), np.empty(PACK, np.int64)
-    _attend_units(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, unit_begin,
-                  unit_step, out, scores, key_rows, acc, rows, heads)
-
-
-@numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True, _nrt=False)  # type: ignore[call-overload]  # (numba's stubs omit _nrt)
-def _attend_units(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, unit_begin,
-                  unit_step, out, scores, key_rows, acc, rows, heads):
-    """``_paged_attention``'s work, in the work space it allocated (scores
-    float32 [PACK, >= keys seen], key_rows int64 [>= keys seen], acc float32
-    [D], rows and heads int64 [PACK]). Compiled without numba's reference
-    counting, as the kernels it calls: with it, every view taken here (a
-    query row, a score row) and every array passed to them counts a
-    reference with an atomic operation, on counters both threads of
-    ``_paged_attention_parallel`` share."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
     bs = key_cache.shape[3]
     group = H // kv_heads
+    scores = np.empty((PACK, (row_pos.max() // bs + 1) * bs), np.float32)
+    key_rows = np.empty(row_pos.max() + 1, np.int64)  # flat offset of each visible key's value
+    acc = np.empty(D, np.float32)
     vector_values = D % LANES == 0
+    rows = np.empty(PACK, np.int64)
+    heads = np.empty(PACK, np.int64)
     for unit in range(unit_begin, units.shape[0], unit_step):
         run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
         for j in range(nq):
