@@ -24,7 +24,9 @@ the scorer would run on as many threads as --threads (its default); goal:
 within 5%. The engine alone runs in turns with the stack (one engine run,
 one stack run, --decode-reps times) and the ratio is of the fastest of each:
 this VM's speed drifts by a fifth between minutes, so an engine row timed
-before the stack started is no baseline for it. With it, the CPU ms each
+before the stack started is no baseline for it. Beside it, the median (and
+range) of the ratios of each stack run to the engine run just before it,
+which follows that drift closer. With it, the CPU ms each
 process spent per token (client, gateway, proposer, scorer; psutil) beside
 the engine alone's: on a 2-core machine every ms of glue outside the
 forward is taken from the GEMM threads.
@@ -214,6 +216,9 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     finally:
         stack.stop()
     rate, engine_rate = len(tokens) / min(stack_s), len(engine_row["engine_tokens"]) / min(engine_s)
+    # each stack run against the engine run just before it: the median of these
+    # pairs follows the machine's drift, which the ratio of the two minima does not
+    paired = sorted((len(tokens) / s) / (len(engine_row["engine_tokens"]) / e) for e, s in zip(engine_s, stack_s))
     cpu = {name: 1e3 * v / (reps * len(tokens)) for name, v in spent.items()}
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
@@ -224,6 +229,7 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
             "dtype": dtype,
             "gemm": engine_row["gemm"], "tokens": len(tokens),
             "tokens_per_s": rate, "vs_engine_alone": rate / engine_rate, "engine_in_turns_tok_s": engine_rate,
+            "vs_engine_alone_paired": {"median": statistics.median(paired), "low": paired[0], "high": paired[-1]},
             "agree_with_engine": agree, "threads": threads,
             "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
             "network_ms_per_round": 1000 * best.network_s / rounds,
@@ -282,9 +288,11 @@ def print_decode(rows: list[dict], n: int, reps: int) -> None:
           f"{'verify6/decode':>14}  first tokens equal to HF's")
     for r in rows:
         if "vs_engine_alone" in r:
+            pair = r["vs_engine_alone_paired"]
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} {r['tokens_per_s']:>7.1f}   "
                   f"{r['vs_engine_alone']:.3f} x the engine alone in turns ({r['engine_in_turns_tok_s']:.1f} tok/s; "
-                  f"goal >= 0.95); tokens equal to the engine's: "
+                  f"goal >= 0.95; median of the {reps} pairs {pair['median']:.3f}, "
+                  f"{pair['low']:.3f}-{pair['high']:.3f}); tokens equal to the engine's: "
                   f"{r['agree_with_engine']}/{r['tokens']}; per round {r['ms_per_round']:.1f} ms, of which "
                   f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}; "
                   f"CPU ms per token: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_token"].items())
