@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields
 #: KV pool size in tokens when neither a token count nor a memory fraction is given.
 DEFAULT_KV_CAPACITY_TOKENS = 32768
 DTYPE_NAMES = ("float32", "bfloat16")
+#: The KV pool's storage dtypes (``kv_dtype``, kv_pool.KV_DTYPES): bfloat16 halves
+#: the bytes per cached token, on CPU.
+KV_DTYPE_NAMES = ("float32", "bfloat16")
 ENGINE_KINDS = ("auto", "llama", "hf")
 DEVICES = ("cpu", "cuda")
 #: CPU GEMM paths ``gemm`` may force (gemm_select.GEMM_PATHS); "auto" measures.
@@ -33,6 +36,7 @@ class EngineConfig:
     attention: str = "auto"
     num_threads: int | None = None
     block_size: int = 16
+    kv_dtype: str = "float32"  # the KV pool's storage, a KV_DTYPE_NAMES entry (bfloat16: CPU only)
     # the LM head computes the logits of these token ids only, column j for
     # token head_token_ids[j] (a draft's reduced vocabulary); None: all
     head_token_ids: tuple[int, ...] | None = None
@@ -45,6 +49,11 @@ class EngineConfig:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.kv_dtype not in KV_DTYPE_NAMES:
+            raise ValueError(f"kv_dtype (--kv-dtype) must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype != "float32" and self.device != "cpu":
+            raise ValueError(f"kv_dtype (--kv-dtype) {self.kv_dtype!r} runs on CPU only (the GPU kernels read "
+                             f"float32 caches), not on {self.device!r}")
         if self.gemm not in GEMM_CHOICES:
             raise ValueError(f"gemm must be one of {', '.join(GEMM_CHOICES)}, got {self.gemm!r}")
         if self.kv_capacity_tokens is not None and self.kv_memory_fraction is not None:
@@ -64,6 +73,6 @@ class EngineConfig:
     def llama_only_options_set(self) -> list[str]:
         """Names of Llama-runner options that differ from their defaults."""
         defaults = EngineConfig(self.model)
-        llama_only = ("gemm", "attention", "num_threads", "block_size", "head_token_ids")
+        llama_only = ("gemm", "attention", "num_threads", "block_size", "head_token_ids", "kv_dtype")
         return [f.name for f in fields(self) if f.name in llama_only
                 and getattr(self, f.name) != getattr(defaults, f.name)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from specdec.engine.kv_pool import exp_nonpositive
+from specdec.engine.kv_pool import exp_nonpositive, kv_bits
 
 _FASTMATH = {"reassoc", "contract"}
 
@@ -52,11 +52,13 @@ def _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, scale,
     """qkv [T, heads + 2 kv_heads, D] -> q_out [T, heads, D] rotated and
     scaled; rotated keys and the values written to one layer's caches (as
     kv_pool lays them out: key_cache [blocks, kv_heads, D, block_size],
-    value_cache [blocks, kv_heads, block_size, D]) at each row's slot. cos,
-    sin [max_len, D] as llama.rope_tables gives them."""
+    value_cache [blocks, kv_heads, block_size, D]; float32, or bfloat16 bits
+    as uint16, rounded: ``kv_pool.kv_bits``) at each row's slot. cos, sin
+    [max_len, D] as llama.rope_tables gives them."""
     T = qkv.shape[0]
     D = qkv.shape[2]
     half = D // 2
+    key = np.empty(D, np.float32)  # a rotated key, before the cache stores it (kv_pool.kv_bits)
     for t in range(T):
         c = cos[row_pos[t]]
         s = sin[row_pos[t]]
@@ -68,7 +70,7 @@ def _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, scale,
                 dst = q_out[t, h]
                 f = scale
             else:
-                dst = key_cache[blk, h - heads, :, off]
+                dst = key
                 f = np.float32(1.0)
             if rotate:
                 for d in range(half):
@@ -78,11 +80,13 @@ def _rope_scale_write(qkv, heads, kv_heads, cos, sin, row_pos, rotate, scale,
             else:
                 for d in range(D):
                     dst[d] = x[d] * f
+            if h >= heads:
+                for d in range(D):
+                    key_cache[blk, h - heads, d, off] = kv_bits(key_cache, key[d])
         for h in range(kv_heads):
             x = qkv[t, heads + kv_heads + h]
-            dst = value_cache[blk, h, off]
             for d in range(D):
-                dst[d] = x[d]
+                value_cache[blk, h, off, d] = kv_bits(value_cache, x[d])
 
 
 def rope_scale_write(qkv: np.ndarray, heads: int, kv_heads: int, cos: np.ndarray, sin: np.ndarray,
@@ -121,13 +125,15 @@ def silu_mul(gate_up: np.ndarray) -> np.ndarray:
     return out
 
 
-def warm_up() -> None:
+def warm_up(kv_dtype: type[np.float32] | type[np.uint16] = np.float32) -> None:
     """Compiles (or loads from numba's cache) the kernels for the argument
-    types the engine passes."""
+    types the engine passes (kv_dtype: its pool's cache arrays', float32 or
+    uint16 for bfloat16 bits)."""
     x = np.zeros((1, 8), np.float32)
     rms_norm(x, np.ones(8, np.float32), 1e-5)
     silu_mul(x)
     table = np.zeros((1, 4), np.float32)
-    key_cache, value_cache = np.zeros((1, 1, 4, 1), np.float32), np.zeros((1, 1, 1, 4), np.float32)
+    key_cache: np.ndarray = np.zeros((1, 1, 4, 1), kv_dtype)
+    value_cache: np.ndarray = np.zeros((1, 1, 1, 4), kv_dtype)
     rope_scale_write(np.zeros((1, 3, 4), np.float32), 1, 1, table, table, np.zeros(1, np.int32), True, 1.0,
                      key_cache, value_cache, np.zeros(1, np.int64), np.zeros(1, np.int64))

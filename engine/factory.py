@@ -48,7 +48,7 @@ def build_engine(config: EngineConfig) -> Engine:
         kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_fraction=config.kv_memory_fraction,
         max_model_len=config.max_model_len, device=config.device, gemm=config.gemm,
         attention=config.attention, num_threads=config.num_threads, block_size=config.block_size,
-        head_token_ids=config.head_token_ids)
+        head_token_ids=config.head_token_ids, kv_dtype=config.kv_dtype)
 
 
 def _hf_engine(hf_model, config: EngineConfig) -> Engine:

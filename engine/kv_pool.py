@@ -1,12 +1,20 @@
 """Paged KV cache pool for the Llama runner: storage allocated once at start-up,
 per-sequence block tables, rollback by length, and attention over the pages.
 
-Layout (one tensor pair for all layers, zero-filled, float32 on CPU):
+Layout (one tensor pair for all layers, zero-filled, float32, or bfloat16
+on CPU: ``kv_dtype``):
 
     key_cache    [layers, num_blocks + 1, kv_heads, head_dim, block_size]
     value_cache  [layers, num_blocks + 1, kv_heads, block_size, head_dim]
 
 (the last block is ``scratch_block``, never a sequence's).
+
+A bfloat16 pool stores each key and value rounded to bfloat16 (nearest,
+ties to even, as torch rounds: ``kv_bits``) and its kernels widen them
+exactly on every read (``simd.load``, ``simd.element``): half the bytes a
+decode step's attention reads and half the memory per token, and the
+attention of a bfloat16 pool is, bit for bit, that of a float32 pool whose
+keys and values were rounded first, so row invariance holds as for float32.
 
 Token ``t`` of a sequence lives in block ``table[t // block_size]`` at offset
 ``t % block_size``. Keys are stored transposed inside a block: one dimension
@@ -56,16 +64,21 @@ import numpy as np
 import psutil
 import torch
 import torch.nn.functional as F
+from numba.core import types
+from numba.extending import overload
 
 from specdec.engine.base import PoolExhausted
+from specdec.engine.config import KV_DTYPE_NAMES
 from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
-from specdec.engine.simd import LANES, add, fma, load, mul, pow2, splat, store, zeros
+from specdec.engine.simd import LANES, add, bits, element, fma, load, mul, pow2, splat, store, zeros
 
 #: Below this many (query row, head, visible key) triples the attention runs
 #: on the calling thread only; a launch of numba's threads costs more than it
 #: saves (SmolLM2's shapes on 2 threads of an AMD EPYC: no faster at ~600
 #: triples, 1.45x faster at ~4600, a decode row after 512 tokens).
 PARALLEL_MIN_WORK = 1 << 10
+#: The pool's storage dtypes by name (``kv_dtype``; bfloat16 on CPU only).
+KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 #: Queries (rows x query heads of one kv head, one sequence) whose scores a
 #: unit computes together (``_block_scores4``).
 PACK = 4
@@ -126,7 +139,12 @@ class KVPool:
     """Fixed paged storage for the keys and values of every layer."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_tokens: int,
-                 block_size: int = 16, device: str = "cpu", num_threads: int = 1) -> None:
+                 block_size: int = 16, device: str = "cpu", num_threads: int = 1,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
+        if kv_dtype not in KV_DTYPES.values():
+            raise ValueError(f"kv_dtype {kv_dtype}: one of {', '.join(KV_DTYPES)}")
+        if kv_dtype != torch.float32 and torch.device(device).type != "cpu":
+            raise ValueError(f"kv_dtype {kv_dtype}: only on CPU (the GPU kernels read float32 caches)")
         if capacity_tokens < block_size:
             raise ValueError(f"KV capacity {capacity_tokens} is below one block ({block_size} tokens)")
         if torch.device(device).type == "cpu" and block_size % LANES:
@@ -140,23 +158,24 @@ class KVPool:
         #: that pad a captured CUDA graph's batch write and read it (engine.cuda_graph)
         self.scratch_block = self.num_blocks
         self.key_cache = torch.zeros(num_layers, self.num_blocks + 1, num_kv_heads, head_dim, block_size,
-                                     dtype=torch.float32, device=device)  # keys transposed per block
+                                     dtype=kv_dtype, device=device)  # keys transposed per block
         self.value_cache = torch.zeros(num_layers, self.num_blocks + 1, num_kv_heads, block_size, head_dim,
-                                       dtype=torch.float32, device=device)
+                                       dtype=kv_dtype, device=device)
         self._free: list[int] = list(range(self.num_blocks - 1, -1, -1))  # popped from the end
         self._tables: dict[str, list[int]] = {}  # seq_id -> its blocks, in token order
         self._lengths: dict[str, int] = {}  # seq_id -> tokens cached
         self._num_threads = num_threads
         if self.key_cache.device.type == "cpu":
-            self._layer_arrays = [(self.key_cache[i].numpy(), self.value_cache[i].numpy()) for i in range(num_layers)]
-            _warm_up()
+            self._layer_arrays = [(_numpy(self.key_cache[i]), _numpy(self.value_cache[i])) for i in range(num_layers)]
+            _warm_up(self._layer_arrays[0])
 
     # ---- sizing -------------------------------------------------------------
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-        """Bytes of float32 keys + values one token takes in every layer."""
-        return 2 * num_layers * num_kv_heads * head_dim * 4
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        kv_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of keys + values one token takes in every layer."""
+        return 2 * num_layers * num_kv_heads * head_dim * kv_dtype.itemsize
 
     @staticmethod
     def tokens_for_memory_fraction(fraction: float, bytes_per_token: int, device: str = "cpu") -> int:
@@ -262,8 +281,7 @@ class KVPool:
         if self.key_cache.device.type == "cpu":  # one numba call: index_put costs ~2x per layer at batch 1
             slots = (batch.slot_block, batch.slot_offset) if isinstance(batch, PagedBatch) else \
                 (batch.slot_block.numpy(), batch.slot_offset.numpy())
-            _write_rows(self.key_cache[layer].numpy(), self.value_cache[layer].numpy(), key.numpy(), value.numpy(),
-                        *slots)
+            _write_rows(*self._layer_arrays[layer], key.numpy(), value.numpy(), *slots)
             return
         from specdec.engine import gpu_ops  # Triton: imported only where it runs
 
@@ -282,6 +300,8 @@ class KVPool:
         TRITON_INTERPRET=1. Arguments as for ``attend``."""
         from specdec.engine import gpu_ops  # Triton: imported only where it runs
 
+        if self.key_cache.dtype != torch.float32:
+            raise ValueError(f"kv_dtype {self.key_cache.dtype}: the Triton attention reads float32 caches")
         rows = self.device_rows(batch)
         return gpu_ops.paged_attention(query, self.key_cache[layer], self.value_cache[layer], rows.tables,
                                        rows.row_seq, rows.row_pos, window)
@@ -320,8 +340,8 @@ class KVPool:
         tables = torch.from_numpy(batch.block_tables).to(dev).long()
         B, nblk = tables.shape
         L = nblk * self.block_size
-        keys = self.key_cache[layer][tables].permute(0, 2, 1, 4, 3).reshape(B, self.num_kv_heads, L, D)
-        values = self.value_cache[layer][tables].transpose(1, 2).reshape(B, self.num_kv_heads, L, D)
+        keys = self.key_cache[layer][tables].permute(0, 2, 1, 4, 3).reshape(B, self.num_kv_heads, L, D).float()
+        values = self.value_cache[layer][tables].transpose(1, 2).reshape(B, self.num_kv_heads, L, D).float()
         row_seq = torch.from_numpy(batch.row_seq).to(dev).long()
         row_pos = torch.from_numpy(batch.row_pos).to(dev).long()
         counts = torch.bincount(row_seq, minlength=B)
@@ -340,16 +360,46 @@ class KVPool:
         return out.transpose(1, 2)[row_seq, row_local]
 
 
+def _numpy(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache tensor as a numpy view: float32 as it is, bfloat16 as its
+    uint16 bit patterns (numpy has no bfloat16)."""
+    return cache.view(torch.int16).numpy().view(np.uint16) if cache.dtype == torch.bfloat16 else cache.numpy()
+
+
+def kv_bits(cache, x):
+    """What a cache array stores for the float32 x (numba only, ``overload``)."""
+    raise NotImplementedError("kv_bits runs inside numba kernels only")
+
+
+@overload(kv_bits, inline="always")
+def _kv_bits(cache, x):
+    """x itself in a float32 cache; in a bfloat16 one (uint16 bits) x rounded
+    to the nearest bfloat16, ties to even, NaN to the quiet NaN 0x7FC0, as
+    torch's ``.to(torch.bfloat16)`` rounds."""
+    if cache.dtype == types.uint16:
+        def to_bits(cache, x):
+            u = bits(np.float32(x))
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                return np.uint16(0x7FC0)
+            return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return to_bits
+    return lambda cache, x: x
+
+
 def default_num_threads() -> int:
     """CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _warm_up() -> None:
-    """Compiles (or loads from numba's cache) the attention kernel for the
-    argument types ``attend`` passes, so the first request does not wait."""
+def _warm_up(caches: tuple[np.ndarray, np.ndarray]) -> None:
+    """Compiles (or loads from numba's cache) the attention kernel and the
+    KV write for the argument types ``attend`` and ``write`` pass (caches:
+    a layer's, for their dtype), so the first request does not wait."""
     one = np.zeros((1, 1, 1), np.float32)
-    args = (one, np.zeros((1, 1, 1, LANES), np.float32), np.zeros((1, 1, LANES, 1), np.float32),
+    kv = caches[0].dtype
+    key_cache, value_cache = np.zeros((1, 1, 1, LANES), kv), np.zeros((1, 1, LANES, 1), kv)
+    _write_rows(key_cache, value_cache, one, one, np.zeros(1, np.int64), np.zeros(1, np.int64))
+    args = (one, key_cache, value_cache,
             np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0,
             attention_units(np.zeros(1, np.int32), 1, 1))
     _paged_attention(*args, 0, 1, one)
@@ -375,8 +425,9 @@ def _write_rows(key_cache, value_cache, key, value, slot_block, slot_offset):
     for t in range(key.shape[0]):
         b, o = slot_block[t], slot_offset[t]
         for h in range(key.shape[1]):
-            key_cache[b, h, :, o] = key[t, h, :]
-            value_cache[b, h, o, :] = value[t, h, :]
+            for d in range(key.shape[2]):
+                key_cache[b, h, d, o] = kv_bits(key_cache, key[t, h, d])
+                value_cache[b, h, o, d] = kv_bits(value_cache, value[t, h, d])
 
 
 @numba.njit(fastmath=_FASTMATH, inline="always", cache=True)
@@ -580,13 +631,12 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
                 continue
             acc[:] = 0.0
             for blk_i in range(first_blk, pos // bs + 1):
-                values = value_cache[table[blk_i], g]  # [bs, D]
+                start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
                 base = blk_i * bs - first
                 for jj in range(max(-base, 0), min(n - base, bs)):
                     w = weights[base + jj]
-                    value = values[jj]
                     for d in range(D):
-                        acc[d] += w * value[d]
+                        acc[d] += w * element(value_cache, start + jj * D + d)
             for d in range(D):
                 out[row, head, d] = acc[d] * inv
 

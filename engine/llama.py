@@ -89,7 +89,7 @@ from specdec.engine.gemm_select import (
     select,
     set_torch_threads,
 )
-from specdec.engine.kv_pool import DeviceRows, KVPool, PagedBatch, default_num_threads
+from specdec.engine.kv_pool import KV_DTYPES, DeviceRows, KVPool, PagedBatch, default_num_threads
 
 log = logging.getLogger(__name__)
 
@@ -306,8 +306,9 @@ class LlamaEngine(Engine):
     """Engine (see engine.py) running a Llama-family model with its own
     forward pass and a paged KV pool.
 
-    dtype: weights and activations ("float32" | "bfloat16"); attention, the
-      KV cache and returned logits / hidden states are float32. bfloat16
+    dtype: weights and activations ("float32" | "bfloat16"); attention and
+      returned logits / hidden states are float32, and so is the KV cache
+      unless kv_dtype says otherwise. bfloat16
       through the simd GEMM paths keeps the weights in bfloat16 and the
       activations in float32 (``act_dtype``: simd computes in float32,
       simd-dpbf16 rounds each GEMM's input to bfloat16 inside the kernel, and
@@ -341,20 +342,30 @@ class LlamaEngine(Engine):
       add + RMSNorm: about half the kernels per layer; SmolLM2 bfloat16
       decode steps with graphs 1.50 ms against 2.08 on an H200,
       benchmarks/bench_gpu.py --fused); not for layers that normalise
-      queries and keys (qwen3), which keep the separate steps."""
+      queries and keys (qwen3), which keep the separate steps.
+    kv_dtype: the KV pool's storage, "float32" | "bfloat16" (kv_pool.KV_DTYPES;
+      bfloat16 on CPU with the paged or sdpa attention only): bfloat16 keeps
+      each key and value rounded to bfloat16 and widens it exactly on every
+      read, half the bytes a decode step's attention reads and twice the
+      tokens per byte of pool, with the same row invariance."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
                  head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True,
-                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True) -> None:
+                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True, kv_dtype: str = "float32") -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if attention == "auto":
             attention = "paged" if on_cpu else "triton"
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
+        if kv_dtype != "float32" and (not on_cpu or attention == "triton"):
+            raise ValueError(f"kv_dtype {kv_dtype!r}: the CPU attention kernels only (not on {self.device.type} "
+                             f"with attention {attention!r}, whose kernels read float32 caches)")
         if gemm == "auto" and not on_cpu:
             gemm = "triton"
         if attention not in ("paged", "sdpa", "triton"):
@@ -425,7 +436,7 @@ class LlamaEngine(Engine):
         self.act_dtype = torch.float32 if self.fused else self.dtype  # the residual stream's dtype
         if self.fused:
             self._cos_np, self._sin_np = self.cos.numpy(), self.sin.numpy()
-            cpu_ops.warm_up()
+            cpu_ops.warm_up(np.uint16 if kv_dtype == "bfloat16" else np.float32)
             if self.dtype != torch.float32:  # the numba steps take float32 norm weights (exact copies)
                 self.layers = [replace(layer, input_norm=layer.input_norm.float(), post_norm=layer.post_norm.float(),
                                        q_norm=None if layer.q_norm is None else layer.q_norm.float(),
@@ -439,11 +450,12 @@ class LlamaEngine(Engine):
                 if self.embed.dtype == torch.bfloat16 else self.embed.float().numpy()
 
         if kv_memory_fraction is not None:
-            per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim)
+            per_token = KVPool.bytes_per_token(n_layers, spec.num_kv_heads, spec.head_dim, KV_DTYPES[kv_dtype])
             kv_capacity_tokens = KVPool.tokens_for_memory_fraction(kv_memory_fraction, per_token, device)
         self.pool = KVPool(n_layers, spec.num_kv_heads, spec.head_dim,
                            kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS,
-                           block_size=block_size, device=device, num_threads=num_threads)
+                           block_size=block_size, device=device, num_threads=num_threads,
+                           kv_dtype=KV_DTYPES[kv_dtype])
         self.gpu_fused = (fuse_gpu_steps and self.triton and attention == "triton"
                           and all(layer.q_norm is None for layer in self.layers))
         #: forward passes of up to cuda_graph.MAX_ROWS tokens replayed as CUDA graphs (engine.cuda_graph)
@@ -454,8 +466,9 @@ class LlamaEngine(Engine):
             eos_token_ids=eos_token_ids(checkpoint.config, checkpoint.generation_config),
             hidden_size=spec.hidden_size, num_layers=n_layers, dtype=dtype,
             kv_capacity_tokens=self.pool.capacity_tokens)
-        log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens, %d threads",
-                 checkpoint.name, n_layers, dtype, self.gemm, attention, self.pool.capacity_tokens, num_threads)
+        log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens (%s), %d threads",
+                 checkpoint.name, n_layers, dtype, self.gemm, attention, self.pool.capacity_tokens, kv_dtype,
+                 num_threads)
 
     # ---- Engine protocol -----------------------------------------------------------
 

@@ -11,6 +11,9 @@ rounding, the same bits on every CPU) and reduced in a fixed order
 (``total``), and no fast-math flag is set on it, so LLVM may not reorder it:
 a kernel built from these computes every output alike whatever else it
 computes beside it.
+
+Scalars: ``element`` reads one value of a float32 or bfloat16-bits array as
+float32 (``load``'s widening), ``bits`` gives a float32's bit pattern.
 """
 from __future__ import annotations
 
@@ -266,3 +269,31 @@ def pow2(typingctx, k):
         bits = builder.shl(builder.add(args[0], _I32(127)), _I32(23))
         return builder.bitcast(bits, ir.FloatType())
     return types.float32(k), codegen
+
+
+@intrinsic
+def element(typingctx, array, index):
+    """The flat element `index` of a C-contiguous array as float32: float32
+    as it is; uint16 read as a bfloat16 bit pattern and widened exactly
+    (``load``'s rule, one value)."""
+    if array.dtype not in (types.float32, types.uint16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        if signature.args[0].dtype == types.float32:
+            return builder.load(pointer)
+        wide = builder.shl(builder.zext(builder.load(pointer), _I32), _I32(16))
+        return builder.bitcast(wide, ir.FloatType())
+    return types.float32(array, index), codegen
+
+
+@intrinsic
+def bits(typingctx, x):
+    """A float32's bit pattern as uint32 (no conversion)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], _I32)
+    return types.uint32(x), codegen

@@ -265,4 +265,5 @@ def engine_config(args) -> EngineConfig:
     """The engine the `specdec scorer` flags ask for."""
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, engine=args.engine,
                         kv_capacity_tokens=args.kv_tokens, kv_memory_fraction=args.kv_memory_fraction,
-                        max_model_len=args.max_model_len, gemm=args.gemm, num_threads=args.threads)
+                        max_model_len=args.max_model_len, gemm=args.gemm, num_threads=args.threads,
+                        kv_dtype=args.kv_dtype)

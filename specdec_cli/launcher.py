@@ -214,6 +214,7 @@ class Stack:
     http_port: int = 0  # the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0: off)
     engine: str = "auto"
     kv_tokens: int | None = None
+    kv_dtype: str = "float32"  # the scorers' --kv-dtype
     default_method: str = "ngram"
     default_k: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # the gateway's --default-k
     log_level: str = "WARNING"
@@ -348,7 +349,8 @@ class Stack:
         try:
             scorers = []
             for i in range(self.num_scorers):
-                args = ["scorer", "--model", self.model, "--dtype", self.dtype, "--engine", self.engine]
+                args = ["scorer", "--model", self.model, "--dtype", self.dtype, "--engine", self.engine,
+                        "--kv-dtype", self.kv_dtype]
                 if self.kv_tokens:
                     args += ["--kv-tokens", str(self.kv_tokens)]
                 args += self.extra_scorer_args
@@ -440,7 +442,8 @@ def serve_command(args) -> int:
             scorer_args += ["--feature-layers", ",".join(map(str, layers))]
     stack = Stack(model=args.model, dtype=args.dtype, methods=methods, gateway_port=args.port,
                   http_port=args.http_port,
-                  engine=args.engine, kv_tokens=args.kv_tokens, default_method=args.default_method,
+                  engine=args.engine, kv_tokens=args.kv_tokens, kv_dtype=args.kv_dtype,
+                  default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
                   draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
                   draft_threads=args.draft_threads, extra_gateway_args=["--decode-steps", str(args.decode_steps)],

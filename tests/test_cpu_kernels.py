@@ -228,6 +228,26 @@ def test_rope_scale_write_matches_apply_rope_and_fills_the_slots(rotate):
         assert torch.equal(torch.from_numpy(alone[0]), q[t])
 
 
+def test_rope_scale_write_stores_bfloat16_caches_rounded_as_torch_rounds():
+    """Into a bfloat16 pool's caches (uint16 bits, kv_pool.KV_DTYPES): the
+    float32 kernel's keys and values, each rounded as torch rounds; the
+    queries are unchanged."""
+    heads, kv_heads, dim, blocks, block_size = 6, 2, 16, 4, 16
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, heads + 2 * kv_heads, dim, generator=gen)
+    cos, sin = rope_tables(rope_inv_freq({"rope_type": "default", "rope_theta": 10000.0}, dim), 64)
+    pos = np.array([3, 17, 18, 40, 41], np.int32)
+    slot_block, slot_offset = np.array([0, 2, 2, 3, 1], np.int64), np.array([3, 1, 2, 0, 7], np.int64)
+    caches = {dt: (np.zeros((blocks, kv_heads, dim, block_size), dt), np.zeros((blocks, kv_heads, block_size, dim), dt))
+              for dt in (np.float32, np.uint16)}
+    q = {dt: cpu_ops.rope_scale_write(qkv.numpy(), heads, kv_heads, cos.numpy(), sin.numpy(), pos, True, 0.25,
+                                      *caches[dt], slot_block, slot_offset) for dt in caches}
+    assert np.array_equal(q[np.float32], q[np.uint16])
+    for f32, bits in zip(caches[np.float32], caches[np.uint16]):
+        assert np.array_equal(torch.from_numpy(f32).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), bits)
+        assert bits.any()
+
+
 @pytest.mark.parametrize("rows", [1, 6, 13])
 def test_simd_gemm_reads_bfloat16_weights_as_the_float32_kernel_reads_their_values(rows):
     """bfloat16 bit patterns widened in registers: bitwise the float32

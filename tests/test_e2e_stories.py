@@ -46,6 +46,28 @@ def test_greedy_matches_transformers(stories_stack, stories_path, prompt, method
         assert s.draft_tokens == 0 and s.rounds == s.output_tokens
 
 
+def test_bfloat16_kv_cache_stack_speculates_without_changing_plain_greedy(stories_path, tmp_path_factory):
+    """A scorer started with --kv-dtype bfloat16 (through `specdec serve`'s
+    Stack): every method and draft length gives its own plain greedy output
+    token for token, concurrent streams included."""
+    from specdec.proposer_svc.registry import COPY_METHODS
+
+    stack = start_stack(stories_path, tmp_path_factory, "kv-bf16", methods=",".join(COPY_METHODS),
+                        kv_dtype="bfloat16")
+    try:
+        for text in PROMPTS.values():
+            plain = stream(stack.gateway_addr, make_request(text, max_tokens=MAX_TOKENS, method="none")).token_ids
+            assert len(plain) == MAX_TOKENS or plain[-1] == 2  # (2: EOS)
+            runs = [("ngram", 1), ("ngram", 3), ("ngram", 8), ("suffix", 5), ("hybrid", 5)]
+            with ThreadPoolExecutor(len(runs)) as pool:
+                outs = list(pool.map(lambda mk: stream(stack.gateway_addr, make_request(
+                    text, max_tokens=MAX_TOKENS, method=mk[0], k=mk[1])).token_ids, runs))
+            for (method, k), out in zip(runs, outs):
+                assert list(out) == list(plain), (text, method, k)
+    finally:
+        stack.stop()
+
+
 def test_plain_decoding_takes_the_scorer_s_decode_ahead(stories_stack, stories_path):
     """Real processes: plain decoding through the gateway is answered by the
     scorer's steps run ahead (on by default), and the tokens are plain greedy."""

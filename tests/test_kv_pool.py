@@ -17,8 +17,10 @@ from specdec.engine.kv_pool import PACK, PARALLEL_MIN_WORK, KVPool, attention_un
 LAYERS, KV_HEADS, HEAD_DIM, BS = 2, 2, 8, 16
 
 
-def make_pool(capacity_tokens: int = 64, num_threads: int = 1, head_dim: int = HEAD_DIM) -> KVPool:
-    return KVPool(LAYERS, KV_HEADS, head_dim, capacity_tokens, block_size=BS, num_threads=num_threads)
+def make_pool(capacity_tokens: int = 64, num_threads: int = 1, head_dim: int = HEAD_DIM,
+              kv_dtype: torch.dtype = torch.float32) -> KVPool:
+    return KVPool(LAYERS, KV_HEADS, head_dim, capacity_tokens, block_size=BS, num_threads=num_threads,
+                  kv_dtype=kv_dtype)
 
 
 def snapshot(pool: KVPool) -> tuple:
@@ -116,6 +118,7 @@ def test_plan_places_ragged_rows_after_each_prefix():
 def test_memory_fraction_sizing(monkeypatch):
     per_token = KVPool.bytes_per_token(30, 3, 64)
     assert per_token == 2 * 30 * 3 * 64 * 4
+    assert KVPool.bytes_per_token(30, 3, 64, torch.bfloat16) == per_token // 2
     available = psutil.virtual_memory().available
     assert KVPool.tokens_for_memory_fraction(0.01, per_token) > 0  # the real reading
     # the arithmetic on a pinned reading (other processes move the real one)
@@ -252,3 +255,67 @@ def test_threads_split_work_without_changing_results():
     b2, _ = feed(threaded, seqs, rows)
     assert b2.attention_work * heads >= PARALLEL_MIN_WORK  # the threaded path really runs
     assert torch.equal(serial.attend(0, q, b1), threaded.attend(0, q, b2))
+
+
+# ---- bfloat16 storage ------------------------------------------------------------
+
+
+def test_bf16_pool_is_cpu_only_and_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="kv_dtype torch.bfloat16: only on CPU"):
+        KVPool(LAYERS, KV_HEADS, HEAD_DIM, 64, device="cuda", kv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_dtype torch.float16: one of float32, bfloat16"):
+        make_pool(kv_dtype=torch.float16)
+    pool = make_pool(kv_dtype=torch.bfloat16)
+    assert pool.key_cache.dtype == pool.value_cache.dtype == torch.bfloat16
+    pool.ensure_capacity("a", 1)
+    with pytest.raises(ValueError, match="Triton attention reads float32"):
+        pool.attend_triton(0, torch.zeros(1, 2, HEAD_DIM), pool.plan(["a"], [1]))
+
+
+def test_bf16_pool_stores_keys_and_values_rounded_as_torch_rounds():
+    """Ties to even, values past bfloat16's range, infinities: the stored
+    bits are torch's ``.to(torch.bfloat16)`` of the float32 rows; a NaN stays
+    a NaN (torch's own NaN bits differ between its scalar and vector code)."""
+    pool = make_pool(kv_dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    key = torch.randn(5, KV_HEADS, HEAD_DIM, generator=g)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001,
+                            0x80000001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    key[0, 0] = special  # two ties (to even: down, up), a round up, overflow to inf, inf, -inf, NaN, -denormal
+    value = -key.flip(0)
+    pool.ensure_capacity("a", 5)
+    batch = pool.plan(["a"], [5])
+    pool.write(1, key, value, batch)
+    blocks, offsets = batch.slot_block, batch.slot_offset
+    got_k = pool.key_cache[1][blocks, :, :, offsets]  # [5, kv_heads, head_dim]
+    got_v = pool.value_cache[1][blocks, :, offsets]
+    for got, want in ((got_k, key), (got_v, value)):
+        nan = want.isnan()
+        assert nan.sum() == 1 and torch.equal(got.isnan(), nan)
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].to(torch.bfloat16).view(torch.int16))
+    assert got_k[0, 0, 0].item() == 1.0 and got_k[0, 0, 1].item() == 1.015625  # the two ties
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("head_dim", [8, 64])  # values read one by one (simd.element) / as vectors (simd.load)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bf16_pool_attends_bitwise_as_a_float32_pool_of_the_rounded_rows(window, head_dim, num_threads):
+    """Widening is exact, so a bfloat16 pool's attention is a float32 pool's
+    over keys and values rounded to bfloat16 first: the same bits, hence the
+    same row invariance (and close to the float32 pool's own attention)."""
+    heads = 6
+    seqs = random_sequences({"a": 1, "b": 13, "c": 8, "d": 45}, heads, head_dim=head_dim, seed=7)
+    rounded = {s: Sequence(q.keys.to(torch.bfloat16).float(), q.values.to(torch.bfloat16).float(), q.queries)
+               for s, q in seqs.items()}
+    rows = {"a": (0, 1), "b": (7, 13), "c": (0, 8), "d": (28, 45)}
+    bf16 = make_pool(256, num_threads, head_dim, torch.bfloat16)
+    b1, q = feed(bf16, seqs, rows)
+    f32 = make_pool(256, num_threads, head_dim)
+    b2, _ = feed(f32, rounded, rows)
+    exact = make_pool(256, num_threads, head_dim)
+    b3, _ = feed(exact, seqs, rows)
+    for layer in range(LAYERS):
+        got = bf16.attend(layer, q, b1, window)
+        assert torch.equal(got, f32.attend(layer, q, b2, window))
+        torch.testing.assert_close(got, exact.attend(layer, q, b3, window), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(bf16.attend_sdpa(layer, q, b1, window), got, atol=1e-5, rtol=1e-5)

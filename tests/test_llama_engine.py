@@ -215,6 +215,32 @@ def test_long_prefill_equals_token_by_token_decoding(stories, dtype):
     assert torch.equal(feed(engine, [("prefill", tokens, 421)])[0], decode)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bfloat16_kv_cache_keeps_row_invariance_and_stays_close(stories, dtype):
+    """kv_dtype bfloat16: decode, verify and batched rows stay bitwise equal
+    (the scalar value path: head_dim 8), the pool holds twice the tokens per
+    byte, and the logits stay close to the float32 cache's."""
+    model, prompt = stories
+    engine = engine_of(model, dtype, kv_dtype="bfloat16")
+    assert engine.pool.key_cache.dtype == engine.pool.value_cache.dtype == torch.bfloat16
+    check_invariance(engine, prompt)
+    exact = feed(engine_of(model, dtype), [("s", prompt, len(prompt))])[0]
+    got = feed(engine, [("s", prompt, len(prompt))])[0]
+    assert (got - exact).abs().max() < 0.15
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+def test_kv_dtype_is_checked_and_named(stories):
+    model, _ = stories
+    with pytest.raises(ValueError, match="kv_dtype 'float16': one of float32, bfloat16"):
+        engine_of(model, kv_dtype="float16")
+    with pytest.raises(ValueError, match="kv_dtype 'bfloat16': the CPU attention kernels only"):
+        engine_of(model, kv_dtype="bfloat16", attention="triton")
+    per_token = {kv: engine_of(model, kv_dtype=kv, kv_capacity_tokens=None, kv_memory_fraction=0.001)
+                 .pool.capacity_tokens for kv in ("float32", "bfloat16")}
+    assert abs(per_token["bfloat16"] - 2 * per_token["float32"]) <= 2 * 16  # whole blocks of 16
+
+
 def test_ragged_batch_equals_each_sequence_alone(stories):
     """Decode, verify (k=5), a prefill chunk and a first prefill in one pass."""
     model, prompt = stories
@@ -451,6 +477,8 @@ def test_build_engine_falls_back_for_other_architectures(tmp_path, caplog):
                                        (dict(kv_capacity_tokens=64, kv_memory_fraction=0.1), "kv_capacity_tokens"),
                                        (dict(kv_memory_fraction=1.5), "kv_memory_fraction"),
                                        (dict(device="tpu"), "device"), (dict(gemm="mkl"), "gemm"),
+                                       (dict(kv_dtype="float16"), "kv_dtype"),
+                                       (dict(kv_dtype="bfloat16", device="cuda"), "kv_dtype"),
                                        (dict(num_threads=0), "num_threads")])
 def test_engine_config_names_the_bad_option(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -464,6 +492,8 @@ def test_scorer_threads_flag_reaches_the_engine(stories_path):
     parse = build_parser().parse_args
     assert engine_config(parse(["scorer", "--model", stories_path, "--threads", "1"])).num_threads == 1
     assert engine_config(parse(["scorer", "--model", stories_path])).num_threads is None  # the cores it may use
+    assert engine_config(parse(["scorer", "--model", stories_path])).kv_dtype == "float32"
+    assert engine_config(parse(["scorer", "--model", stories_path, "--kv-dtype", "bfloat16"])).kv_dtype == "bfloat16"
     with pytest.raises(ValueError, match="--threads"):
         engine_config(parse(["scorer", "--model", stories_path, "--threads", "0"])).check()
     threads = torch.get_num_threads()
@@ -471,6 +501,9 @@ def test_scorer_threads_flag_reaches_the_engine(stories_path):
         engine = build_engine(engine_config(parse(["scorer", "--model", stories_path, "--threads", "1",
                                                    "--kv-tokens", "64"])))
         assert isinstance(engine, LlamaEngine) and engine.num_threads == 1 and torch.get_num_threads() == 1
+        engine = build_engine(engine_config(parse(["scorer", "--model", stories_path, "--threads", "1",
+                                                   "--kv-tokens", "64", "--kv-dtype", "bfloat16"])))
+        assert isinstance(engine, LlamaEngine) and engine.pool.key_cache.dtype == torch.bfloat16
     finally:
         torch.set_num_threads(threads)
 
@@ -532,6 +565,19 @@ def test_smollm_row_count_invariance(smollm, dtype, gemm):
     engine = engines(dtype, gemm)
     if engine is not None:
         check_invariance(engine, prompt)
+
+
+@pytest.mark.smollm
+def test_smollm_bfloat16_kv_cache_row_count_invariance(smollm):
+    """As test_smollm_row_count_invariance with kv_dtype bfloat16 (the
+    vector value path, head_dim 64, and the attention on every core), close
+    to the float32 cache's logits."""
+    model, prompt, engines = smollm
+    engine = engine_of(model, "bfloat16", kv_dtype="bfloat16")
+    check_invariance(engine, prompt)
+    exact = feed(engines("bfloat16"), [("kv", prompt, len(prompt))])[0]
+    got = feed(engine, [("kv", prompt, len(prompt))])[0]
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
 @pytest.mark.smollm
