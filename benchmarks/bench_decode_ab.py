@@ -8,13 +8,20 @@ round), and writes JSON. ``--stack on,off`` adds plain decoding through a
 local stack (real processes and gRPC, method "none", EOS ignored, the
 scorer's GEMM path chosen as it chooses it, its --decode-ahead on or off)
 and its median ratio to the first engine path, round by round.
+``--kv-dtypes float32,bfloat16`` runs each path with each KV cache dtype
+(the engine's kv_dtype), every engine row then with its median ratio to the
+first; ``--prompt-tokens N`` decodes after a prompt of N tokens (the sample
+prompt repeated), where the attention's share of a step has grown.
 
     python benchmarks/bench_decode_ab.py --paths auto,onednn,numba,numba1 --rounds 9 --stack on,off
+    python benchmarks/bench_decode_ab.py --dtype bfloat16 --paths auto --kv-dtypes float32,bfloat16 \
+        --prompt-tokens 1000 --rounds 9
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -25,6 +32,7 @@ import torch
 from bench_forward import PROMPT, copy_bandwidth_gbs, decode_weight_bytes, engine_greedy, hf_greedy
 
 from specdec.client import make_request, stream
+from specdec.engine.config import KV_DTYPE_CHOICES
 from specdec.engine.gemm_select import GemmRefused, cpu_model
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
@@ -41,8 +49,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=default_num_threads())
     ap.add_argument("--stack", default="", help="decode-ahead values (on,off) of stack rows; '' for none")
+    ap.add_argument("--kv-dtypes", default="auto",
+                    help=f"KV cache dtypes of each engine path, comma-separated ({', '.join(KV_DTYPE_CHOICES)})")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="decode after this many prompt tokens (the sample prompt repeated); 0: the sample prompt")
     ap.add_argument("--out", default="bench_results/decode_ab.json")
     args = ap.parse_args()
+    if not set(args.kv_dtypes.split(",")) <= set(KV_DTYPE_CHOICES):
+        ap.error(f"--kv-dtypes: comma-separated names from {', '.join(KV_DTYPE_CHOICES)} (got {args.kv_dtypes!r})")
+    if args.prompt_tokens < 0:
+        ap.error(f"--prompt-tokens: 0 or more (got {args.prompt_tokens})")
     with contextlib.ExitStack() as stacks:
         run_rounds(args, stacks)
 
@@ -68,17 +84,21 @@ def run_rounds(args, stacks: contextlib.ExitStack) -> None:
     hf = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **src.hf_kwargs()).eval()
     checkpoint = Checkpoint.of_model(hf, args.model)
     prompt = list(load_tokenizer(src)(PROMPT)["input_ids"])
+    if args.prompt_tokens:
+        prompt = (prompt * (args.prompt_tokens // len(prompt) + 1))[:args.prompt_tokens]
     runners, refused = {"transformers": lambda: hf_greedy(hf, prompt, args.tokens)}, {}
     engines = {}
-    for path in args.paths.split(","):
+    kv_dtypes = args.kv_dtypes.split(",")
+    for path, kv_dtype in itertools.product(args.paths.split(","), kv_dtypes):
         try:
             engine = LlamaEngine(checkpoint, args.dtype, kv_capacity_tokens=len(prompt) + args.tokens + 64,
-                                 gemm=path, num_threads=args.threads)
+                                 gemm=path, num_threads=args.threads, kv_dtype=kv_dtype)
         except GemmRefused as e:
             refused[path] = str(e)
             print(f"{path}: refused: {e}")
             continue
-        label = f"engine {path}" + (f"->{engine.gemm}" if path == "auto" else "")
+        label = (f"engine {path}" + (f"->{engine.gemm}" if path == "auto" else "")
+                 + (f", kv {kv_dtype}" if len(kv_dtypes) > 1 else ""))
         engines[label] = engine
         runners[label] = (lambda e: lambda: engine_greedy(e, prompt, args.tokens))(engine)
     for ahead in [a for a in args.stack.split(",") if a]:
@@ -88,11 +108,12 @@ def run_rounds(args, stacks: contextlib.ExitStack) -> None:
         tokens = run()
         if tokens != reference:
             print(f"{label}: tokens differ from transformers' at "
-                  f"{next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)}")
+                  f"{next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))}"
+                  f" ({len(tokens)} tokens, transformers {len(reference)})")
     bandwidth = copy_bandwidth_gbs()
     limit = bandwidth * 1e9 / decode_weight_bytes(next(iter(engines.values()))) if engines else None
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); copy bandwidth {bandwidth:.1f} GB/s; "
-          f"{args.rounds} rounds of {args.tokens} tokens, {args.threads} threads, load average "
+          f"{args.rounds} rounds of {args.tokens} tokens after {len(prompt)}, {args.threads} threads, load average "
           f"{os.getloadavg()[0]:.1f}")
     rates: dict[str, list[float]] = {label: [] for label in runners}
     for _ in range(args.rounds):
@@ -110,6 +131,9 @@ def run_rounds(args, stacks: contextlib.ExitStack) -> None:
         row = {"engine": label, "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
                "rates": r, "median_ratio_to_transformers": ratio, "pct_of_bandwidth_limit_median": pct}
         vs = ""
+        if label.startswith("engine") and label != first_engine and len(engines) > 1:
+            row["median_ratio_to_first_engine"] = statistics.median(a / b for a, b in zip(r, rates[first_engine]))
+            vs = f"  {row['median_ratio_to_first_engine']:.3f} x {first_engine} (median of rounds)"
         if label.startswith("stack") and first_engine:
             row["median_ratio_to_" + first_engine.replace(" ", "_")] = statistics.median(
                 a / b for a, b in zip(r, rates[first_engine]))
@@ -120,6 +144,7 @@ def run_rounds(args, stacks: contextlib.ExitStack) -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"cpu": cpu_model(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+                   "prompt_tokens": len(prompt), "kv_dtypes": kv_dtypes,
                    "bandwidth_gbs": bandwidth, "bandwidth_limit_tok_s": limit, "rows": rows,
                    "refused": refused}, f, indent=1)
     print(f"\nwrote {args.out}")

@@ -10,6 +10,9 @@ DTYPE_NAMES = ("float32", "bfloat16")
 #: The KV pool's storage dtypes (``kv_dtype``, kv_pool.KV_DTYPES): bfloat16 halves
 #: the bytes per cached token, on CPU.
 KV_DTYPE_NAMES = ("float32", "bfloat16")
+#: ``kv_dtype`` choices: "auto" is the model's dtype where the engine's
+#: attention reads that dtype (CPU), else float32 (LlamaEngine.kv_dtype).
+KV_DTYPE_CHOICES = ("auto", *KV_DTYPE_NAMES)
 ENGINE_KINDS = ("auto", "llama", "hf")
 DEVICES = ("cpu", "cuda")
 #: CPU GEMM paths ``gemm`` may force (gemm_select.GEMM_PATHS); "auto" measures.
@@ -36,7 +39,7 @@ class EngineConfig:
     attention: str = "auto"
     num_threads: int | None = None
     block_size: int = 16
-    kv_dtype: str = "float32"  # the KV pool's storage, a KV_DTYPE_NAMES entry (bfloat16: CPU only)
+    kv_dtype: str = "auto"  # the KV pool's storage, a KV_DTYPE_CHOICES entry (bfloat16: CPU only)
     # the LM head computes the logits of these token ids only, column j for
     # token head_token_ids[j] (a draft's reduced vocabulary); None: all
     head_token_ids: tuple[int, ...] | None = None
@@ -49,9 +52,10 @@ class EngineConfig:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.kv_dtype not in KV_DTYPE_NAMES:
-            raise ValueError(f"kv_dtype (--kv-dtype) must be one of {', '.join(KV_DTYPE_NAMES)}, got {self.kv_dtype!r}")
-        if self.kv_dtype != "float32" and self.device != "cpu":
+        if self.kv_dtype not in KV_DTYPE_CHOICES:
+            raise ValueError(f"kv_dtype (--kv-dtype) must be one of {', '.join(KV_DTYPE_CHOICES)}, "
+                             f"got {self.kv_dtype!r}")
+        if self.kv_dtype == "bfloat16" and self.device != "cpu":
             raise ValueError(f"kv_dtype (--kv-dtype) {self.kv_dtype!r} runs on CPU only (the GPU kernels read "
                              f"float32 caches), not on {self.device!r}")
         if self.gemm not in GEMM_CHOICES:

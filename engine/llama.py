@@ -307,8 +307,8 @@ class LlamaEngine(Engine):
     forward pass and a paged KV pool.
 
     dtype: weights and activations ("float32" | "bfloat16"); attention and
-      returned logits / hidden states are float32, and so is the KV cache
-      unless kv_dtype says otherwise. bfloat16
+      returned logits / hidden states are float32; the KV cache is dtype's
+      on CPU, float32 on a GPU (kv_dtype). bfloat16
       through the simd GEMM paths keeps the weights in bfloat16 and the
       activations in float32 (``act_dtype``: simd computes in float32,
       simd-dpbf16 rounds each GEMM's input to bfloat16 inside the kernel, and
@@ -343,27 +343,35 @@ class LlamaEngine(Engine):
       decode steps with graphs 1.50 ms against 2.08 on an H200,
       benchmarks/bench_gpu.py --fused); not for layers that normalise
       queries and keys (qwen3), which keep the separate steps.
-    kv_dtype: the KV pool's storage, "float32" | "bfloat16" (kv_pool.KV_DTYPES;
+    kv_dtype: the KV pool's storage, "auto" (dtype on CPU with the paged or
+      sdpa attention, else float32) | "float32" | "bfloat16" (kv_pool.KV_DTYPES;
       bfloat16 on CPU with the paged or sdpa attention only): bfloat16 keeps
       each key and value rounded to bfloat16 and widens it exactly on every
       read, half the bytes a decode step's attention reads and twice the
-      tokens per byte of pool, with the same row invariance."""
+      tokens per byte of pool, with the same row invariance (SmolLM2 in
+      bfloat16 on 2 cores of an AMD EPYC: a decode step after 2000 tokens
+      24% faster; benchmarks/bench_kv_dtype.py)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
                  head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True,
-                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True, kv_dtype: str = "float32") -> None:
+                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True, kv_dtype: str = "auto") -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if attention == "auto":
             attention = "paged" if on_cpu else "triton"
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype {kv_dtype!r}: one of {', '.join(KV_DTYPES)}")
-        if kv_dtype != "float32" and (not on_cpu or attention == "triton"):
+        if kv_dtype not in ("auto", *KV_DTYPES):
+            raise ValueError(f"kv_dtype {kv_dtype!r}: one of auto, {', '.join(KV_DTYPES)}")
+        cpu_attention = on_cpu and attention != "triton"  # the kernels that read a bfloat16 cache
+        if kv_dtype == "auto":
+            kv_dtype = dtype if cpu_attention and dtype in KV_DTYPES else "float32"
+        #: the KV pool's storage ("float32" | "bfloat16")
+        self.kv_dtype = kv_dtype
+        if kv_dtype != "float32" and not cpu_attention:
             raise ValueError(f"kv_dtype {kv_dtype!r}: the CPU attention kernels only (not on {self.device.type} "
                              f"with attention {attention!r}, whose kernels read float32 caches)")
         if gemm == "auto" and not on_cpu:

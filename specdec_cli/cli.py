@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         DTYPE_NAMES,
         ENGINE_KINDS,
         GEMM_CHOICES,
-        KV_DTYPE_NAMES,
+        KV_DTYPE_CHOICES,
     )
     from specdec.gateway.admission import AdmissionConfig
     from specdec.limits import (
@@ -138,10 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"KV pool size in tokens (default {DEFAULT_KV_CAPACITY_TOKENS})")
     p.add_argument("--kv-memory-fraction", type=float, default=None,
                    help="KV pool size as a fraction of free memory (instead of --kv-tokens)")
-    p.add_argument("--kv-dtype", default="float32", choices=list(KV_DTYPE_NAMES),
-                   help="KV cache storage: bfloat16 (CPU only) rounds each key and value to bfloat16, half the "
-                        "bytes per cached token and per attention read; plain decoding and verification still "
-                        "compute the same rows")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPE_CHOICES),
+                   help="KV cache storage: auto = --dtype on CPU, float32 on a GPU; bfloat16 (CPU only) rounds "
+                        "each key and value to bfloat16, half the bytes per cached token and per attention read; "
+                        "plain decoding and verification still compute the same rows")
     p.add_argument("--gemm", default="auto", choices=list(GEMM_CHOICES),
                    help="CPU GEMM path: auto = the fastest path that keeps rows bitwise independent of "
                         "the row count on this CPU (checked and timed at start, cached); a path name "
@@ -247,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="gateway's OpenAI-compatible HTTP port (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-dtype", default="float32", choices=list(KV_DTYPE_NAMES),
-                   help="the scorer's KV cache storage (its --kv-dtype; bfloat16: CPU only)")
+    p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPE_CHOICES),
+                   help="the scorer's KV cache storage (its --kv-dtype; auto: --dtype on CPU)")
     p.add_argument("--methods", default=CPU_METHODS, help="proposer methods to serve")
     p.add_argument("--draft-model", default=None,
                    help="also start a draft proposer process serving draft and draft_hybrid with this draft "

@@ -214,7 +214,7 @@ class Stack:
     http_port: int = 0  # the gateway's OpenAI-compatible HTTP API on 127.0.0.1 (0: off)
     engine: str = "auto"
     kv_tokens: int | None = None
-    kv_dtype: str = "float32"  # the scorers' --kv-dtype
+    kv_dtype: str = "auto"  # the scorers' --kv-dtype
     default_method: str = "ngram"
     default_k: int = DEFAULT_NUM_SPECULATIVE_TOKENS  # the gateway's --default-k
     log_level: str = "WARNING"
