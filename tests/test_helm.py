@@ -194,6 +194,7 @@ def test_schema_rejects_bad_values(bad):
     (("tls.enabled=true", "tls.serverName=x"), "tls.enabled needs tls.secretName"),
     (("tls.enabled=true", "tls.secretName=s"), "tls.enabled needs tls.serverName"),
     (("apiKeys.enabled=true",), "apiKeys.enabled needs apiKeys.secretName"),
+    (("scorer.kvDtype=bfloat16", "gpu.enabled=true"), "scorer.kvDtype bfloat16 runs on CPU only"),
     (("gateway.drainGraceSeconds=60", "gateway.terminationGracePeriodSeconds=60"),
      "gateway.terminationGracePeriodSeconds (60) must exceed gateway.drainGraceSeconds (60)"),
 ])
@@ -217,13 +218,25 @@ def test_gpu_values_give_the_scorer_and_draft_proposer_a_gpu():
         assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     scorer_args = container(deployments["scorer"])["args"]
     assert flag(scorer_args, "--device") == ["cuda"] and flag(scorer_args, "--dtype") == ["bfloat16"]
-    assert flag(scorer_args, "--kv-tokens") == ["262144"]
+    assert flag(scorer_args, "--kv-tokens") == ["262144"] and flag(scorer_args, "--kv-dtype") == ["auto"]
     assert flag(scorer_args, "--feature-layers") == ["27,2,15"]  # the scorer sorts them
     for component in ("gateway", "proposer-ngram", "proposer-suffix", "proposer-eagle3", "proposer-mtp"):
         c = container(deployments[component])
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
         assert c["image"].endswith("-cpu")
         assert "tolerations" not in deployments[component]["spec"]["template"]["spec"]
+
+
+def test_scorer_kv_dtype_reaches_its_arguments_and_the_parser():
+    from specdec.cli import build_parser
+    from specdec.scorer_svc.server import engine_config
+
+    deployments = docs_of(render("minimal-cpu.yaml", sets=("scorer.kvDtype=bfloat16",)), "Deployment")
+    args = container(deployments["scorer"])["args"]
+    assert flag(args, "--kv-dtype") == ["bfloat16"]
+    assert engine_config(build_parser().parse_args(args)).kv_dtype == "bfloat16"
+    result = helm(*template_args("minimal-cpu.yaml", sets=("scorer.kvDtype=float16",)))
+    assert result.returncode != 0 and "kvDtype" in result.stderr
 
 
 def test_cpu_values_request_no_gpu():
