@@ -45,6 +45,7 @@ class ModelFacts:
     num_layers: int  # decoder layers; feature layer indices go 0..num_layers
     dtype: str  # "float32" | "bfloat16"
     kv_capacity_tokens: int  # pool size in tokens
+    kv_dtype: str  # the KV cache's storage: "float32" | "bfloat16"
 
 
 @dataclass

@@ -33,7 +33,7 @@ class HFEngine(Engine):
             max_model_len=min(limit, max_model_len or limit),
             eos_token_ids=eos_token_ids(cfg, getattr(self.model, "generation_config", None)),
             hidden_size=int(cfg.hidden_size), num_layers=int(cfg.num_hidden_layers), dtype=dtype,
-            kv_capacity_tokens=kv_capacity_tokens)
+            kv_capacity_tokens=kv_capacity_tokens, kv_dtype=dtype)  # transformers caches in the model's dtype
         self._caches: dict[str, object] = {}
         self._lens: dict[str, int] = {}  # tokens in each sequence's cache
         self._reserved: dict[str, int] = {}  # capacity promised to each sequence

@@ -473,7 +473,7 @@ class LlamaEngine(Engine):
             model=checkpoint.name, vocab_size=self.lm_head.out_features, max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids(checkpoint.config, checkpoint.generation_config),
             hidden_size=spec.hidden_size, num_layers=n_layers, dtype=dtype,
-            kv_capacity_tokens=self.pool.capacity_tokens)
+            kv_capacity_tokens=self.pool.capacity_tokens, kv_dtype=kv_dtype)
         log.info("LlamaEngine: %s, %d layers, %s, gemm=%s, attention=%s, KV %d tokens (%s), %d threads",
                  checkpoint.name, n_layers, dtype, self.gemm, attention, self.pool.capacity_tokens, kv_dtype,
                  num_threads)

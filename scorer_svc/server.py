@@ -167,6 +167,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         return pb.ModelInfo(model=f.model, vocab_size=f.vocab_size, max_model_len=f.max_model_len,
                             eos_token_ids=list(f.eos_token_ids), hidden_size=f.hidden_size,
                             num_layers=f.num_layers, dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens,
+                            kv_dtype=f.kv_dtype,
                             kv_free_tokens=self.engine.free_tokens(),
                             live_sequences=self.scheduler.live_sequences)
 

@@ -15,6 +15,7 @@ from conftest import assert_same_as_greedy, hf_greedy, hf_model, start_stack
 
 from specdec.client import make_request, stream
 from specdec.protos.v1 import specdec_pb2 as pb
+from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
 PROMPTS = {
     "story": "Once upon a time",
@@ -55,6 +56,9 @@ def test_bfloat16_kv_cache_stack_speculates_without_changing_plain_greedy(storie
     stack = start_stack(stories_path, tmp_path_factory, "kv-bf16", methods=",".join(COPY_METHODS),
                         kv_dtype="bfloat16")
     try:
+        with grpc.insecure_channel(stack.by_name("scorer")[0].addr) as ch:
+            info = pb_grpc.ScorerStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        assert info.dtype == "float32" and info.kv_dtype == "bfloat16"
         for text in PROMPTS.values():
             plain = stream(stack.gateway_addr, make_request(text, max_tokens=MAX_TOKENS, method="none")).token_ids
             assert len(plain) == MAX_TOKENS or plain[-1] == 2  # (2: EOS)

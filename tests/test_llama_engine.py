@@ -235,8 +235,10 @@ def test_kv_dtype_is_checked_and_named(stories):
     model, _ = stories
     with pytest.raises(ValueError, match="kv_dtype 'float16': one of auto, float32, bfloat16"):
         engine_of(model, kv_dtype="float16")
-    auto = {dtype: engine_of(model, dtype).pool.key_cache.dtype for dtype in ("float32", "bfloat16")}
-    assert auto == {"float32": torch.float32, "bfloat16": torch.bfloat16}  # "auto": the model's dtype on CPU
+    auto = {dtype: engine_of(model, dtype) for dtype in ("float32", "bfloat16")}
+    assert {d: e.pool.key_cache.dtype for d, e in auto.items()} == {"float32": torch.float32,
+                                                                    "bfloat16": torch.bfloat16}  # the model's dtype
+    assert {d: e.facts.kv_dtype for d, e in auto.items()} == {"float32": "float32", "bfloat16": "bfloat16"}
     with pytest.raises(ValueError, match="kv_dtype 'bfloat16': the CPU attention kernels only"):
         engine_of(model, kv_dtype="bfloat16", attention="triton")
     per_token = {kv: engine_of(model, kv_dtype=kv, kv_capacity_tokens=None, kv_memory_fraction=0.001)
