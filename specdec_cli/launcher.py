@@ -261,6 +261,12 @@ class Stack:
         self.services.append(service)
         return service
 
+    def _respawn_gateway(self, gateway: Service, *backends) -> Service:
+        """Stops the gateway (if it still runs) and starts a new one (``_spawn_gateway``'s arguments)."""
+        gateway.stop()
+        self.services.remove(gateway)
+        return self._spawn_gateway(*backends)
+
     def _wait(self, service: Service, timeout_s: float, tls: ClientTls | None, fixed_port: bool = False) -> None:
         """Waits until the service serves; a service that lost one of its
         ports to another socket before binding it is started again on new
@@ -370,11 +376,21 @@ class Stack:
                 self._wait(s, timeout_s, self.tls.internal_client() if self.tls else None)
             # one lost a port race and moved (tell the gateway), or the gateway gave up waiting for a scorer
             # (--scorer-wait-s) while a slow one loaded: start it again
+            respawn = lambda: self._respawn_gateway(gateway, scorers, copy_methods, proposers, draft_methods,
+                                                    drafters)
             if [s.addr for s in backends] != addrs or gateway.proc.poll() is not None:
-                gateway.stop()
-                self.services.remove(gateway)
-                gateway = self._spawn_gateway(scorers, copy_methods, proposers, draft_methods, drafters)
-            self._wait(gateway, timeout_s, self.tls.client() if self.tls else None, fixed_port=bool(self.gateway_port))
+                gateway = respawn()
+            try:
+                self._wait(gateway, timeout_s, self.tls.client() if self.tls else None,
+                           fixed_port=bool(self.gateway_port))
+            except RuntimeError:
+                if gateway.proc.poll() is None:
+                    raise
+                # it gave up on the scorers but was still exiting when they came up: once more, now that they
+                # serve (a gateway that fails for another reason fails again)
+                gateway = respawn()
+                self._wait(gateway, timeout_s, self.tls.client() if self.tls else None,
+                           fixed_port=bool(self.gateway_port))
         except BaseException:
             self.stop()
             raise

@@ -224,6 +224,33 @@ def test_a_gateway_started_before_its_scorer_serves_once_the_scorer_is_up(storie
                 proc.wait(30)
 
 
+def test_a_gateway_that_exits_only_after_the_scorer_serves_is_started_again(stories_path, tmp_path, monkeypatch):
+    """The race CI met: the gateway gave up on the loading scorer but was
+    still exiting when the scorer came up (alive at Stack.start's check,
+    gone by the time it is waited for). Simulated by ending the first
+    gateway just before it is waited for: the stack starts it once more."""
+    from specdec import launcher
+
+    ended = []
+
+    def wait(addr, proc, timeout_s, name, tls=None):
+        if name == "gateway" and not ended:
+            ended.append(proc)
+            proc.kill()
+            proc.wait()
+        return wait_serving(addr, proc, timeout_s, name, tls)
+
+    monkeypatch.setattr(launcher, "wait_serving", wait)
+    stack = launcher.Stack(model=stories_path, methods="ngram", log_dir=str(tmp_path))
+    try:
+        stack.start()
+        gateways = stack.by_name("gateway")
+        assert len(ended) == 1 and len(gateways) == 1 and gateways[0].proc is not ended[0]
+        assert len(stream(stack.gateway_addr, _long(4), timeout=120).token_ids) == 4
+    finally:
+        stack.stop()
+
+
 def test_a_gateway_that_gave_up_on_a_loading_scorer_is_started_again(stories_path, tmp_path, monkeypatch):
     """Stack.start starts the gateway beside the scorer: a gateway whose
     --scorer-wait-s ran out while the scorer loaded is started again once
