@@ -374,8 +374,9 @@ def kv_bits(cache, x):
 @overload(kv_bits, inline="always")
 def _kv_bits(cache, x):
     """x itself in a float32 cache; in a bfloat16 one (uint16 bits) x rounded
-    to the nearest bfloat16, ties to even, NaN to the quiet NaN 0x7FC0, as
-    torch's ``.to(torch.bfloat16)`` rounds."""
+    to the nearest bfloat16, ties to even, as torch's ``.to(torch.bfloat16)``
+    rounds; a NaN becomes the quiet NaN 0x7FC0 (torch's scalar rule; its
+    vector code gives other NaN bits)."""
     if cache.dtype == types.uint16:
         def to_bits(cache, x):
             u = bits(np.float32(x))

@@ -350,7 +350,7 @@ class LlamaEngine(Engine):
       read, half the bytes a decode step's attention reads and twice the
       tokens per byte of pool, with the same row invariance (SmolLM2 in
       bfloat16 on 2 cores of an AMD EPYC: a decode step after 2000 tokens
-      24% faster; benchmarks/bench_kv_dtype.py)."""
+      took 0.76-0.80x the float32 cache's time; benchmarks/bench_kv_dtype.py)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
