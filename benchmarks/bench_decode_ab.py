@@ -128,7 +128,8 @@ def run_rounds(args, stacks: contextlib.ExitStack) -> None:
     for label, r in rates.items():
         ratio = statistics.median(a / b for a, b in zip(r, hf_rates))
         pct = 100 * statistics.median(r) / limit if limit else None
-        row = {"engine": label, "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
+        row = {"engine": label, "kv_dtype": engines[label].kv_dtype if label in engines else None,
+               "median_tokens_per_s": statistics.median(r), "best_tokens_per_s": max(r),
                "rates": r, "median_ratio_to_transformers": ratio, "pct_of_bandwidth_limit_median": pct}
         vs = ""
         if label.startswith("engine") and label != first_engine and len(engines) > 1:

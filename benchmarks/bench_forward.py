@@ -264,7 +264,8 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
         print(f"\n== {dtype} / {gemm}: refused: {e}")
         return {**decode, "refused": str(e)}, [], None
     report = engine.gemm_report or {}
-    print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; GEMM path {engine.gemm} "
+    print(f"\n== {dtype} / {gemm}: engine built in {time.perf_counter() - t0:.1f} s; KV cache {engine.kv_dtype}; "
+          f"GEMM path {engine.gemm} "
           f"for every projection shape ({', '.join(report.get('key', {}).get('shapes', {}))}); "
           f"selection {report.get('select_s', 0.0):.1f} s (0: cached)\n   {summary(report)}")
     rate, tokens, cpu_ms = best_run(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
@@ -275,7 +276,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
         r.update(dtype=dtype, gemm=engine.gemm)
     verify6 = next(r["vs_q1"] for r in rows if r["batch"] == 1 and r["q"] == 6) if 1 in batches else None
     label = f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm
-    decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), tokens=len(tokens),
+    decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), kv_dtype=engine.kv_dtype, tokens=len(tokens),
                   tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
                   pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
                   gemm_report=report, engine_tokens=tokens, cpu_ms_per_token=cpu_ms)
