@@ -17,8 +17,14 @@ between blocks). "overlapped" counts the gateway's overlapped steps in a
 run (median), and the JSON keeps the gateway's fitted Verify cost after each
 run (what ``--overlap on`` decides with). Prints a table with the CPU model and writes JSON.
 
+``--baseline-src DIR`` measures another copy of the gateway package in the
+same run (benchmarks/package_copy.py): every mode but off gets a second
+gateway per latency running DIR's code, its rows named ``MODE@baseline``,
+taking turns with the others in every repeat.
+
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
-        [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead]
+        [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead] \\
+        [--baseline-src /tmp/base/gateway]
 """
 from __future__ import annotations
 
@@ -40,11 +46,13 @@ from specdec.models import load_tokenizer, resolve_model
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import PROMPTS as CHAT_PROMPTS  # noqa: E402
 from bench_e2e import chat_ids  # noqa: E402
+from package_copy import RUN_CLI, load_package  # noqa: E402
 
 STORY_PROMPTS = ["Once upon a time", "Tom saw a big dog. The dog was happy. Tom saw a big dog. The",
                  "Lily went to the park with her mom.", "The sun was hot. The sun was hot. The",
                  "Ben had a red ball. He liked to play with it every day."]
 MODES = ["off", "on", "always", "ahead"]
+BASELINE = "@baseline"  # a mode's row measured on --baseline-src's gateway package
 
 
 def cpu_model() -> str:
@@ -60,9 +68,11 @@ def prompt_ids(model: str) -> list[list[int]]:
     return [list(tokenizer(text)["input_ids"]) for text in STORY_PROMPTS]
 
 
-def start_services(stack: Stack, latencies: list[float], modes: list[str]) -> dict[tuple[float, str], str]:
+def start_services(stack: Stack, latencies: list[float], modes: list[str],
+                   baseline_src: str | None = None) -> dict[tuple[float, str], str]:
     """A proposer per latency and a gateway per (latency, mode) beside the
-    stack's scorer; returns their gateway addresses."""
+    stack's scorer (modes named ``MODE@baseline`` run the gateway package in
+    baseline_src); returns their gateway addresses."""
     scorer = stack.by_name("scorer")[0].addr
     gateways = {}
     for latency in latencies:
@@ -70,9 +80,12 @@ def start_services(stack: Stack, latencies: list[float], modes: list[str]) -> di
                                                              "--added-latency-ms", str(latency)], free_port())
         wait_serving(proposer.addr, proposer.proc, 300, proposer.name, None)
         for mode in modes:
+            overlap = mode.removesuffix(BASELINE)
+            command = ([sys.executable, "-c", load_package("gateway") + RUN_CLI, str(baseline_src)]
+                       if mode.endswith(BASELINE) else None)
             gateway = stack._spawn(f"gateway-{latency:g}ms-{mode}", [
                 "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"ngram={proposer.addr}",
-                "--default-method", "ngram", "--overlap", mode], free_port())
+                "--default-method", "ngram", "--overlap", overlap], free_port(), command)
             gateways[latency, mode] = gateway.addr
     for service in stack.by_name("gateway-"):
         wait_serving(service.addr, service.proc, 300, service.name, None)
@@ -134,6 +147,10 @@ def main() -> None:
     ap.add_argument("--scorer-args", default="",
                     help="more arguments for the scorer, e.g. '--device cuda --dtype bfloat16' (a GPU scorer, whose "
                          "short Verify is the case overlap is for)")
+    ap.add_argument("--baseline-src",
+                    help="another gateway package directory (e.g. git archive main gateway | tar -x -C /tmp/base, "
+                         "then /tmp/base/gateway): every mode but off also runs on it, in the same repeats, as "
+                         "MODE@baseline")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
@@ -144,15 +161,20 @@ def main() -> None:
     if unknown or "off" not in modes:
         ap.error(f"--modes: {'unknown ' + repr(unknown[0]) if unknown else 'off (lock-step) is missing'}; "
                  f"choose from {','.join(MODES)}")
+    if args.baseline_src:
+        if not Path(args.baseline_src, "loop.py").is_file():
+            ap.error(f"--baseline-src: {args.baseline_src} is not a gateway package directory (no loop.py)")
+        modes += [m + BASELINE for m in modes if m != "off"]
     cpu = cpu_model()
-    result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "k": args.k,
+    result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "baseline_src": args.baseline_src,
+              "k": args.k,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
     print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}\nstarting the services on {args.model}; "
           f"logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True,
                extra_scorer_args=shlex.split(args.scorer_args)) as stack:
-        gateways = start_services(stack, latencies, modes)
+        gateways = start_services(stack, latencies, modes, args.baseline_src)
         services = {service.addr: service for service in stack.by_name("gateway-")}
         for addr in set(gateways.values()):
             run(addr, prompts, 2, args.k, 8)  # warm up
@@ -189,11 +211,11 @@ def main() -> None:
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
     print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.max_tokens} tokens per "
           f"stream, median of {args.repeats} (ratios: median of the repeats' own)\nCPU: {cpu}")
-    print(f"{'latency':>8}{'streams':>8}{'overlap':>8}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
+    print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
           f"{'identical':>10}{'overlapped':>11}")
     for r in result["rows"]:
-        print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>8}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
+        print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>15}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
               f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"

@@ -87,7 +87,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from package_copy import LOAD_PROPOSER_SVC
+from package_copy import LOAD_PROPOSER_SVC, RUN_CLI
 
 from specdec.gateway.clients import ProposerStream
 from specdec.gateway.discovery import ReplicaSet
@@ -105,11 +105,7 @@ WAIT_METRIC = "specdec_proposer_message_wait_seconds"
 
 #: runs a proposer with ``specdec.proposer_svc`` taken from argv[1] (a
 #: baseline copy of the package), the rest of the command line as `specdec`'s
-_BOOT = LOAD_PROPOSER_SVC + """
-from specdec.cli import main
-sys.argv[0] = "specdec"
-main()
-"""
+_BOOT = LOAD_PROPOSER_SVC + RUN_CLI
 
 
 # ------------------------------------------------------------------ text

@@ -49,8 +49,14 @@ rejection the draft ahead is contradicted and dropped. For the sequences
 left without a draft the round either waits for fresh drafts (lock-step for
 them) or goes on without, whichever the measured times say yields more
 tokens per second (``costs.fresh_drafts_pay``: expected accepted drafts
-gained against the proposer's time). Proposers keep no state that a wrong
-guess would need undone: they are only ever sent committed tokens. Only
+gained against the proposer's time). The exchange drafting ahead is no
+barrier: when a proposer is slower than the Verify, the rounds wait for it
+only where that pays (``_settle_ahead``) and otherwise go on at the
+scorer's pace, its drafts verified when they land and still hold (an
+exchange expected to outlast m rounds asks for m more tokens). Proposers
+keep no state that a wrong guess would need undone: they are only ever
+sent committed tokens, and a replica's next message is built only once the
+one in flight is answered. Only
 sequences whose output cannot depend on the drafts draft ahead
 (``Sequence.may_draft_ahead``: greedy and target-match verification), so
 timing never changes a token, seeded sampling included; the others are
@@ -72,6 +78,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable
@@ -152,6 +159,10 @@ class SpecLoop:
         self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
         # drafting ahead: seq_id -> (context length it was proposed at, draft of up to 2k + 1 tokens)
         self._ahead: dict[str, tuple[int, Draft]] = {}
+        # drafting ahead: proposer replica -> its exchange still in flight (one at a time), which the rounds
+        # wait for only where that pays (_settle_ahead); the answers land in self._ahead
+        self._in_flight: dict[str, _InFlight] = {}
+        self._held_all: set[str] = set()  # sequences whose last round accepted every draft it verified
         self._verify_s: float | None = None  # moving average of a drafting-ahead round's Verify wall time
         self._verify_measured = False  # _verify_s holds a round without prefills (not only a stand-in)
         self._propose_s: float | None = None  # moving average of a propose phase's wall time
@@ -195,6 +206,10 @@ class SpecLoop:
             await asyncio.wait({task}, timeout=0.5)
         if task is not None and not task.cancelled() and task.exception() is not None:
             log.error("the gateway loop ended with an error", exc_info=task.exception())
+        for flight in self._in_flight.values():  # drafting ahead: its drafts are of no use now
+            flight.task.cancel()
+        await asyncio.gather(*(f.task for f in self._in_flight.values()), return_exceptions=True)
+        self._in_flight.clear()
         for seq in self._live:
             if not seq.done:
                 seq.fail(RequestFailed("UNAVAILABLE", "the gateway is shutting down"))
@@ -271,26 +286,99 @@ class SpecLoop:
 
     async def _ahead_round(self, live: list[Sequence]) -> bool:
         """Verifies every live sequence, with the drafts proposed ahead in the
-        round before where they still hold (and fresh ones where waiting for
+        rounds before where they still hold (and fresh ones where waiting for
         them pays, or the sequence may not draft ahead), while the proposers
-        draft ahead for the next round; then commits. True if any progressed."""
+        draft ahead for the rounds after; then commits. An exchange drafting
+        ahead that outlasts the Verify is waited for only where that pays
+        (``_settle_ahead``): a proposer slower than the scorer does not hold
+        the rounds. True if any progressed."""
         clock = _RoundClock(len(live))
+        await self._settle_ahead(live)
         drafts = {seq.seq_id: self._draft_from_ahead(seq) for seq in live}
         wait = [s for s in live if not drafts[s.seq_id] and not s.may_draft_ahead]
-        # those whose draft ahead was contradicted, or holds less than this round's budget
-        optional = [s for s in live if s.may_draft_ahead and len(drafts[s.seq_id]) < s.num_speculative_tokens()]
+        # those whose draft ahead was contradicted, or holds less than this round's budget (but those whose
+        # exchange is still in flight: _settle_ahead chose not to wait for it, and a fresh one would queue behind)
+        in_flight = {i for f in self._in_flight.values() for i in f.seq_ids}
+        optional = [s for s in live if s.may_draft_ahead and len(drafts[s.seq_id]) < s.num_speculative_tokens()
+                    and s.seq_id not in in_flight]
         if optional and self._fresh_drafts_pay(live, drafts, optional):
             wait += optional
         if wait:
             fresh = await clock.timed("propose", self._propose(wait, ahead=True))
             drafts.update((i, d) for i, d in fresh.items() if len(d) >= len(drafts[i]))  # the longer one
         waited = {s.seq_id for s in wait}
-        ahead = [s for s in live if s.may_draft_ahead and s.seq_id not in waited]
-        verdicts, _ = await asyncio.gather(self._timed_verify(clock, live, drafts),
-                                           clock.timed("propose_ahead", self._propose(ahead, ahead=True)))
+        self._draft_ahead([s for s in live if s.may_draft_ahead and s.seq_id not in waited])
+        verdicts = await self._timed_verify(clock, live, drafts)
         progressed = self._commit(verdicts)
         clock.end()
         return progressed
+
+    def _draft_ahead(self, seqs: list[Sequence]) -> None:
+        """Starts an exchange drafting ahead for the sequences on each proposer
+        replica that has none in flight (its sequences keep the drafts that
+        exchange brings); the answers land in ``self._ahead``."""
+        # rounds (beyond the one it runs beside) the exchange is expected to take
+        rounds = 0
+        if self._propose_s is not None and self._verify_measured and self._verify_s:
+            rounds = max(0, math.ceil(self._propose_s / self._verify_s) - 1)
+        for addr, group in self.placement.by_proposer(seqs).items():
+            if addr in self._in_flight:
+                continue
+            for seq in group:
+                seq.rounds_in_flight = rounds
+            opens = any(seq.proposer_len == 0 for seq in group)
+            task = asyncio.get_running_loop().create_task(self._exchange_ahead(addr, group))
+            self._in_flight[addr] = _InFlight(task, time.perf_counter(), {s.seq_id for s in group}, opens)
+
+    async def _exchange_ahead(self, addr: str, seqs: list[Sequence]) -> None:
+        start = time.perf_counter()
+        try:
+            await self._propose_on(addr, seqs, ahead=True)
+        finally:
+            elapsed = time.perf_counter() - start
+            metrics.PHASE_SECONDS.labels("propose_ahead").observe(elapsed)
+            self._propose_s = _moving_average(self._propose_s, elapsed)
+
+    async def _settle_ahead(self, live: list[Sequence]) -> None:
+        """Takes the answers of the exchanges drafting ahead that have ended,
+        and waits for those still in flight where that pays: where they
+        open a sequence (its proposer state and features are set up by the
+        answer), or where their expected remaining time buys more tokens
+        than it costs (``costs.fresh_drafts_pay``: the drafts of sequences
+        whose last round accepted every draft, which a draft proposed before
+        that round's Verify still continues; until the times are measured,
+        they are waited for)."""
+        for addr, flight in list(self._in_flight.items()):
+            if not flight.task.done() and not flight.opens and not self._in_flight_pays(live, flight):
+                continue
+            await self._landed(addr)
+
+    async def _landed(self, addr: str) -> None:
+        """Waits for the exchange in flight to addr, if any, and forgets it
+        (its answers are in by then; an error in the loop itself is raised)."""
+        flight = self._in_flight.get(addr)
+        if flight is None:
+            return
+        try:
+            await flight.task
+        except asyncio.CancelledError:
+            if not closed_under_us():  # our own task is cancelled
+                raise
+            # the exchange was cancelled under us (its channel closed): its sequences only lose its drafts
+        finally:
+            if self._in_flight.get(addr) is flight:
+                del self._in_flight[addr]
+
+    def _in_flight_pays(self, live: list[Sequence], flight: "_InFlight") -> bool:
+        """Whether waiting out the exchange's expected remaining time buys
+        more tokens per second than going on without its drafts."""
+        if self._propose_s is None or self._verify_s is None:
+            return True
+        remaining = max(0.0, self._propose_s - (time.perf_counter() - flight.started))
+        expected = {s.seq_id: s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) for s in live}
+        coming = {s.seq_id for s in live if s.seq_id in flight.seq_ids and s.seq_id in self._held_all}
+        base = sum(1.0 if i in coming else 1.0 + e for i, e in expected.items())
+        return fresh_drafts_pay(remaining, self._verify_s, base, sum(expected[i] for i in coming))
 
     async def _timed_verify(self, clock: "_RoundClock", live: list[Sequence],
                             drafts: dict[str, Draft]) -> list[Verdict]:
@@ -383,10 +471,18 @@ class SpecLoop:
         return drafts
 
     async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
+        """One exchange with a proposer replica: the drafts of its answers
+        (checked) by seq_id. Sequences that ended, or moved to another
+        replica, while it was in flight (drafting ahead) are left out: the
+        answer's tokens and lengths are those of the message, whatever the
+        rounds committed since."""
+        if self._in_flight.get(addr) is not None and self._in_flight[addr].task is not asyncio.current_task():
+            await self._landed(addr)  # the message must say what the proposer holds once that one is answered
         if not ahead:  # (drafting ahead hides the proposer's time: nothing to plan)
             self.budgets.plan(addr, seqs, self._verify_estimate(seqs))
             if self._nothing_to_ask(addr, seqs):
                 return {}
+        sent = {seq.seq_id: (len(seq.tokens), seq.propose_budget(ahead and seq.may_draft_ahead)) for seq in seqs}
         message = propose_request(seqs, self.releases.take_proposer(addr), ahead)
         start = time.perf_counter()
         try:
@@ -394,13 +490,15 @@ class SpecLoop:
                                                                        self.config.propose_timeout_s)
             answers = proposer_answers(message, response)
         except Exception as e:  # any proposer failure (a misfit answer too) only costs this round's drafts
-            self.failures.proposer_failed(addr, seqs, e)
+            self.failures.proposer_failed(addr, [s for s in seqs if not s.done and s.proposer_addr == addr], e)
             return {}
         elapsed = time.perf_counter() - start
         drafts = {}
         model_steps = 0  # the longest model-made draft: forwards the proposer ran (copies cost none)
         opens = False  # the call opened a sequence: its time is no draft step's (DraftBudgets.observe)
         for seq, answer in answers:
+            if seq.done or seq.proposer_addr != addr:
+                continue
             seq.stats.propose_s += elapsed
             if answer is None:
                 seq.proposer_len = 0  # re-open next round
@@ -408,19 +506,20 @@ class SpecLoop:
             if seq.proposer_len == 0:  # the answer to an open declares the features it drafts from
                 seq.proposer_opened(*answer.features)
                 opens = True
-            seq.proposer_len = len(seq.tokens)
+            context_len, budget = sent[seq.seq_id]
+            seq.proposer_len = context_len
             drafting_ahead = ahead and seq.may_draft_ahead
-            draft = self._checked(seq, answer.draft, seq.propose_budget(drafting_ahead))
-            seq.acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
+            draft = self._checked(seq, answer.draft, budget)
+            seq.acceptance.proposed(context_len, draft.token_ids.tolist())
             seq.drafts_offered = _moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
             if draft:
                 by_model = draft.confidence() is not None
                 seq.model_drafted = _moving_average(seq.model_drafted, float(by_model), decay=0.8)
                 if by_model:
-                    seq.model_acceptance.proposed(len(seq.tokens), draft.token_ids.tolist())
+                    seq.model_acceptance.proposed(context_len, draft.token_ids.tolist())
                     model_steps = max(model_steps, len(draft))
             if drafting_ahead:
-                self._ahead[seq.seq_id] = (len(seq.tokens), draft)
+                self._ahead[seq.seq_id] = (context_len, draft)
                 draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
         if not opens:
@@ -509,6 +608,10 @@ class SpecLoop:
                 continue
             seq = v.seq
             seq.scorer_primed, seq.retries = True, 0
+            if v.num_accepted == v.num_drafts:
+                self._held_all.add(seq.seq_id)
+            else:
+                self._held_all.discard(seq.seq_id)
             seq.features.receive(v.features)
             before, rounds_before = seq.num_output, seq.stats.rounds
             seq.commit(list(v.output_token_ids), v.num_drafts, v.num_accepted)
@@ -525,12 +628,23 @@ class SpecLoop:
         for seq in self._live:
             if seq.done:
                 self._ahead.pop(seq.seq_id, None)
+                self._held_all.discard(seq.seq_id)
                 _count_end(seq)
                 self.releases.add(seq)
             else:
                 live.append(seq)
         self._live = live
         return list(live)
+
+
+@dataclass
+class _InFlight:
+    """An exchange drafting ahead, still in flight to its proposer replica."""
+
+    task: asyncio.Task
+    started: float  # perf_counter
+    seq_ids: set[str]
+    opens: bool  # it opens a sequence: the rounds wait for its answer
 
 
 def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequence]:

@@ -284,6 +284,9 @@ class Sequence:
         self.planned_budget: int | None = None  # draft tokens this round asks for (costs.DraftBudgets); None: all
         # a model-and-copy method's model steps this round (costs.DraftBudgets); None: the whole budget
         self.planned_model_steps: int | None = None
+        # drafting ahead: rounds after the next one that its exchange is expected to stay in flight (a
+        # proposer slower than the scorer, gateway/loop.py): its draft is asked to cover their tokens too
+        self.rounds_in_flight = 0
 
     # ------------------------------------------------------------- queries
 
@@ -346,10 +349,13 @@ class Sequence:
         """Draft tokens to ask the proposer for: this round's budget (cut to
         ``planned_budget`` when the adaptive length planned one), or when
         drafting ahead enough for this round, its target token and the next
-        round (2k + 1, at most MAX_SPECULATIVE_TOKENS)."""
+        round (2k + 1), and a token more for each round its exchange is
+        expected to outlast (``rounds_in_flight``: the rounds before its
+        answer lands commit at least a token each), at most
+        MAX_SPECULATIVE_TOKENS."""
         k = self.num_speculative_tokens()
         if ahead and k:
-            return min(2 * k + 1, MAX_SPECULATIVE_TOKENS)
+            return min(2 * k + 1 + self.rounds_in_flight, MAX_SPECULATIVE_TOKENS)
         return k if self.planned_budget is None else min(k, self.planned_budget)
 
     def proposer_opened(self, feature_layers: tuple[int, ...], features_from: int) -> None:

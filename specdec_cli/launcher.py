@@ -249,8 +249,11 @@ class Stack:
     def by_name(self, prefix: str) -> list[Service]:
         return [s for s in self.services if s.name.startswith(prefix)]
 
-    def _spawn(self, name: str, args: list[str], port: int) -> Service:
-        cmd = [sys.executable, "-m", "specdec.cli", *args, "--port", str(port), "--log-level", self.log_level]
+    def _spawn(self, name: str, args: list[str], port: int, command: list[str] | None = None) -> Service:
+        """Starts ``specdec ARGS`` (``command``: what runs the command line
+        instead, e.g. a benchmark's copy of a package, benchmarks/package_copy.py)."""
+        cmd = [*(command or [sys.executable, "-m", "specdec.cli"]), *args, "--port", str(port),
+               "--log-level", self.log_level]
         if self.tls:
             cmd += self.tls.server_args(mutual=name != "gateway")
         metrics_port = free_port() if self.metrics else 0

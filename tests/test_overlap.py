@@ -343,18 +343,61 @@ def _ahead_used(calls: _Calls) -> int:
     return sum(not waited and v[4] > 0 for waited, v in zip(_waited(calls), verifies[1:]))
 
 
-@pytest.mark.parametrize("num_seqs,k", [(1, 3), (4, 3), (3, 1), (2, 8)])
-def test_drafting_ahead_gives_lock_step_output_with_drafts_proposed_during_verification(num_seqs, k):
-    """A proposer slower than a Verify: the rounds do not wait for it (but
-    the first, before anything is measured) and verify the drafts it
-    proposed ahead, while the Verify before ran, where they still hold."""
-    outputs, calls = _generate(Overlap.AHEAD, num_seqs=num_seqs, max_tokens=40, k=k, latency_s=0.03,
-                               per_token_s=0.0005)
+@pytest.mark.parametrize("num_seqs,k,latency_s,fixed_s,per_token_s", [
+    (1, 3, 0.015, 0.004, 0.0005), (4, 3, 0.015, 0.004, 0.0005), (3, 1, 0.015, 0.004, 0.0005),
+    (2, 8, 0.02, 0.0, 0.001)])
+def test_drafting_ahead_gives_lock_step_output_with_drafts_proposed_during_verification(num_seqs, k, latency_s,
+                                                                                        fixed_s, per_token_s):
+    """A proposer about as quick as a Verify: it drafts the sequences being
+    verified, and the rounds verify the drafts it proposed ahead, without
+    waiting for it, where they still hold (where waiting for fresh drafts
+    pays, rounds wait: test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay)."""
+    outputs, calls = _generate(Overlap.AHEAD, num_seqs=num_seqs, max_tokens=40, k=k, latency_s=latency_s,
+                               fixed_s=fixed_s, per_token_s=per_token_s)
     assert outputs == [_expected([5 + i, 7, 11 + i], 40) for i in range(num_seqs)]
     same = [(p, v) for p, v in calls.overlapping() if p & v]
-    assert len(same) >= 8, "the proposer did not draft the sequences being verified"
-    assert not any(_waited(calls))
-    assert _ahead_used(calls) >= 5, "no round verified drafts proposed ahead without waiting"
+    assert len(same) >= 4, "the proposer did not draft the sequences being verified"
+    assert _ahead_used(calls) >= 3, "no round verified drafts proposed ahead without waiting"
+
+
+def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahead():
+    """A proposer taking 20 ms against a Verify of ~3-12 ms (a GPU scorer
+    and a remote or model proposer): the rounds go on while its exchange is
+    in flight (several Verify calls during one propose call; a round waiting
+    for it, as drafting ahead did before, allows one), the next exchange to
+    the replica is built only once the one before is answered (the scripted
+    proposer checks every update against the tokens it holds), its drafts
+    are verified where they still hold when they land (asked to cover the
+    rounds it stays in flight), and the output is lock-step's. Sequences
+    that end while an exchange is in flight leave nothing behind."""
+    calls = _Calls()
+    proposer, scorer = _SlowProposer(calls, 0.02), _SlowScorer(calls, 0.0, 0.001)
+
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("ngram", [PROPOSER])},
+                        vocab_size=VOCAB, config=LoopConfig(overlap=Overlap.AHEAD, stall_sleep_s=0.0))
+        loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+        loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
+        seqs = [Sequence(f"r{i}", _params(_prompt(i), 3, 12 + 20 * i), _Tokenizer(), (), 512) for i in range(3)]
+        for seq in seqs:
+            loop.submit(seq)
+        for _ in range(2000):
+            if all(s.done for s in seqs):
+                break
+            await loop._round()
+        loop._retire()
+        held = dict(loop._ahead)
+        await asyncio.sleep(0.1)  # exchanges still in flight land
+        return [s.tokens for s in seqs], held, dict(loop._ahead)
+
+    outputs, held, after = asyncio.run(run())
+    assert outputs == [_expected(_prompt(i), 12 + 20 * i) for i in range(3)]
+    assert held == {} and after == {}, "drafts ahead kept for sequences that ended"
+    verifies = [c for c in calls.log if c[0] == "verify"]
+    proposes = [c for c in calls.log if c[0] == "propose"]
+    during = [sum(p[2] < v[2] and v[3] < p[3] for v in verifies) for p in proposes]
+    assert max(during) >= 4, f"the rounds waited for the proposer: Verify calls per propose call {during}"
+    assert _ahead_used(calls) >= 2, "no drafts proposed ahead were verified"
 
 
 def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
