@@ -309,6 +309,8 @@ class SpecLoop:
         waited = {s.seq_id for s in wait}
         self._draft_ahead([s for s in live if s.may_draft_ahead and s.seq_id not in waited])
         verdicts = await self._timed_verify(clock, live, drafts)
+        for addr in [a for a, flight in self._in_flight.items() if flight.opens]:
+            await self._landed(addr)  # an open's answer sets up what the commit relays (proposer_opened)
         progressed = self._commit(verdicts)
         clock.end()
         return progressed
@@ -341,17 +343,17 @@ class SpecLoop:
 
     async def _settle_ahead(self, live: list[Sequence]) -> None:
         """Takes the answers of the exchanges drafting ahead that have ended,
-        and waits for those still in flight where that pays: where they
-        open a sequence (its proposer state and features are set up by the
-        answer), or where their expected remaining time buys more tokens
-        than it costs (``costs.fresh_drafts_pay``: the drafts of sequences
-        whose last round accepted every draft, which a draft proposed before
-        that round's Verify still continues; until the times are measured,
-        they are waited for)."""
+        and waits for those still in flight where their expected remaining
+        time buys more tokens than it costs (``costs.fresh_drafts_pay``: the
+        drafts of sequences whose last round accepted every draft, which a
+        draft proposed before that round's Verify still continues; until the
+        times are measured, they are waited for). An exchange that opens a
+        sequence was waited for before the commit of the round it ran
+        beside (its answer sets up the sequence's proposer state and the
+        features the commit relays), as every exchange was before."""
         for addr, flight in list(self._in_flight.items()):
-            if not flight.task.done() and not flight.opens and not self._in_flight_pays(live, flight):
-                continue
-            await self._landed(addr)
+            if flight.task.done() or self._in_flight_pays(live, flight):
+                await self._landed(addr)
 
     async def _landed(self, addr: str) -> None:
         """Waits for the exchange in flight to addr, if any, and forgets it
@@ -644,7 +646,7 @@ class _InFlight:
     task: asyncio.Task
     started: float  # perf_counter
     seq_ids: set[str]
-    opens: bool  # it opens a sequence: the rounds wait for its answer
+    opens: bool  # it opens a sequence: the round it runs beside waits for its answer before committing
 
 
 def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequence]:
