@@ -309,8 +309,6 @@ class SpecLoop:
         waited = {s.seq_id for s in wait}
         self._draft_ahead([s for s in live if s.may_draft_ahead and s.seq_id not in waited])
         verdicts = await self._timed_verify(clock, live, drafts)
-        for addr in [a for a, flight in self._in_flight.items() if flight.opens]:
-            await self._landed(addr)  # an open's answer sets up what the commit relays (proposer_opened)
         progressed = self._commit(verdicts)
         clock.end()
         return progressed
@@ -328,9 +326,8 @@ class SpecLoop:
                 continue
             for seq in group:
                 seq.rounds_in_flight = rounds
-            opens = any(seq.proposer_len == 0 for seq in group)
             task = asyncio.get_running_loop().create_task(self._exchange_ahead(addr, group))
-            self._in_flight[addr] = _InFlight(task, time.perf_counter(), {s.seq_id for s in group}, opens)
+            self._in_flight[addr] = _InFlight(task, time.perf_counter(), {s.seq_id for s in group})
 
     async def _exchange_ahead(self, addr: str, seqs: list[Sequence]) -> None:
         start = time.perf_counter()
@@ -347,10 +344,10 @@ class SpecLoop:
         time buys more tokens than it costs (``costs.fresh_drafts_pay``: the
         drafts of sequences whose last round accepted every draft, which a
         draft proposed before that round's Verify still continues; until the
-        times are measured, they are waited for). An exchange that opens a
-        sequence was waited for before the commit of the round it ran
-        beside (its answer sets up the sequence's proposer state and the
-        features the commit relays), as every exchange was before."""
+        times are measured, they are waited for). An open answered late
+        costs what a re-open does (``Sequence.proposer_opened``; a feature
+        method's proposer asks for the context's rows from a re-prefill
+        either way)."""
         for addr, flight in list(self._in_flight.items()):
             if flight.task.done() or self._in_flight_pays(live, flight):
                 await self._landed(addr)
@@ -646,7 +643,6 @@ class _InFlight:
     task: asyncio.Task
     started: float  # perf_counter
     seq_ids: set[str]
-    opens: bool  # it opens a sequence: the round it runs beside waits for its answer before committing
 
 
 def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequence]:

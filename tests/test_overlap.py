@@ -369,21 +369,25 @@ def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahe
     proposer checks every update against the tokens it holds), its drafts
     are verified where they still hold when they land (asked to cover the
     rounds it stays in flight), and the output is lock-step's. Sequences
-    that end while an exchange is in flight leave nothing behind."""
+    that end while an exchange is in flight leave nothing behind, and one
+    that joins while an exchange is in flight is opened by a later one."""
     calls = _Calls()
     proposer, scorer = _SlowProposer(calls, 0.02), _SlowScorer(calls, 0.0, 0.001)
+    lengths = [12, 32, 52, 30]
 
     async def run():
         loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("ngram", [PROPOSER])},
                         vocab_size=VOCAB, config=LoopConfig(overlap=Overlap.AHEAD, stall_sleep_s=0.0))
         loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
         loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
-        seqs = [Sequence(f"r{i}", _params(_prompt(i), 3, 12 + 20 * i), _Tokenizer(), (), 512) for i in range(3)]
-        for seq in seqs:
+        seqs = [Sequence(f"r{i}", _params(_prompt(i), 3, n), _Tokenizer(), (), 512) for i, n in enumerate(lengths)]
+        for seq in seqs[:3]:
             loop.submit(seq)
-        for _ in range(2000):
+        for rounds in range(2000):
             if all(s.done for s in seqs):
                 break
+            if rounds == 10:
+                loop.submit(seqs[3])
             await loop._round()
         loop._retire()
         held = dict(loop._ahead)
@@ -391,7 +395,7 @@ def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahe
         return [s.tokens for s in seqs], held, dict(loop._ahead)
 
     outputs, held, after = asyncio.run(run())
-    assert outputs == [_expected(_prompt(i), 12 + 20 * i) for i in range(3)]
+    assert outputs == [_expected(_prompt(i), n) for i, n in enumerate(lengths)]
     assert held == {} and after == {}, "drafts ahead kept for sequences that ended"
     verifies = [c for c in calls.log if c[0] == "verify"]
     proposes = [c for c in calls.log if c[0] == "propose"]
