@@ -66,6 +66,7 @@ class _SlowProposer:
         self.calls, self.latency_s = calls, latency_s
         self.tokens: dict[str, list[int]] = {}
         self.rounds = 0
+        self.budgets: list[int] = []  # every num_speculative_tokens asked for
 
     async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
         start = time.perf_counter()
@@ -84,6 +85,7 @@ class _SlowProposer:
                 self.tokens[u.seq_id] = []
             context = self.tokens[u.seq_id]
             context.extend(u.token_ids)
+            self.budgets.append(u.num_speculative_tokens)
             assert len(context) == u.context_len, "the proposer saw tokens out of order"
             draft, guess = [], list(context)
             length = self.rounds % (u.num_speculative_tokens + 1)
@@ -402,6 +404,7 @@ def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahe
     during = [sum(p[2] < v[2] and v[3] < p[3] for v in verifies) for p in proposes]
     assert max(during) >= 4, f"the rounds waited for the proposer: Verify calls per propose call {during}"
     assert _ahead_used(calls) >= 2, "no drafts proposed ahead were verified"
+    assert max(proposer.budgets) > 2 * 3 + 1, "drafts ahead were not asked to cover the rounds in flight"
 
 
 def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
@@ -440,10 +443,11 @@ def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
 def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():
     from specdec.gateway.wire import propose_request
 
-    def budget(k: int, strategy: int, ahead: bool = True, features: tuple[int, ...] = ()) -> int:
+    def budget(k: int, strategy: int, ahead: bool = True, features: tuple[int, ...] = (), in_flight: int = 0) -> int:
         params = _params([5, 7, 11], k, 40)
         params.verify_strategy = strategy
         seq = Sequence("r", params, _Tokenizer(), (), 512)
+        seq.rounds_in_flight = in_flight
         seq.proposer_len = len(seq.tokens)  # held by the proposer: its update travels as columns
         if features:  # an eagle3/mtp proposer opened it, holding the features of all but the newest token
             seq.proposer_opened(features, len(seq.tokens) - 1)
@@ -455,5 +459,8 @@ def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts
     assert budget(3, GREEDY) == 7 and budget(3, pb.VERIFY_STRATEGY_TARGET_MATCH) == 7
     assert budget(3, GREEDY, features=(1, 3, 4)) == 7  # feature methods draft ahead too
     assert budget(8, GREEDY) == 16  # 2k + 1 capped at MAX_SPECULATIVE_TOKENS
+    assert budget(3, GREEDY, in_flight=2) == 9  # a proposer slower than the Verify: a token per round it outlasts
+    assert budget(6, GREEDY, in_flight=5) == 16
+    assert budget(3, GREEDY, ahead=False, in_flight=2) == 3
     assert budget(3, pb.VERIFY_STRATEGY_REJECTION) == 3  # its sample depends on the drafts: lock-step
     assert budget(3, GREEDY, ahead=False) == 3
