@@ -324,8 +324,8 @@ class SpecLoop:
         for addr, group in self.placement.by_proposer(seqs).items():
             if addr in self._in_flight:
                 continue
-            for seq in group:
-                seq.rounds_in_flight = rounds
+            for seq in group:  # (copies cost no more for being longer; a model's draft tokens cost a step each)
+                seq.rounds_in_flight = 0 if seq.model_drafts else rounds
             task = asyncio.get_running_loop().create_task(self._exchange_ahead(addr, group))
             self._in_flight[addr] = _InFlight(task, time.perf_counter(), {s.seq_id for s in group})
 

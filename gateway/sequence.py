@@ -286,6 +286,7 @@ class Sequence:
         self.planned_model_steps: int | None = None
         # drafting ahead: rounds after the next one that its exchange is expected to stay in flight (a
         # proposer slower than the scorer, gateway/loop.py): its draft is asked to cover their tokens too
+        # (copy methods only: a model draft's tokens cost a step each)
         self.rounds_in_flight = 0
 
     # ------------------------------------------------------------- queries

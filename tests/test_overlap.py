@@ -464,3 +464,25 @@ def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts
     assert budget(3, GREEDY, ahead=False, in_flight=2) == 3
     assert budget(3, pb.VERIFY_STRATEGY_REJECTION) == 3  # its sample depends on the drafts: lock-step
     assert budget(3, GREEDY, ahead=False) == 3
+
+
+def test_only_copy_drafts_ahead_are_asked_to_cover_the_rounds_a_slow_exchange_outlasts():
+    """A 30 ms proposer against a 5 ms Verify outlasts ~5 rounds: a copy
+    method's draft ahead is asked for 5 tokens more (they cost it nothing);
+    a model's is not (each token is a forward of the draft model)."""
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("ngram", [PROPOSER])},
+                        vocab_size=VOCAB, config=LoopConfig(overlap=Overlap.AHEAD))
+        loop._propose_s, loop._verify_s, loop._verify_measured = 0.03, 0.005, True
+        copy, model = (Sequence(f"r{i}", _params(_prompt(i), 3, 40), _Tokenizer(), (), 512) for i in range(2))
+        model.model_drafted = 1.0  # its drafts carried a model's probabilities
+
+        async def exchange(addr, seqs):
+            return None
+
+        loop._exchange_ahead = exchange  # type: ignore[method-assign]
+        loop._draft_ahead([copy, model])
+        await asyncio.gather(*(f.task for f in loop._in_flight.values()))
+        return copy.rounds_in_flight, model.rounds_in_flight, copy.propose_budget(True), model.propose_budget(True)
+
+    assert asyncio.run(run()) == (5, 0, 12, 7)
