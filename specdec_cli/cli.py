@@ -202,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "draft the other half, so proposer time leaves the critical path; always: whenever "
                         "two or more sequences are live; ahead: while a round is verified, the proposers draft the "
                         "next one (budget 2k+1), used where the round's outcome confirms it; the round waits "
-                        "for fresh drafts only where that pays (greedy and target-match requests); "
-                        "off: lock-step rounds")
+                        "for fresh drafts, or for a proposer slower than the Verify, only where that pays "
+                        "(greedy and target-match requests); off: lock-step rounds")
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
                         f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "
