@@ -374,7 +374,7 @@ class SpecLoop:
         if self._propose_s is None or self._verify_s is None:
             return True
         remaining = max(0.0, self._propose_s - (time.perf_counter() - flight.started))
-        expected = {s.seq_id: s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) for s in live}
+        expected = {s.seq_id: _expected_accepted(s) for s in live}
         coming = {s.seq_id for s in live if s.seq_id in flight.seq_ids and s.seq_id in self._held_all}
         base = sum(1.0 if i in coming else 1.0 + e for i, e in expected.items())
         return fresh_drafts_pay(remaining, self._verify_s, base, sum(expected[i] for i in coming))
@@ -423,7 +423,7 @@ class SpecLoop:
             return True
         held = {s.seq_id: sum(draft_gains(s, drafts[s.seq_id])) for s in live}
         base = sum(1.0 + h for h in held.values())
-        gain = sum(max(0.0, s.drafts_offered * sum(s.acceptance.gains(s.num_speculative_tokens())) - held[s.seq_id])
+        gain = sum(max(0.0, _expected_accepted(s) - held[s.seq_id])
                    for s in optional)
         return fresh_drafts_pay(self._propose_s, self._verify_s, base, gain)
 
@@ -475,7 +475,8 @@ class SpecLoop:
         replica, while it was in flight (drafting ahead) are left out: the
         answer's tokens and lengths are those of the message, whatever the
         rounds committed since."""
-        if self._in_flight.get(addr) is not None and self._in_flight[addr].task is not asyncio.current_task():
+        flight = self._in_flight.get(addr)
+        if flight is not None and flight.task is not asyncio.current_task():
             await self._landed(addr)  # the message must say what the proposer holds once that one is answered
         if not ahead:  # (drafting ahead hides the proposer's time: nothing to plan)
             self.budgets.plan(addr, seqs, self._verify_estimate(seqs))
@@ -655,6 +656,13 @@ def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequen
     if len(free) > len(verifying) + 1:
         return free[:(len(live) + 1) // 2]
     return free
+
+
+def _expected_accepted(seq: Sequence) -> float:
+    """Accepted draft tokens a fresh draft of this round's budget is
+    expected to bring the sequence (how often its proposer offers any, and
+    its acceptance estimate)."""
+    return seq.drafts_offered * sum(seq.acceptance.gains(seq.num_speculative_tokens()))
 
 
 def _moving_average(average: float | None, value: float, decay: float = 0.9) -> float:
