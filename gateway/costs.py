@@ -8,7 +8,7 @@ applies the plan and, once the call returns, feeds its time back with
 
 ``overlap_pays`` uses the same fit (plus the call's measured RPC overhead)
 to decide whether the loop's overlapped rounds (gateway/loop.py) beat
-lock-step ones.
+lock-step ones; ``ahead_pays`` whether drafting ahead does.
 """
 from __future__ import annotations
 
@@ -97,6 +97,25 @@ def overlap_pays(propose_s: float, verify: tuple[float, float], tokens: float) -
     lock_step = propose_s + fixed + per_token * tokens
     overlapped = 2 * max(fixed + per_token * tokens / 2, propose_s)
     return overlapped < OVERLAP_MARGIN * lock_step
+
+
+#: ``--overlap on`` drafts ahead (copy methods) once the proposer's time
+#: exceeds this share of the Verify's, and goes back to lock-step rounds
+#: below half of it. Lock-step then pays the proposer in every round
+#: (P/(P+V) of the time, 9 % at the threshold); below it drafting ahead has
+#: little to hide and loses about as much to rounds whose draft ahead the
+#: outcome contradicts and, on a local stack, to a proposer computing on the
+#: scorer's cores beside it (benchmarks/bench_overlap.py, README).
+AHEAD_PROPOSE_SHARE = 0.1
+
+
+def ahead_pays(propose_s: float, verify_s: float, drafting_ahead: bool) -> bool:
+    """Whether ``--overlap on`` should draft ahead (loop.py) rather than run
+    lock-step rounds: the proposer's time is a share of the Verify's worth
+    hiding (with hysteresis: ``drafting_ahead`` says what the rounds do now,
+    so noise in the two averages does not flip the mode every round)."""
+    share = AHEAD_PROPOSE_SHARE / 2 if drafting_ahead else AHEAD_PROPOSE_SHARE
+    return propose_s > share * verify_s
 
 
 def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain_tokens: float) -> bool:

@@ -87,13 +87,14 @@ from typing import TypeVar
 
 import grpc
 
-from specdec.drafts import NO_DRAFT, Draft
+from specdec.drafts import NO_DRAFT, ONE_HOT_METHODS, Draft
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
 from specdec.gateway.costs import (
     DraftBudgets,
     VerifyCosts,
+    ahead_pays,
     apply_plan,
     draft_gains,
     fresh_drafts_pay,
@@ -163,7 +164,8 @@ class SpecLoop:
         # wait for only where that pays (_settle_ahead); the answers land in self._ahead
         self._in_flight: dict[str, _InFlight] = {}
         self._held_all: set[str] = set()  # sequences whose last round accepted every draft it verified
-        self._verify_s: float | None = None  # moving average of a drafting-ahead round's Verify wall time
+        self._ahead_on = False  # --overlap on: the last round drafted ahead (costs.ahead_pays' hysteresis)
+        self._verify_s: float | None = None  # moving average of a lock-step or drafting-ahead round's Verify wall time
         self._verify_measured = False  # _verify_s holds a round without prefills (not only a stand-in)
         self._propose_s: float | None = None  # moving average of a propose phase's wall time
         self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
@@ -248,7 +250,8 @@ class SpecLoop:
         live = self._retire()
         if not live:
             return
-        if self.config.overlap is Overlap.AHEAD:
+        if self._drafts_ahead(live):
+            metrics.AHEAD_ROUNDS.inc()
             progressed = await self._ahead_round(live)
         elif self._overlap_pays(live):
             metrics.OVERLAPPED_STEPS.inc()
@@ -265,7 +268,7 @@ class SpecLoop:
         clock = _RoundClock(len(live))
         drafted = self._take_drafted(live)
         drafts = await clock.timed("propose", self._propose([s for s in live if s.seq_id not in drafted]))
-        verdicts = await clock.timed("verify", self._verify(live, drafted | drafts))
+        verdicts = await self._timed_verify(clock, live, drafted | drafts)
         progressed = self._commit(verdicts)
         clock.end()
         return progressed
@@ -294,7 +297,8 @@ class SpecLoop:
         the rounds. True if any progressed."""
         clock = _RoundClock(len(live))
         await self._settle_ahead(live)
-        drafts = {seq.seq_id: self._draft_from_ahead(seq) for seq in live}
+        drafted = self._take_drafted(live)  # (the cohort an overlapped step before proposed: --overlap on)
+        drafts = {seq.seq_id: drafted.get(seq.seq_id) or self._draft_from_ahead(seq) for seq in live}
         wait = [s for s in live if not drafts[s.seq_id] and not s.may_draft_ahead]
         # those whose draft ahead was contradicted, or holds less than this round's budget (but those whose
         # exchange is still in flight: _settle_ahead chose not to wait for it, and a fresh one would queue behind)
@@ -381,7 +385,8 @@ class SpecLoop:
 
     async def _timed_verify(self, clock: "_RoundClock", live: list[Sequence],
                             drafts: dict[str, Draft]) -> list[Verdict]:
-        """The round's Verify calls, their wall time kept for ``_fresh_drafts_pay``.
+        """The round's Verify calls, their wall time kept for ``_fresh_drafts_pay``
+        and ``_drafts_ahead``.
         A round that prefills a sequence only stands in until one that does
         not is measured: a prefill's time does not tell the rounds to come (8
         SmolLM2 chat prompts on 2 cores of an AMD EPYC: 0.25-0.37 s against
@@ -434,6 +439,23 @@ class SpecLoop:
         self._drafted = {}
         return drafted
 
+    def _drafts_ahead(self, live: list[Sequence]) -> bool:
+        """Whether this round drafts ahead: always with ``ahead``; with
+        ``on``, while the proposer takes a share of the Verify's time worth
+        hiding (``costs.ahead_pays``) and two cohorts would not pay (they
+        keep every draft fresh), for rounds whose sequences that may draft
+        ahead all copy (a model's draft tokens ahead cost a forward each,
+        which lock-step rounds plan: ``DraftBudgets``)."""
+        if self.config.overlap is Overlap.AHEAD:
+            return True
+        ahead = [s for s in live if s.may_draft_ahead]
+        self._ahead_on = (self.config.overlap is Overlap.ON and bool(ahead) and self._propose_s is not None
+                          and self._verify_measured and self._verify_s is not None
+                          and all(s.params.method in ONE_HOT_METHODS for s in ahead)
+                          and ahead_pays(self._propose_s, self._verify_s, self._ahead_on)
+                          and not self._overlap_pays(live))
+        return self._ahead_on
+
     def _overlap_pays(self, live: list[Sequence]) -> bool:
         """Two sequences or more, and overlap always, or on and the cost model
         of the busiest scorer replica says two cohorts are faster (until there
@@ -442,15 +464,11 @@ class SpecLoop:
             return False
         if self.config.overlap is Overlap.ALWAYS:
             return True
-        on_scorer: dict[str, int] = {}
-        for seq in live:
-            if seq.scorer_addr is not None:
-                on_scorer[seq.scorer_addr] = on_scorer.get(seq.scorer_addr, 0) + 1
-        if self._propose_s is None or not on_scorer:
+        busiest = _busiest_scorer(live)
+        verify = None if busiest is None else self.costs.wall_estimate(busiest[0])
+        if self._propose_s is None or busiest is None or verify is None:
             return True
-        addr, count = max(on_scorer.items(), key=lambda item: item[1])
-        verify = self.costs.wall_estimate(addr)
-        return verify is None or overlap_pays(self._propose_s, verify, count * self._tokens_per_seq)
+        return overlap_pays(self._propose_s, verify, busiest[1] * self._tokens_per_seq)
 
     # -------------------------------------------------------------- propose
 
@@ -539,8 +557,8 @@ class SpecLoop:
 
     def _verify_estimate(self, seqs: list[Sequence]) -> tuple[float, float] | None:
         """The wall-time Verify fit of the scorer replica holding most of ``seqs``."""
-        on_scorer = Counter(s.scorer_addr for s in seqs if s.scorer_addr is not None)
-        return self.costs.wall_estimate(on_scorer.most_common(1)[0][0]) if on_scorer else None
+        busiest = _busiest_scorer(seqs)
+        return None if busiest is None else self.costs.wall_estimate(busiest[0])
 
     def _checked(self, seq: Sequence, draft: Draft, budget: int) -> Draft:
         """A proposer returning garbage (more drafts than the budget asked,
@@ -656,6 +674,12 @@ def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequen
     if len(free) > len(verifying) + 1:
         return free[:(len(live) + 1) // 2]
     return free
+
+
+def _busiest_scorer(seqs: list[Sequence]) -> tuple[str, int] | None:
+    """The scorer replica holding most of ``seqs``, and how many it holds."""
+    on_scorer = Counter(s.scorer_addr for s in seqs if s.scorer_addr is not None)
+    return on_scorer.most_common(1)[0] if on_scorer else None
 
 
 def _expected_accepted(seq: Sequence) -> float:

@@ -36,6 +36,9 @@ PHASE_SECONDS = Histogram("specdec_gateway_phase_seconds",
 OVERLAPPED_STEPS = Counter("specdec_gateway_overlapped_steps_total",
                            "Overlapped steps: one cohort verified while the other is proposed "
                            "(the rest of the loop's steps are lock-step rounds)")
+AHEAD_ROUNDS = Counter("specdec_gateway_ahead_rounds_total",
+                       "Rounds that drafted the next round ahead while they were verified (--overlap ahead, "
+                       "or on while the proposer's time is worth hiding)")
 AHEAD_DRAFTS = Counter("specdec_gateway_ahead_drafts_total",
                        "Drafts verified that were proposed ahead, during the round before, and still held "
                        "(--overlap ahead), by method", ["method"])

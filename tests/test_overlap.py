@@ -67,6 +67,7 @@ class _SlowProposer:
         self.tokens: dict[str, list[int]] = {}
         self.rounds = 0
         self.budgets: list[int] = []  # every num_speculative_tokens asked for
+        self.made: dict[str, list[tuple[int, list[int]]]] = {}  # seq_id -> (context length, draft) of each answer
 
     async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
         start = time.perf_counter()
@@ -93,6 +94,7 @@ class _SlowProposer:
                 wrong = i == length - 1 and self.rounds % 3 == 0
                 draft.append((_target(guess) + wrong) % VOCAB)
                 guess.append(draft[-1])
+            self.made.setdefault(u.seq_id, []).append((len(context), draft))
             if any(u is h for h in held):
                 response.round.draft_counts.append(len(draft))
                 response.round.token_ids.extend(draft)
@@ -110,6 +112,7 @@ class _SlowScorer:
     def __init__(self, calls: _Calls, fixed_s: float, per_token_s: float) -> None:
         self.calls, self.fixed_s, self.per_token_s = calls, fixed_s, per_token_s
         self.contexts: dict[str, list[int]] = {}
+        self.verified: list[tuple[str, int, list[int]]] = []  # (seq_id, context length, draft) of each non-empty draft
 
     async def Verify(self, request, timeout=None):
         start = time.perf_counter()
@@ -123,6 +126,8 @@ class _SlowScorer:
         for v in request.sequences:
             context = self.contexts[v.seq_id]
             assert len(context) == v.context_len, "verified on a context the gateway did not commit"
+            if v.draft_token_ids:
+                self.verified.append((v.seq_id, len(context), list(v.draft_token_ids)))
             output = []
             for token in v.draft_token_ids:
                 if token != _target(context + output):
@@ -143,11 +148,11 @@ class _SlowScorer:
         return pb.ReleaseResponse()
 
 
-def _params(prompt: list[int], k: int, max_tokens: int) -> GenParams:
-    return GenParams(prompt_ids=prompt, max_tokens=max_tokens, stop=[], ignore_eos=True, temperature=0.0,
-                     top_k=0, top_p=1.0, seed=1, method="ngram", num_speculative_tokens=k,
-                     min_n=1, max_n=4, max_tree_depth=64, max_spec_factor=1.0, min_token_prob=0.1,
-                     verify_strategy=GREEDY, accept_policy=0, adaptive=False)
+def _params(prompt: list[int], k: int, max_tokens: int, method: str = "ngram", strategy: int = GREEDY) -> GenParams:
+    return GenParams(prompt_ids=prompt, max_tokens=max_tokens, stop=[], ignore_eos=True,
+                     temperature=0.0 if strategy == GREEDY else 0.8, top_k=0, top_p=1.0, seed=1, method=method,
+                     num_speculative_tokens=k, min_n=1, max_n=4, max_tree_depth=64, max_spec_factor=1.0,
+                     min_token_prob=0.1, verify_strategy=strategy, accept_policy=0, adaptive=False)
 
 
 def _expected(prompt: list[int], max_tokens: int) -> list[int]:
@@ -162,18 +167,22 @@ def _prompt(i: int, prompt_len: int = 3) -> list[int]:
 
 
 def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency_s: float = 0.02,
-              fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3, prompt_len: int = 3):
-    """Runs num_seqs sequences to the end; returns (their tokens, the call log)."""
+              fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3, prompt_len: int = 3,
+              method: str = "ngram", strategy: int = GREEDY):
+    """Runs num_seqs sequences to the end; returns (their tokens, the call log).
+    Every draft verified must be one the proposer made for the sequence's
+    committed context (or the rest of one made before, past the tokens
+    committed since: drafting ahead)."""
     calls = _Calls()
     proposer, scorer = _SlowProposer(calls, latency_s), _SlowScorer(calls, fixed_s, per_token_s)
 
     async def run():
-        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("ngram", [PROPOSER])},
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {method: ReplicaSet(method, [PROPOSER])},
                         vocab_size=VOCAB, config=LoopConfig(overlap=overlap, stall_sleep_s=0.0))
         loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
         loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
-        seqs = [Sequence(f"r{i}", _params(_prompt(i, prompt_len), k, max_tokens), _Tokenizer(), (), 512)
-                for i in range(num_seqs)]
+        seqs = [Sequence(f"r{i}", _params(_prompt(i, prompt_len), k, max_tokens, method, strategy), _Tokenizer(),
+                         (), 512) for i in range(num_seqs)]
         for seq in seqs:
             loop.submit(seq)
         for _ in range(10 * max_tokens):
@@ -181,9 +190,15 @@ def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency
                 break
             await loop._round()
         assert all(s.done and not s.failed for s in seqs)
-        return [s.tokens for s in seqs]
+        return {s.seq_id: s.tokens for s in seqs}
 
-    return asyncio.run(run()), calls
+    outputs = asyncio.run(run())
+    for seq_id, context_len, draft in scorer.verified:
+        tokens = outputs[seq_id]
+        assert any(at <= context_len and made[:context_len - at] == tokens[at:context_len]
+                   and made[context_len - at:][:len(draft)] == draft for at, made in proposer.made[seq_id]), \
+            f"{seq_id} verified a draft made for another context at {context_len}: {draft}"
+    return list(outputs.values()), calls
 
 
 def test_proposer_drafts_one_cohort_while_the_scorer_verifies_the_other():
@@ -212,14 +227,15 @@ def test_one_sequence_runs_lock_step():
     assert calls.overlapping() == []
 
 
-@pytest.mark.parametrize("fixed_s,per_token_s,overlaps", [
-    (0.0, 0.002, True),  # a CPU-like scorer: rows cost, a half Verify costs half
-    (0.06, 0.0, False),  # a GPU-like scorer: a half batch costs a whole one, the proposer is quicker
+@pytest.mark.parametrize("latency_s,fixed_s,per_token_s,overlaps", [
+    (0.005, 0.0, 0.002, True),  # a CPU-like scorer: rows cost, a half Verify costs half
+    # a GPU-like scorer: a half batch costs a whole one, the proposer is much quicker (too quick to draft ahead)
+    (0.002, 0.06, 0.0, False),
 ])
-def test_overlap_on_follows_the_measured_costs(fixed_s, per_token_s, overlaps):
+def test_overlap_on_follows_the_measured_costs(latency_s, fixed_s, per_token_s, overlaps):
     """--overlap on splits only when the fitted costs say two cohorts win
     (at first, without figures, it tries)."""
-    outputs, calls = _generate(Overlap.ON, num_seqs=6, max_tokens=40, latency_s=0.005,
+    outputs, calls = _generate(Overlap.ON, num_seqs=6, max_tokens=40, latency_s=latency_s,
                                fixed_s=fixed_s, per_token_s=per_token_s)
     assert outputs == [_expected([5 + i, 7, 11 + i], 40) for i in range(6)]
     second_half = calls.log[len(calls.log) // 2][2]  # the cost model has its figures by then
@@ -338,6 +354,14 @@ def _waited(calls: _Calls) -> list[bool]:
     return [any(before[3] <= p[2] and p[3] <= v[2] for p in proposes) for before, v in zip(verifies, verifies[1:])]
 
 
+def _verifies_inside_proposes(calls: _Calls, since: float = 0.0) -> list[int]:
+    """For each propose call started after ``since``: the Verify calls that
+    ran wholly inside it."""
+    verifies = [c for c in calls.log if c[0] == "verify"]
+    proposes = [c for c in calls.log if c[0] == "propose" and c[2] >= since]
+    return [sum(p[2] < v[2] and v[3] < p[3] for v in verifies) for p in proposes]
+
+
 def _ahead_used(calls: _Calls) -> int:
     """Verify calls that accepted drafts without waiting for a proposer:
     drafts proposed ahead, while the Verify before them ran."""
@@ -400,12 +424,73 @@ def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahe
     outputs, held, after = asyncio.run(run())
     assert outputs == [_expected(_prompt(i), n) for i, n in enumerate(lengths)]
     assert held == {} and after == {}, "drafts ahead kept for sequences that ended"
-    verifies = [c for c in calls.log if c[0] == "verify"]
-    proposes = [c for c in calls.log if c[0] == "propose"]
-    during = [sum(p[2] < v[2] and v[3] < p[3] for v in verifies) for p in proposes]
+    during = _verifies_inside_proposes(calls)
     assert max(during) >= 3, f"the rounds waited for the proposer: Verify calls per propose call {during}"
     assert _ahead_used(calls) >= 1, "no drafts proposed ahead were verified"
     assert max(proposer.budgets) > 2 * 3 + 1, "drafts ahead were not asked to cover the rounds in flight"
+
+
+@pytest.mark.parametrize("num_seqs,fixed_s", [(1, 0.004), (4, 0.0)])
+def test_overlap_on_drafts_ahead_when_the_proposer_is_slower_than_the_verify(num_seqs, fixed_s):
+    """The default, --overlap on, with a 20 ms proposer against a Verify of
+    ~5-8 ms (one sequence) or ~4-16 ms (four): lock-step rounds would wait
+    for it every round, and cohorts too (the proposer, run twice, is the
+    bottleneck; one sequence has none to overlap). Once the costs are
+    measured the rounds draft ahead: Verify calls run inside propose calls,
+    drafts ahead are verified, the output is lock-step's (four sequences
+    start in cohorts, before there are figures: their last cohort's drafts
+    are verified by the first round drafting ahead). Lock-step, the same
+    run has no Verify inside a propose call and no draft ahead."""
+    outputs, calls = _generate(Overlap.ON, num_seqs=num_seqs, max_tokens=40, latency_s=0.02, fixed_s=fixed_s,
+                               per_token_s=0.001)
+    assert outputs == [_expected(_prompt(i), 40) for i in range(num_seqs)]
+    second_half = calls.log[len(calls.log) // 2][2]  # the costs are measured by then
+    during = _verifies_inside_proposes(calls, since=second_half)
+    assert sum(during) >= 3, f"the rounds waited for the proposer: Verify calls per propose call {during}"
+    assert _ahead_used(calls) >= 2, "no drafts proposed ahead were verified"
+
+
+@pytest.mark.parametrize("method,strategy,latency_s,fixed_s", [
+    ("draft", GREEDY, 0.02, 0.0),  # a model's draft tokens ahead cost a forward each
+    ("ngram", pb.VERIFY_STRATEGY_REJECTION, 0.02, 0.0),  # its sample depends on the drafts
+    ("ngram", GREEDY, 0.001, 0.04),  # a proposer too quick to be worth hiding (2.5 % of the Verify)
+])
+def test_overlap_on_keeps_lock_step_rounds_where_drafting_ahead_does_not_fit(method, strategy, latency_s, fixed_s):
+    """One sequence (no cohorts): --overlap on drafts ahead only for copy
+    methods whose output does not depend on the drafts, and only when the
+    proposer's time is a share of the Verify's worth hiding; else every
+    round proposes, then verifies."""
+    outputs, calls = _generate(Overlap.ON, num_seqs=1, max_tokens=30, latency_s=latency_s, fixed_s=fixed_s,
+                               per_token_s=0.001, method=method, strategy=strategy)
+    assert outputs == [_expected(_prompt(0), 30)]
+    assert len([c for c in calls.log if c[0] == "propose"]) >= 5
+    assert calls.overlapping() == []
+
+
+def test_rounds_switching_between_cohorts_and_drafting_ahead_verify_only_drafts_of_the_committed_context(
+        monkeypatch):
+    """--overlap on may switch from cohorts to drafting ahead and back as
+    the measured costs move. A round drafting ahead verifies the cohort
+    proposed by the step before it; were those drafts left behind, the
+    next overlapped step would verify them on a context they were not made
+    for (which sampled requests must never do; _generate checks every
+    verified draft against the proposer's answers)."""
+    modes = itertools.cycle([False, False, True])
+    monkeypatch.setattr(SpecLoop, "_drafts_ahead", lambda self, live: next(modes))
+    monkeypatch.setattr(SpecLoop, "_overlap_pays", lambda self, live: True)
+    outputs, calls = _generate(Overlap.ON, num_seqs=4, max_tokens=40, latency_s=0.005, per_token_s=0.001)
+    assert outputs == [_expected(_prompt(i), 40) for i in range(4)]
+    assert calls.overlapping()
+
+
+def test_ahead_pays_when_the_proposer_takes_a_share_of_the_verify_worth_hiding():
+    from specdec.gateway.costs import AHEAD_PROPOSE_SHARE, ahead_pays
+
+    verify = 0.040
+    assert ahead_pays(0.020, verify, False)  # a remote or model-speed proposer: half the Verify
+    assert not ahead_pays(0.001, verify, False)  # a local copy proposer beside a CPU Verify
+    edge = 0.75 * AHEAD_PROPOSE_SHARE * verify  # between the two thresholds: the mode the rounds are in stays
+    assert ahead_pays(edge, verify, True) and not ahead_pays(edge, verify, False)
 
 
 def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
