@@ -18,13 +18,15 @@ run (median), and the JSON keeps the gateway's fitted Verify cost after each
 run (what ``--overlap on`` decides with). Prints a table with the CPU model and writes JSON.
 
 ``--baseline-src DIR`` measures another copy of the gateway package in the
-same run (benchmarks/package_copy.py): every mode but off gets a second
-gateway per latency running DIR's code, its rows named ``MODE@baseline``,
-taking turns with the others in every repeat.
+same run (benchmarks/package_copy.py): every mode but off (or those of
+``--baseline-modes``) gets a second gateway per latency running DIR's code,
+its rows named ``MODE@baseline``, taking turns with the others in every
+repeat. "ahead" counts the rounds that drafted ahead (``--overlap ahead``,
+or ``on`` choosing to).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
         [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead] \\
-        [--baseline-src /tmp/base/gateway]
+        [--baseline-src /tmp/base/gateway [--baseline-modes on]]
 """
 from __future__ import annotations
 
@@ -92,9 +94,16 @@ def start_services(stack: Stack, latencies: list[float], modes: list[str],
     return gateways
 
 
-def overlapped_steps(gateway) -> float:
-    """The gateway's overlapped steps so far (specdec_gateway_overlapped_steps_total)."""
-    return gateway.metrics().get("specdec_gateway_overlapped_steps_total", 0.0)
+#: the gateway's counters of each kind of step: overlapped (two cohorts) and
+#: drafting ahead (a gateway older than that counter reads 0)
+STEP_COUNTERS = {"overlapped_steps": "specdec_gateway_overlapped_steps_total",
+                 "ahead_rounds": "specdec_gateway_ahead_rounds_total"}
+
+
+def step_counts(gateway) -> dict[str, float]:
+    """The gateway's overlapped steps and rounds drafting ahead so far."""
+    samples = gateway.metrics()
+    return {key: samples.get(name, 0.0) for key, name in STEP_COUNTERS.items()}
 
 
 def verify_fit(gateway) -> dict[str, float]:
@@ -151,6 +160,7 @@ def main() -> None:
                     help="another gateway package directory (e.g. git archive main gateway | tar -x -C /tmp/base, "
                          "then /tmp/base/gateway): every mode but off also runs on it, in the same repeats, as "
                          "MODE@baseline")
+    ap.add_argument("--baseline-modes", help="the modes --baseline-src runs (default: every mode but off)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
     latencies = [float(x) for x in args.latencies.split(",")]
@@ -164,7 +174,10 @@ def main() -> None:
     if args.baseline_src:
         if not Path(args.baseline_src, "loop.py").is_file():
             ap.error(f"--baseline-src: {args.baseline_src} is not a gateway package directory (no loop.py)")
-        modes += [m + BASELINE for m in modes if m != "off"]
+        again = [m for m in modes if m != "off"] if args.baseline_modes is None else args.baseline_modes.split(",")
+        if "off" in again or not set(again) <= set(modes):
+            ap.error(f"--baseline-modes: choose from the measured modes but off ({','.join(modes)})")
+        modes += [m + BASELINE for m in modes if m in again]
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "baseline_src": args.baseline_src,
               "k": args.k,
@@ -184,9 +197,9 @@ def main() -> None:
             for rep in range(args.repeats):  # every (latency, mode) once a repeat, in turns
                 for latency, mode in combos[rep % len(combos):] + combos[:rep % len(combos)]:
                     gateway = services[gateways[latency, mode]]
-                    before = overlapped_steps(gateway)
+                    before = step_counts(gateway)
                     sample = run(gateway.addr, prompts, n, args.k, args.max_tokens)
-                    sample["overlapped_steps"] = overlapped_steps(gateway) - before
+                    sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
                     samples[latency, mode].append(sample)
             reference = samples[latencies[0], "off"][0]["token_ids"]
@@ -202,7 +215,7 @@ def main() -> None:
                        "vs_off_0ms": _ratio(runs, samples[latencies[0], "off"])}
                 row["verify_fit_runs"] = [r["verify_fit"] for r in runs]
                 for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
-                            "draft_tokens_per_round", "accepted_per_draft_token", "overlapped_steps"):
+                            "draft_tokens_per_round", "accepted_per_draft_token", *STEP_COUNTERS):
                     row[key] = statistics.median(r[key] for r in runs)
                 result["rows"].append(row)
                 print(f"  {latency:g} ms, {n} streams, overlap {mode}: {row['tok_s']:.1f} tok/s",
@@ -213,13 +226,13 @@ def main() -> None:
           f"stream, median of {args.repeats} (ratios: median of the repeats' own)\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
-          f"{'identical':>10}{'overlapped':>11}")
+          f"{'identical':>10}{'overlapped':>11}{'ahead':>6}")
     for r in result["rows"]:
         print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>15}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
               f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"
-              f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}")
+              f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}{r['ahead_rounds']:>6.0f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")

@@ -31,7 +31,9 @@ that fixed part. So with ``--overlap on`` (the default) the loop splits only
 while ``costs.overlap_pays`` says so, from the measured propose time and the
 scorer's fitted Verify cost (``always`` splits regardless: tests, and
 benchmarks of the split itself); with one live sequence there is nothing to
-overlap and rounds are lock-step.
+overlap. Where cohorts do not pay, ``on`` drafts ahead (below) while the
+proposer takes a share of the Verify's time worth hiding
+(``costs.ahead_pays``), for copy methods; else rounds are lock-step.
 
 Drafting ahead (``--overlap ahead``). Cohorts halve the batch, which a
 scorer whose Verify is bound by reading the weights (a GPU, and this CPU:

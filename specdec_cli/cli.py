@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "RESOURCE_EXHAUSTED or UNAVAILABLE")
     p.add_argument("--overlap", default="on", choices=["on", "always", "ahead", "off"],
                    help="on: while it pays (measured), verify one half of the sequences while the proposers "
-                        "draft the other half, so proposer time leaves the critical path; always: whenever "
+                        "draft the other half, so proposer time leaves the critical path, and where that does "
+                        "not pay but the proposer takes over a tenth of the Verify's time, draft ahead as "
+                        "below (copy methods); always: whenever "
                         "two or more sequences are live; ahead: while a round is verified, the proposers draft the "
                         "next one (budget 2k+1), used where the round's outcome confirms it; the round waits "
                         "for fresh drafts, or for a proposer slower than the Verify, only where that pays "

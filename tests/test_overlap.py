@@ -3,11 +3,13 @@
 Unit tests around a scripted proposer and scorer that take time: the
 proposer drafts one cohort while the scorer verifies the other, every
 sequence still goes propose → verify → commit in order, and the output is
-lock-step's; ``--overlap on`` splits only when the measured costs say so.
+lock-step's; ``--overlap on`` splits, or drafts ahead, only when the
+measured costs say so.
 
 System tests with real processes over gRPC on stories260K, the gateway run
-with ``--overlap always`` (stories260K's Verify is so cheap that ``on`` would
-mostly choose lock-step): greedy output of every method and draft length, in
+with ``--overlap always`` or ``ahead`` (against stories260K's cheap Verify,
+``on`` chooses between lock-step and drafting ahead by the measured times,
+which the machine's load sways): greedy output of every method and draft length, in
 concurrent streams, equals transformers greedy; seeded sampling gives the
 same tokens with overlap as without. A proposer killed mid-run: test_faults.py."""
 from __future__ import annotations
