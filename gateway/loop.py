@@ -166,10 +166,10 @@ class SpecLoop:
         # wait for only where that pays (_settle_ahead); the answers land in self._ahead
         self._in_flight: dict[str, _InFlight] = {}
         self._held_all: set[str] = set()  # sequences whose last round accepted every draft it verified
-        self._ahead_on = False  # --overlap on: the last round drafted ahead (costs.ahead_pays' hysteresis)
         self._verify_s: float | None = None  # moving average of a lock-step or drafting-ahead round's Verify wall time
         self._verify_measured = False  # _verify_s holds a round without prefills (not only a stand-in)
         self._propose_s: float | None = None  # moving average of a propose phase's wall time
+        self._propose_measured = False  # _propose_s holds a phase without opens (not only a stand-in)
         self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -336,13 +336,26 @@ class SpecLoop:
             self._in_flight[addr] = _InFlight(task, time.perf_counter(), {s.seq_id for s in group})
 
     async def _exchange_ahead(self, addr: str, seqs: list[Sequence]) -> None:
-        start = time.perf_counter()
+        start, opening = time.perf_counter(), _opens(seqs)
         try:
             await self._propose_on(addr, seqs, ahead=True)
         finally:
             elapsed = time.perf_counter() - start
             metrics.PHASE_SECONDS.labels("propose_ahead").observe(elapsed)
-            self._propose_s = _moving_average(self._propose_s, elapsed)
+            self._observe_propose(elapsed, opening)
+
+    def _observe_propose(self, elapsed: float, opening: bool) -> None:
+        """Keeps the moving average of a propose phase's wall time. A phase
+        that opened a sequence only stands in until one that did not is
+        measured: an open (the whole context sent and indexed, a draft
+        model's prefill) does not tell the rounds to come (its time, the
+        first a gateway measures, made ``--overlap on`` draft ahead of a
+        ~1.5 ms proposer against a 32 ms Verify)."""
+        if not opening:
+            self._propose_s = _moving_average(self._propose_s if self._propose_measured else None, elapsed)
+            self._propose_measured = True
+        elif not self._propose_measured:
+            self._propose_s = elapsed
 
     async def _settle_ahead(self, live: list[Sequence]) -> None:
         """Takes the answers of the exchanges drafting ahead that have ended,
@@ -451,12 +464,12 @@ class SpecLoop:
         if self.config.overlap is Overlap.AHEAD:
             return True
         ahead = [s for s in live if s.may_draft_ahead]
-        self._ahead_on = (self.config.overlap is Overlap.ON and bool(ahead) and self._propose_s is not None
-                          and self._verify_measured and self._verify_s is not None
-                          and all(s.params.method in ONE_HOT_METHODS for s in ahead)
-                          and ahead_pays(self._propose_s, self._verify_s, self._ahead_on)
-                          and not self._overlap_pays(live))
-        return self._ahead_on
+        return (self.config.overlap is Overlap.ON and bool(ahead)
+                and self._propose_measured and self._verify_measured
+                and self._propose_s is not None and self._verify_s is not None
+                and all(s.params.method in ONE_HOT_METHODS for s in ahead)
+                and ahead_pays(self._propose_s, self._verify_s)
+                and not self._overlap_pays(live))
 
     def _overlap_pays(self, live: list[Sequence]) -> bool:
         """Two sequences or more, and overlap always, or on and the cost model
@@ -483,10 +496,10 @@ class SpecLoop:
         drafts = {seq.seq_id: NO_DRAFT for seq in live}
         if not groups:
             return drafts
-        start = time.perf_counter()
+        start, opening = time.perf_counter(), _opens(live)
         for found in await asyncio.gather(*(self._propose_on(a, seqs, ahead) for a, seqs in groups.items())):
             drafts.update(found)
-        self._propose_s = _moving_average(self._propose_s, time.perf_counter() - start)
+        self._observe_propose(time.perf_counter() - start, opening)
         return drafts
 
     async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
@@ -676,6 +689,11 @@ def _next_cohort(live: list[Sequence], verifying: list[Sequence]) -> list[Sequen
     if len(free) > len(verifying) + 1:
         return free[:(len(live) + 1) // 2]
     return free
+
+
+def _opens(seqs: list[Sequence]) -> bool:
+    """Whether a propose message for ``seqs`` opens any (its proposer holds none of it)."""
+    return any(s.proposer_len == 0 for s in seqs)
 
 
 def _busiest_scorer(seqs: list[Sequence]) -> tuple[str, int] | None:

@@ -64,8 +64,8 @@ class _SlowProposer:
     target's continuation, of varied length and now and then wrong at the
     end, keeping every sequence's tokens as a real proposer does."""
 
-    def __init__(self, calls: _Calls, latency_s: float) -> None:
-        self.calls, self.latency_s = calls, latency_s
+    def __init__(self, calls: _Calls, latency_s: float, open_s: float = 0.0) -> None:
+        self.calls, self.latency_s, self.open_s = calls, latency_s, open_s  # open_s: more for a message that opens
         self.tokens: dict[str, list[int]] = {}
         self.rounds = 0
         self.budgets: list[int] = []  # every num_speculative_tokens asked for
@@ -73,7 +73,7 @@ class _SlowProposer:
 
     async def exchange(self, request: pb.ProposeRequest, timeout_s: float) -> pb.ProposeResponse:
         start = time.perf_counter()
-        await asyncio.sleep(self.latency_s)
+        await asyncio.sleep(self.latency_s + (self.open_s if any(u.open for u in request.sequences) else 0.0))
         self.rounds += 1
         response = pb.ProposeResponse(batch_id=request.batch_id)
         cols = request.round  # the held sequences' updates as columns (ProposeRequest.round)
@@ -170,13 +170,13 @@ def _prompt(i: int, prompt_len: int = 3) -> list[int]:
 
 def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency_s: float = 0.02,
               fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3, prompt_len: int = 3,
-              method: str = "ngram", strategy: int = GREEDY):
+              method: str = "ngram", strategy: int = GREEDY, open_s: float = 0.0):
     """Runs num_seqs sequences to the end; returns (their tokens, the call log).
     Every draft verified must be one the proposer made for the sequence's
     committed context (or the rest of one made before, past the tokens
     committed since: drafting ahead)."""
     calls = _Calls()
-    proposer, scorer = _SlowProposer(calls, latency_s), _SlowScorer(calls, fixed_s, per_token_s)
+    proposer, scorer = _SlowProposer(calls, latency_s, open_s), _SlowScorer(calls, fixed_s, per_token_s)
 
     async def run():
         loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {method: ReplicaSet(method, [PROPOSER])},
@@ -452,18 +452,20 @@ def test_overlap_on_drafts_ahead_when_the_proposer_is_slower_than_the_verify(num
     assert _ahead_used(calls) >= 2, "no drafts proposed ahead were verified"
 
 
-@pytest.mark.parametrize("method,strategy,latency_s,fixed_s", [
-    ("draft", GREEDY, 0.02, 0.0),  # a model's draft tokens ahead cost a forward each
-    ("ngram", pb.VERIFY_STRATEGY_REJECTION, 0.02, 0.0),  # its sample depends on the drafts
-    ("ngram", GREEDY, 0.001, 0.04),  # a proposer too quick to be worth hiding (2.5 % of the Verify)
+@pytest.mark.parametrize("method,strategy,latency_s,fixed_s,open_s", [
+    ("draft", GREEDY, 0.02, 0.0, 0.0),  # a model's draft tokens ahead cost a forward each
+    ("ngram", pb.VERIFY_STRATEGY_REJECTION, 0.02, 0.0, 0.0),  # its sample depends on the drafts
+    ("ngram", GREEDY, 0.001, 0.04, 0.0),  # a proposer too quick to be worth hiding (2.5 % of the Verify)
+    ("ngram", GREEDY, 0.001, 0.04, 0.04),  # the same, its open slow: the open does not tell the rounds after
 ])
-def test_overlap_on_keeps_lock_step_rounds_where_drafting_ahead_does_not_fit(method, strategy, latency_s, fixed_s):
+def test_overlap_on_keeps_lock_step_rounds_where_drafting_ahead_does_not_fit(method, strategy, latency_s, fixed_s,
+                                                                             open_s):
     """One sequence (no cohorts): --overlap on drafts ahead only for copy
     methods whose output does not depend on the drafts, and only when the
     proposer's time is a share of the Verify's worth hiding; else every
     round proposes, then verifies."""
     outputs, calls = _generate(Overlap.ON, num_seqs=1, max_tokens=30, latency_s=latency_s, fixed_s=fixed_s,
-                               per_token_s=0.001, method=method, strategy=strategy)
+                               per_token_s=0.001, method=method, strategy=strategy, open_s=open_s)
     assert outputs == [_expected(_prompt(0), 30)]
     assert len([c for c in calls.log if c[0] == "propose"]) >= 5
     assert calls.overlapping() == []
@@ -489,10 +491,10 @@ def test_ahead_pays_when_the_proposer_takes_a_share_of_the_verify_worth_hiding()
     from specdec.gateway.costs import AHEAD_PROPOSE_SHARE, ahead_pays
 
     verify = 0.040
-    assert ahead_pays(0.020, verify, False)  # a remote or model-speed proposer: half the Verify
-    assert not ahead_pays(0.001, verify, False)  # a local copy proposer beside a CPU Verify
-    edge = 0.75 * AHEAD_PROPOSE_SHARE * verify  # between the two thresholds: the mode the rounds are in stays
-    assert ahead_pays(edge, verify, True) and not ahead_pays(edge, verify, False)
+    assert ahead_pays(0.020, verify)  # a remote or model-speed proposer: half the Verify
+    assert not ahead_pays(0.001, verify)  # a local copy proposer beside a CPU Verify
+    assert ahead_pays(1.2 * AHEAD_PROPOSE_SHARE * verify, verify)
+    assert not ahead_pays(0.8 * AHEAD_PROPOSE_SHARE * verify, verify)
 
 
 def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
