@@ -104,8 +104,9 @@ def overlap_pays(propose_s: float, verify: tuple[float, float], tokens: float) -
 #: round (P/(P+V) of the time, 9 % at the threshold); below it drafting
 #: ahead has little to hide and loses about as much to rounds whose draft
 #: ahead the outcome contradicts and, on a local stack, to a proposer
-#: computing on the scorer's cores beside it (SmolLM2, 32 streams, 20 ms:
-#: P/V 0.11, drafting ahead 0.94x lock-step, within noise; README).
+#: computing on the scorer's cores beside it (the README's SmolLM2 run on
+#: an AMD EPYC: at P/V ≈ 0.11, 8 streams with 5 ms and 32 with 20 ms added
+#: to the proposer, ``on`` drafting ahead read 0.96x and 1.03x lock-step).
 AHEAD_PROPOSE_SHARE = 0.1
 
 

@@ -41,7 +41,7 @@ AHEAD_ROUNDS = Counter("specdec_gateway_ahead_rounds_total",
                        "or on while the proposer's time is worth hiding)")
 AHEAD_DRAFTS = Counter("specdec_gateway_ahead_drafts_total",
                        "Drafts verified that were proposed ahead, during the round before, and still held "
-                       "(--overlap ahead), by method", ["method"])
+                       "(--overlap ahead, or on drafting ahead), by method", ["method"])
 REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",

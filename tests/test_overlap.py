@@ -512,10 +512,12 @@ def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
 
 def test_a_prefill_does_not_hold_the_rounds_after_it_waiting_for_drafts():
     """Long prompts make the first Verify a slow prefill (0.24 s here)
-    against ~3 ms rounds after it, with a 10 ms proposer: waiting for fresh
-    drafts never pays once the rounds are measured. A prefill counted in the
-    measured Verify time made the rounds after it wait (10 of them here)."""
-    outputs, calls = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.01, per_token_s=0.0002,
+    against ~3 ms rounds after it, with a 30 ms proposer: waiting for fresh
+    drafts never pays once the rounds are measured (with 10 ms, two busy
+    loops on the machine stretched the rounds enough that it did, 7 times,
+    in some runs). A prefill counted in the measured Verify time made the
+    rounds after it wait (10 of them here)."""
+    outputs, calls = _generate(Overlap.AHEAD, num_seqs=4, max_tokens=40, latency_s=0.03, per_token_s=0.0002,
                                prompt_len=300)
     assert outputs == [_expected(_prompt(i, 300), 40) for i in range(4)]
     assert sum(_waited(calls)) <= 2  # the rounds before a decode round was measured
