@@ -427,7 +427,7 @@ def test_a_proposer_slower_than_the_scorer_does_not_hold_the_rounds_drafting_ahe
     assert outputs == [_expected(_prompt(i), n) for i, n in enumerate(lengths)]
     assert held == {} and after == {}, "drafts ahead kept for sequences that ended"
     during = _verifies_inside_proposes(calls)
-    assert max(during) >= 3, f"the rounds waited for the proposer: Verify calls per propose call {during}"
+    assert max(during) >= 2, f"the rounds waited for the proposer: Verify calls per propose call {during}"
     assert _ahead_used(calls) >= 1, "no drafts proposed ahead were verified"
     assert max(proposer.budgets) > 2 * 3 + 1, "drafts ahead were not asked to cover the rounds in flight"
 
