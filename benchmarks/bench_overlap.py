@@ -158,8 +158,8 @@ def main() -> None:
                          "short Verify is the case overlap is for)")
     ap.add_argument("--baseline-src",
                     help="another gateway package directory (e.g. git archive main gateway | tar -x -C /tmp/base, "
-                         "then /tmp/base/gateway): every mode but off also runs on it, in the same repeats, as "
-                         "MODE@baseline")
+                         "then /tmp/base/gateway): every mode but off (or --baseline-modes) also runs on it, in "
+                         "the same repeats, as MODE@baseline")
     ap.add_argument("--baseline-modes", help="the modes --baseline-src runs (default: every mode but off)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
@@ -171,6 +171,8 @@ def main() -> None:
     if unknown or "off" not in modes:
         ap.error(f"--modes: {'unknown ' + repr(unknown[0]) if unknown else 'off (lock-step) is missing'}; "
                  f"choose from {','.join(MODES)}")
+    if args.baseline_modes is not None and not args.baseline_src:
+        ap.error("--baseline-modes: needs --baseline-src (the gateway package they run on)")
     if args.baseline_src:
         if not Path(args.baseline_src, "loop.py").is_file():
             ap.error(f"--baseline-src: {args.baseline_src} is not a gateway package directory (no loop.py)")
