@@ -176,9 +176,10 @@ def main() -> None:
     if args.baseline_src:
         if not Path(args.baseline_src, "loop.py").is_file():
             ap.error(f"--baseline-src: {args.baseline_src} is not a gateway package directory (no loop.py)")
-        again = [m for m in modes if m != "off"] if args.baseline_modes is None else args.baseline_modes.split(",")
-        if "off" in again or not set(again) <= set(modes):
-            ap.error(f"--baseline-modes: choose from the measured modes but off ({','.join(modes)})")
+        candidates = [m for m in modes if m != "off"]
+        again = candidates if args.baseline_modes is None else args.baseline_modes.split(",")
+        if not set(again) <= set(candidates):
+            ap.error(f"--baseline-modes: choose from the measured modes but off ({','.join(candidates)})")
         modes += [m + BASELINE for m in modes if m in again]
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "baseline_src": args.baseline_src,
