@@ -119,16 +119,34 @@ def ahead_pays(propose_s: float, verify_s: float) -> bool:
     return propose_s > AHEAD_PROPOSE_SHARE * verify_s
 
 
-def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain_tokens: float) -> bool:
+def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain_tokens: float,
+                     kept_tokens: float = 0.0, deferred_tokens: float = 0.0, rows_s: float = 0.0) -> bool:
     """Whether a round should wait for the proposers (drafting ahead, loop.py).
 
     Without waiting the round takes ``V`` (verify_s) and is expected to yield
     ``base_tokens`` (each sequence's next token plus the expected accepted
     drafts it already has); waiting ``P`` (propose_s) for fresh drafts of the
-    sequences that have none adds ``gain_tokens`` expected accepted drafts.
-    Wait when that raises the round's tokens per second:
-    ``(base + gain) / (V + P) > base / V``."""
-    return gain_tokens * verify_s > base_tokens * propose_s
+    sequences that have none adds ``gain_tokens`` expected accepted drafts,
+    and ``rows_s`` to the Verify (the rows those drafts add to it: ~1 ms a
+    row on 2 CPU cores, next to nothing on a GPU at a small batch).
+
+    What each choice leaves the next round counts too, in the accepted
+    tokens its drafts are expected to bring then: waiting, the fresh drafts'
+    tails (they are asked for two rounds) hold where this round accepts all
+    of them and the token after (``kept_tokens``); going on, the proposers
+    draft ahead beside this Verify for the sequences left without, and those
+    drafts hold where they begin with the tokens this round outputs
+    (``deferred_tokens``). A fresh draft whose first token is wrong brings
+    nothing, waited for or not: going on, the rest of a right one is
+    verified a round later, and a slow proposer's wait becomes a plain
+    step's token. (One stream, SmolLM2, a 20 ms proposer against a ~25 ms
+    Verify: the rule without the next round's drafts waited 5 times a
+    96-token request, 3 of them for fresh drafts that accepted nothing.)
+
+    Wait when that raises the tokens per second:
+    ``(base + gain + kept) / (V + P + rows) > (base + deferred) / V``."""
+    return ((base_tokens + gain_tokens + kept_tokens) * verify_s
+            > (base_tokens + deferred_tokens) * (verify_s + propose_s + rows_s))
 
 
 class VerifyCosts:

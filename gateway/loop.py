@@ -437,15 +437,23 @@ class SpecLoop:
     def _fresh_drafts_pay(self, live: list[Sequence], drafts: dict[str, Draft], optional: list[Sequence]) -> bool:
         """Whether waiting for fresh drafts for ``optional`` (sequences whose
         draft ahead is missing or short of the budget) is expected to yield
-        more tokens per second than verifying at once (until both times are
-        measured, it is tried)."""
+        more tokens per second than verifying at once, counting the drafts
+        each choice leaves the next round (``costs.fresh_drafts_pay``; going
+        on, only the sequences whose proposer replica has no exchange in
+        flight get a draft ahead this round). Until both times are
+        measured, it is tried."""
         if self._propose_s is None or self._verify_s is None:
             return True
         held = {s.seq_id: sum(draft_gains(s, drafts[s.seq_id])) for s in live}
         base = sum(1.0 + h for h in held.values())
-        gain = sum(max(0.0, _expected_accepted(s) - held[s.seq_id])
-                   for s in optional)
-        return fresh_drafts_pay(self._propose_s, self._verify_s, base, gain)
+        gain = sum(max(0.0, _expected_accepted(s) - held[s.seq_id]) for s in optional)
+        kept = sum(_chain_gains(s, s.num_speculative_tokens() + 1) for s in optional)
+        deferred = sum(_chain_gains(s, len(drafts[s.seq_id]) + 1) for s in optional
+                       if s.proposer_addr not in self._in_flight)
+        estimate = self._verify_estimate(live)
+        rows = sum(max(0, s.num_speculative_tokens() - len(drafts[s.seq_id])) for s in optional)
+        rows_s = rows * estimate[1] if estimate is not None else 0.0
+        return fresh_drafts_pay(self._propose_s, self._verify_s, base, gain, kept, deferred, rows_s)
 
     def _take_drafted(self, live: list[Sequence]) -> dict[str, Draft]:
         """The drafts of last step's proposed cohort that are still live."""
@@ -706,7 +714,16 @@ def _expected_accepted(seq: Sequence) -> float:
     """Accepted draft tokens a fresh draft of this round's budget is
     expected to bring the sequence (how often its proposer offers any, and
     its acceptance estimate)."""
-    return seq.drafts_offered * sum(seq.acceptance.gains(seq.num_speculative_tokens()))
+    return _chain_gains(seq, 0)
+
+
+def _chain_gains(seq: Sequence, skip: int) -> float:
+    """Accepted tokens expected of this round's budget of a draft's tokens
+    past its first ``skip`` (a draft proposed ahead, used where the rounds'
+    output matched those): the acceptance of its positions skip+1 ..
+    skip+budget (a position is accepted only if every one before it is)."""
+    budget = seq.num_speculative_tokens()
+    return seq.drafts_offered * sum(seq.acceptance.gains(skip + budget)[skip:])
 
 
 def _moving_average(average: float | None, value: float, decay: float = 0.9) -> float:

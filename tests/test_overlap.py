@@ -510,6 +510,26 @@ def test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay():
     assert sum(_waited(quick)) >= 5
 
 
+@pytest.mark.parametrize("overlap", [Overlap.AHEAD, Overlap.ON])
+def test_a_round_goes_on_without_fresh_drafts_where_the_proposer_is_as_slow_as_a_plain_verify(overlap):
+    """One sequence, a 20 ms proposer against a ~25 ms Verify (SmolLM2 on 2
+    CPU cores and a remote proposer): a round whose draft ahead the output
+    contradicted verifies at once, without drafts, while the proposer drafts
+    ahead beside it; that draft is verified the round after where its first
+    token is the one the round output (where it is not, a fresh draft
+    waited for would have brought nothing either). The rule that counted
+    only the round at hand waited for fresh drafts after most
+    contradictions here (12 of 19 rounds) and lost 13.9 % of tokens/s at 20
+    ms in bench_overlap. A quick proposer beside a Verify with a large fixed
+    part is still waited for (test_drafting_ahead_waits_for_fresh_drafts_only_when_they_pay)."""
+    outputs, calls = _generate(overlap, num_seqs=1, max_tokens=60, latency_s=0.02, fixed_s=0.02,
+                               per_token_s=0.001)
+    assert outputs == [_expected(_prompt(0), 60)]
+    waited = _waited(calls)
+    assert sum(waited) <= 2, f"rounds waited for fresh drafts: {waited}"  # (before the times are measured)
+    assert _ahead_used(calls) >= 8, "drafts proposed beside a Verify were not verified"
+
+
 def test_a_prefill_does_not_hold_the_rounds_after_it_waiting_for_drafts():
     """Long prompts make the first Verify a slow prefill (0.24 s here)
     against ~3 ms rounds after it, with a 30 ms proposer: waiting for fresh
@@ -530,6 +550,15 @@ def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
     assert fresh_drafts_pay(0.005, 0.040, 6.0, 1.0)  # +1 token for 5 ms: 156 tokens/s
     assert not fresh_drafts_pay(0.020, 0.040, 6.0, 1.0)  # +1 token for 20 ms: 117 tokens/s
     assert not fresh_drafts_pay(0.001, 0.040, 6.0, 0.0)  # nothing to gain
+    # one sequence, 5 ms waited for 2 tokens against a 25 ms Verify: worth it on this round alone...
+    assert fresh_drafts_pay(0.005, 0.025, 1.0, 2.0)
+    assert fresh_drafts_pay(0.020, 0.025, 1.0, 2.0)
+    # ...but not at 20 ms once going on keeps most of them for the next round (the proposer drafts ahead
+    # beside the Verify), waiting keeps less (a tail that holds only if this round accepts all)
+    assert fresh_drafts_pay(0.005, 0.025, 1.0, 2.0, kept_tokens=1.0, deferred_tokens=1.8)
+    assert not fresh_drafts_pay(0.020, 0.025, 1.0, 2.0, kept_tokens=1.0, deferred_tokens=1.8)
+    # the rows the fresh drafts add to the Verify count against waiting
+    assert not fresh_drafts_pay(0.005, 0.025, 1.0, 2.0, kept_tokens=1.0, deferred_tokens=1.8, rows_s=0.015)
 
 
 def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():
