@@ -21,7 +21,8 @@ run (what ``--overlap on`` decides with). Prints a table with the CPU model and 
 same run (benchmarks/package_copy.py): every mode but off (or those of
 ``--baseline-modes``) gets a second gateway per latency running DIR's code,
 its rows named ``MODE@baseline``, taking turns with the others in every
-repeat. "ahead" counts the rounds that drafted ahead (``--overlap ahead``,
+repeat; "vs base" is the median of a mode's ratios to its baseline row
+within each repeat. "ahead" counts the rounds that drafted ahead (``--overlap ahead``,
 or ``on`` choosing to).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
@@ -215,7 +216,10 @@ def main() -> None:
                        # ratios within a repeat (the rows it compares ran minutes apart at most), median
                        "vs_off": _ratio(runs, samples[latency, "off"]),
                        "loss_vs_same_mode_0ms": 1 - _ratio(runs, samples[latencies[0], mode]),
-                       "vs_off_0ms": _ratio(runs, samples[latencies[0], "off"])}
+                       "vs_off_0ms": _ratio(runs, samples[latencies[0], "off"]),
+                       # against the same mode on --baseline-src's gateway, paired within each repeat
+                       "vs_baseline": (_ratio(runs, samples[latency, mode + BASELINE])
+                                       if (latency, mode + BASELINE) in samples else None)}
                 row["verify_fit_runs"] = [r["verify_fit"] for r in runs]
                 for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
                             "draft_tokens_per_round", "accepted_per_draft_token", *STEP_COUNTERS):
@@ -229,13 +233,14 @@ def main() -> None:
           f"stream, median of {args.repeats} (ratios: median of the repeats' own)\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
-          f"{'identical':>10}{'overlapped':>11}{'ahead':>6}")
+          f"{'identical':>10}{'overlapped':>11}{'ahead':>6}{'vs base':>8}")
     for r in result["rows"]:
         print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>15}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
               f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"
-              f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}{r['ahead_rounds']:>6.0f}")
+              f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}{r['ahead_rounds']:>6.0f}"
+              + (f"{r['vs_baseline']:>7.2f}x" if r["vs_baseline"] is not None else f"{'-':>8}"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
