@@ -127,8 +127,9 @@ def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain
     ``base_tokens`` (each sequence's next token plus the expected accepted
     drafts it already has); waiting ``P`` (propose_s) for fresh drafts of the
     sequences that have none adds ``gain_tokens`` expected accepted drafts,
-    and ``rows_s`` to the Verify (the rows those drafts add to it: ~1 ms a
-    row on 2 CPU cores, next to nothing on a GPU at a small batch).
+    and ``rows_s`` to the Verify (the rows those drafts add to it, at the
+    scorer's fitted cost per row: milliseconds on a CPU at 8 streams, next
+    to nothing on a GPU at a small batch).
 
     What each choice leaves the next round counts too, in the accepted
     tokens its drafts are expected to bring then: waiting, the fresh drafts'
