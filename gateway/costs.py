@@ -140,9 +140,10 @@ def fresh_drafts_pay(propose_s: float, verify_s: float, base_tokens: float, gain
     (``deferred_tokens``). A fresh draft whose first token is wrong brings
     nothing, waited for or not: going on, the rest of a right one is
     verified a round later, and a slow proposer's wait becomes a plain
-    step's token. (One stream, SmolLM2, a 20 ms proposer against a ~25 ms
-    Verify: the rule without the next round's drafts waited 5 times a
-    96-token request, 3 of them for fresh drafts that accepted nothing.)
+    step's token. (A per-round log of one SmolLM2 stream, a 20 ms proposer
+    against a ~25 ms Verify: the rule without the next round's drafts waited
+    5 times a 96-token request, 3 of them for fresh drafts that accepted
+    nothing; the A/B with bench_overlap is in the README.)
 
     Wait when that raises the tokens per second:
     ``(base + gain + kept) / (V + P + rows) > (base + deferred) / V``."""
