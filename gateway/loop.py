@@ -94,12 +94,14 @@ from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
 from specdec.gateway.costs import (
+    DecodeAheadHints,
     DraftBudgets,
     VerifyCosts,
     ahead_pays,
     apply_plan,
     draft_gains,
     fresh_drafts_pay,
+    moving_average,
     overlap_pays,
     plan_drafts,
 )
@@ -156,6 +158,7 @@ class SpecLoop:
         self.releases = Releases(self.conns)
         self.costs = VerifyCosts()
         self.budgets = DraftBudgets()  # model proposers: draft tokens worth asking for
+        self.decode_ahead = DecodeAheadHints()  # the scorer's steps ahead worth skipping
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
         self._model_acceptance: dict[str, AcceptanceEstimate] = {}  # the same, of model-made drafts alone
         self._live: list[Sequence] = []
@@ -352,7 +355,7 @@ class SpecLoop:
         first a gateway measures, made ``--overlap on`` draft ahead of a
         ~1.5 ms proposer against a 32 ms Verify)."""
         if not opening:
-            self._propose_s = _moving_average(self._propose_s if self._propose_measured else None, elapsed)
+            self._propose_s = moving_average(self._propose_s if self._propose_measured else None, elapsed)
             self._propose_measured = True
         elif not self._propose_measured:
             self._propose_s = elapsed
@@ -412,7 +415,7 @@ class SpecLoop:
         verdicts = await clock.timed("verify", self._verify(live, drafts))
         elapsed = time.perf_counter() - start
         if decode_only:
-            self._verify_s = _moving_average(self._verify_s if self._verify_measured else None, elapsed)
+            self._verify_s = moving_average(self._verify_s if self._verify_measured else None, elapsed)
             self._verify_measured = True
         elif not self._verify_measured:
             self._verify_s = elapsed
@@ -552,10 +555,10 @@ class SpecLoop:
             drafting_ahead = ahead and seq.may_draft_ahead
             draft = self._checked(seq, answer.draft, budget)
             seq.acceptance.proposed(context_len, draft.token_ids.tolist())
-            seq.drafts_offered = _moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
+            seq.drafts_offered = moving_average(seq.drafts_offered, float(len(draft) > 0), decay=0.8)
             if draft:
                 by_model = draft.confidence() is not None
-                seq.model_drafted = _moving_average(seq.model_drafted, float(by_model), decay=0.8)
+                seq.model_drafted = moving_average(seq.model_drafted, float(by_model), decay=0.8)
                 if by_model:
                     seq.model_acceptance.proposed(context_len, draft.token_ids.tolist())
                     model_steps = max(model_steps, len(draft))
@@ -613,8 +616,10 @@ class SpecLoop:
         if min(steps.values()) == 1:
             steps = {}
         start = time.perf_counter()
+        skips = self.decode_ahead.skips(addr, seqs, kept, self.costs.estimate(addr),
+                                        self.costs.overhead_s.get(addr, 0.0), start)
         try:
-            response = await self.conns.scorer(addr).Verify(verify_request(seqs, kept, steps),
+            response = await self.conns.scorer(addr).Verify(verify_request(seqs, kept, steps, skips),
                                                             timeout=self.config.verify_timeout_s)
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # a request that got past our checks
@@ -626,15 +631,19 @@ class SpecLoop:
                 raise
             self.failures.scorer_failed(addr, len(seqs), "CANCELLED")
             return [Verdict(seq, Status.SCORER_FAILED, message="CANCELLED") for seq in seqs]
-        rpc_s = time.perf_counter() - start
+        answered = time.perf_counter()
+        rpc_s = answered - start
+        verdicts = verdicts_from_response(seqs, kept, response)
+        self.decode_ahead.answered(seqs, kept, {v.seq.seq_id: v.num_accepted for v in verdicts
+                                                if v.status is Status.OK}, answered)
         if not steps:  # several passes per call would not fit the one-pass cost model
             self.costs.observe(addr, plan, response.compute_s, rpc_s)
         if plan.decode_only and not steps:  # prefills would not tell the rows of the rounds to come
-            self._tokens_per_seq = _moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
+            self._tokens_per_seq = moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
         for seq in seqs:
             seq.stats.verify_s += response.compute_s
             seq.stats.network_s += max(0.0, rpc_s - response.compute_s)
-        return verdicts_from_response(seqs, kept, response)
+        return verdicts
 
     # --------------------------------------------------------------- commit
 
@@ -670,6 +679,7 @@ class SpecLoop:
             if seq.done:
                 self._ahead.pop(seq.seq_id, None)
                 self._held_all.discard(seq.seq_id)
+                self.decode_ahead.forget(seq.seq_id)
                 _count_end(seq)
                 self.releases.add(seq)
             else:
@@ -724,10 +734,6 @@ def _chain_gains(seq: Sequence, skip: int) -> float:
     skip+budget (a position is accepted only if every one before it is)."""
     budget = seq.num_speculative_tokens()
     return seq.drafts_offered * sum(seq.acceptance.gains(skip + budget)[skip:])
-
-
-def _moving_average(average: float | None, value: float, decay: float = 0.9) -> float:
-    return value if average is None else decay * average + (1 - decay) * value
 
 
 class _RoundClock:

@@ -163,11 +163,12 @@ def draft_from_message(msg: pb.Draft) -> Draft:
                  tuple(np.asarray(p.probs, dtype=np.float32) for p in msg.probs))
 
 
-def verify_request(seqs: list[Sequence], drafts: dict[str, Draft],
-                   decode_steps: dict[str, int] | None = None) -> pb.VerifyRequest:
+def verify_request(seqs: list[Sequence], drafts: dict[str, Draft], decode_steps: dict[str, int] | None = None,
+                   skip_decode_ahead: set[str] | frozenset[str] = frozenset()) -> pb.VerifyRequest:
     """One Verify call: each sequence's drafts, and its whole context when the
     scorer does not hold it yet; decode_steps: tokens to decode per sequence
-    (plain decoding; absent: one)."""
+    (plain decoding; absent: one); skip_decode_ahead: the sequences after
+    which the scorer should not decode ahead (``costs.DecodeAheadHints``)."""
     request = pb.VerifyRequest()
     for seq in seqs:
         p = seq.params
@@ -183,6 +184,8 @@ def verify_request(seqs: list[Sequence], drafts: dict[str, Draft],
             v.context_token_ids.extend(seq.tokens)
         if decode_steps and decode_steps.get(seq.seq_id, 1) > 1:
             v.decode_steps = decode_steps[seq.seq_id]
+        if seq.seq_id in skip_decode_ahead:
+            v.skip_decode_ahead = True
         if seq.features.layers:
             v.feature_layers.extend(seq.features.layers)
             if not seq.scorer_primed:

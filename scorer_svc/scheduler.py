@@ -45,6 +45,13 @@ seed and filters do not matter) rolls the step back first: the KV cache
 goes back to ``context_len - 1`` tokens and the round runs as without
 decode-ahead. The token is computed by the same rows a Verify would run
 (the engine is row-count invariant), so the output is the same either way.
+A step ahead pays where the next call is draft-less or rejects its first
+draft (the step's token answers it, the gap before it saved), and costs
+where that call's first draft is accepted: the drafts after the step's token
+need a pass of their own, once the step has ended, where one pass would have
+verified them all. So a call may ask for none after it
+(``VerifySequence.skip_decode_ahead``): the gateway does where it expects
+drafts often enough (``costs.decode_ahead_pays``).
 `specdec scorer --decode-ahead off` turns it off; the library's default is
 off.
 
@@ -100,7 +107,8 @@ LIVE_SEQUENCES = Gauge("specdec_scorer_live_sequences", "Sequences holding KV ca
 FREE_KV_TOKENS = Gauge("specdec_scorer_free_kv_tokens", "KV tokens still free")
 DECODE_AHEAD = Counter("specdec_scorer_decode_ahead_total",
                        "Decode steps run ahead of their Verify (plain decoding): used by the next Verify, or "
-                       "discarded (it asked for something else, or the sequence ended)", ["outcome"])
+                       "discarded (it asked for something else, or the sequence ended); skipped: not run, as "
+                       "the call asked (VerifySequence.skip_decode_ahead)", ["outcome"])
 EXPIRED = Counter("specdec_scorer_expired_sequences_total",
                   "Sequences whose KV cache was freed after idle_timeout_s without a Verify (a gateway "
                   "that died or lost them); a later Verify for one gets UNKNOWN_SEQUENCE and re-prefills")
@@ -132,6 +140,7 @@ class JobSpec:
     feature_layers: tuple[int, ...] = ()  # layers whose states to return (Engine.forward), in this order
     max_context_features: int = 0  # first touch: context positions' features to return at most (0: all)
     decode_steps: int = 1  # plain decoding: tokens to decode in this call at most (one pass each)
+    skip_decode_ahead: bool = False  # the caller expects drafts next call: no step ahead after this one
 
 
 @dataclass(frozen=True)
@@ -622,7 +631,10 @@ class Scheduler:
         call.loop.call_soon_threadsafe(_set_result, call.future, (call.results, call.compute_s, queue_s))
         if self.decode_ahead and all(r is not None and r.status == OK and _plain(s)
                                      for s, r in zip(call.specs, call.results)):
-            self._ahead_candidates.extend(call.specs)
+            skipped = sum(s.skip_decode_ahead for s in call.specs)
+            if skipped:
+                DECODE_AHEAD.labels("skipped").inc(skipped)
+            self._ahead_candidates.extend(s for s in call.specs if not s.skip_decode_ahead)
 
     def _start_ahead(self) -> None:
         """Runs the next decode step of the sequences just answered

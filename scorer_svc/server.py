@@ -113,7 +113,7 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
         strategy=int(strategy), accept_policy=int(seq.accept_policy),
         return_hidden_states=seq.return_hidden_states,
         feature_layers=feature_layers, max_context_features=seq.max_context_features,
-        decode_steps=max(1, seq.decode_steps))
+        decode_steps=max(1, seq.decode_steps), skip_decode_ahead=seq.skip_decode_ahead)
 
 
 def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int, feature_layers: tuple[int, ...]) -> None:

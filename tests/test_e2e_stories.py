@@ -88,6 +88,37 @@ def test_plain_decoding_takes_the_scorer_s_decode_ahead(stories_stack, stories_p
     assert scorer.metrics().get(key, 0.0) - before >= len(gen.token_ids) // (2 * DEFAULT_DECODE_STEPS)
 
 
+def test_a_verify_asking_for_no_step_ahead_gets_none_from_the_real_scorer(stories_stack, stories_path):
+    """Real processes: VerifySequence.skip_decode_ahead (what the gateway
+    asks where drafts follow) travels over gRPC into the scorer process,
+    which runs no step ahead of such a call (counted as skipped); a call
+    without it still gets its step, which the next call takes. The tokens
+    are plain greedy either way."""
+    import time
+
+    scorer = stories_stack.by_name("scorer")[0]
+
+    def count(outcome: str) -> float:
+        return scorer.metrics().get(f'specdec_scorer_decode_ahead_total{{outcome="{outcome}"}}', 0.0)
+
+    prompt = list(_ids(stories_path, PROMPTS["story"]))
+    tokens = list(prompt)
+    used, skipped = count("used"), count("skipped")
+    with grpc.insecure_channel(scorer.addr) as ch:
+        stub = pb_grpc.ScorerStub(ch)
+        for i, skip in enumerate([True, True, True, False, False]):
+            seq = pb.VerifySequence(seq_id="e2e-skip-ahead", context_len=len(tokens), skip_decode_ahead=skip,
+                                    context_token_ids=tokens if i == 0 else [])
+            result = stub.Verify(pb.VerifyRequest(sequences=[seq]), timeout=30).results[0]
+            assert result.status == pb.SEQUENCE_STATUS_OK, result.message
+            tokens += result.output_token_ids
+            time.sleep(0.3)  # time enough for a step ahead, were one started
+        stub.Release(pb.ReleaseRequest(seq_ids=["e2e-skip-ahead"]), timeout=30)
+    assert tokens[len(prompt):] == list(hf_greedy(stories_path, tuple(prompt), 5))
+    assert count("skipped") - skipped == 3
+    assert count("used") - used == 1  # the last call took the step run ahead of it
+
+
 def test_plain_decoding_comes_several_tokens_per_verify(stories_stack, stories_path):
     """The gateway's default --decode-steps (4): after the first token, each
     Verify of a plain sequence decodes 4 tokens, so the client gets them in

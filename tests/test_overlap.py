@@ -19,6 +19,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 from conftest import assert_same_as_greedy, hf_greedy, hf_model, start_stack
 
@@ -50,6 +51,7 @@ class _Calls:
 
     def __init__(self) -> None:
         self.log: list[tuple[str, frozenset[str], float, float, int]] = []
+        self.sent: list[tuple[bool, bool]] = []  # per VerifySequence: (it had drafts, skip_decode_ahead)
 
     def overlapping(self) -> list[tuple[frozenset[str], frozenset[str]]]:
         """(proposed seq_ids, verified seq_ids) of each propose call that was
@@ -121,6 +123,7 @@ class _SlowScorer:
         for v in request.sequences:
             if v.context_token_ids:
                 self.contexts[v.seq_id] = list(v.context_token_ids)
+            self.calls.sent.append((len(v.draft_token_ids) > 0, v.skip_decode_ahead))
         rows = sum(1 + len(v.draft_token_ids) + len(v.context_token_ids) for v in request.sequences)
         compute_s = self.fixed_s + self.per_token_s * rows
         await asyncio.sleep(compute_s)
@@ -559,6 +562,76 @@ def test_fresh_drafts_pay_when_their_tokens_outweigh_the_wait():
     assert not fresh_drafts_pay(0.020, 0.025, 1.0, 2.0, kept_tokens=1.0, deferred_tokens=1.8)
     # the rows the fresh drafts add to the Verify count against waiting
     assert not fresh_drafts_pay(0.005, 0.025, 1.0, 2.0, kept_tokens=1.0, deferred_tokens=1.8, rows_s=0.015)
+
+
+def test_a_decode_ahead_step_pays_where_the_next_call_rarely_starts_with_an_accepted_draft():
+    from specdec.gateway.costs import decode_ahead_pays
+
+    assert decode_ahead_pays(0.0, 0.002, 0.020)  # plain decoding: the step hides the gap, nothing to lose
+    assert decode_ahead_pays(0.9, 0.030, 0.020)  # a gap longer than the step: the step is done by then
+    # SmolLM2, one stream drafting ahead: ~2 ms gaps against ~20 ms steps
+    assert not decode_ahead_pays(0.5, 0.002, 0.020)  # half the calls after would wait 18 ms for it
+    assert decode_ahead_pays(0.05, 0.002, 0.020)  # 1.9 ms saved against 0.9 lost
+
+
+def test_decode_ahead_hints_learn_from_the_calls_after_draft_less_ones():
+    from specdec.drafts import NO_DRAFT, Draft
+    from specdec.gateway.costs import DecodeAheadHints
+
+    hints = DecodeAheadHints()
+    copy, plain = (Sequence(f"s-{m}", _params(_prompt(0), 3, 20, method=m), _Tokenizer(), (), 512)
+                   for m in ("ngram", "none"))
+    draft = Draft(np.array([1, 2, 3], dtype=np.int32))
+    step = (0.020, 0.001)  # the replica's Verify fit: ~21 ms for a one-row step
+    assert hints.skips(SCORER, [copy], {copy.seq_id: NO_DRAFT}, step, 0.0, now=0.0) == set()  # nothing known
+    hints.answered([copy], {copy.seq_id: NO_DRAFT}, {copy.seq_id: 0}, now=0.021)
+    assert hints.skips(SCORER, [copy], {copy.seq_id: draft}, step, 0.0, now=0.023) == set()  # drafts: no step
+    hints.answered([copy], {copy.seq_id: draft}, {copy.seq_id: 2}, now=0.045)  # after a draft-less call: accepted
+    assert hints.drafted_after_plain == {"ngram": 1.0} and hints.gap_s[SCORER] == pytest.approx(0.002)
+    assert hints.skips(SCORER, [copy], {copy.seq_id: NO_DRAFT}, step, 0.0, now=0.047) == {copy.seq_id}
+    assert hints.skips(SCORER, [copy], {copy.seq_id: NO_DRAFT}, None, 0.0, now=0.047) == set()  # no fit yet
+    # a gap (with the RPC overhead) as long as the step: the step costs nothing
+    assert hints.skips(SCORER, [copy], {copy.seq_id: NO_DRAFT}, step, 0.030, now=0.049) == set()
+    # plain decoding: the call after a draft-less one never has drafts
+    for i in range(3):
+        hints.answered([plain], {plain.seq_id: NO_DRAFT}, {plain.seq_id: 0}, now=0.1 + i * 0.02)
+    assert hints.drafted_after_plain["none"] == 0.0
+    assert hints.skips(SCORER, [plain, copy], {plain.seq_id: NO_DRAFT, copy.seq_id: NO_DRAFT}, step, 0.0,
+                       now=0.2) == {copy.seq_id}
+    hints.forget(copy.seq_id)
+    hints.answered([copy], {copy.seq_id: draft}, {copy.seq_id: 3}, now=0.3)  # not after a draft-less call now
+    assert hints.drafted_after_plain["ngram"] == 1.0
+
+
+@pytest.mark.parametrize("overlap,latency_s,skips", [(Overlap.AHEAD, 0.02, True), (Overlap.OFF, 0.0, True),
+                                                      (Overlap.OFF, 0.02, False)])
+def test_draft_less_calls_ask_the_scorer_for_no_step_ahead_where_drafts_follow(overlap, latency_s, skips):
+    """One sequence against a ~25 ms Verify. The calls without drafts (a
+    draft ahead contradicted, or the proposer had none) are mostly followed
+    by calls whose first draft is accepted. Drafting ahead beside a 20 ms
+    proposer, or lock-step with a quick one, the next call comes right
+    after the answer, so once the gateway has the scorer's fit those calls
+    ask for no decode-ahead step, which would make the next call wait for
+    it (SmolLM2 on 2 cores of an AMD EPYC: ~45 ms rounds instead of ~24).
+    Lock-step with a 20 ms proposer, the step is done before the next call
+    comes: nothing to skip. Calls with drafts never ask (the scorer decodes
+    ahead only after draft-less ones); the output is lock-step's."""
+    outputs, calls = _generate(overlap, num_seqs=1, max_tokens=60, latency_s=latency_s, fixed_s=0.02,
+                               per_token_s=0.001)
+    assert outputs == [_expected(_prompt(0), 60)]
+    assert not any(skip for drafted, skip in calls.sent if drafted)
+    plain = [skip for drafted, skip in calls.sent if not drafted]
+    if skips:
+        assert sum(plain) >= 3, f"draft-less calls asking for no step ahead: {plain}"
+    else:
+        assert len(plain) >= 3 and not any(plain), plain
+
+
+def test_plain_decoding_leaves_the_scorer_its_steps_ahead():
+    outputs, calls = _generate(Overlap.OFF, num_seqs=2, max_tokens=30, latency_s=0.0, fixed_s=0.002,
+                               per_token_s=0.001, method="none", k=0)
+    assert outputs == [_expected(_prompt(i), 30) for i in range(2)]
+    assert len(calls.sent) >= 30 and not any(skip for _, skip in calls.sent)
 
 
 def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():

@@ -596,6 +596,52 @@ def test_decode_ahead_starts_a_greedy_verify_with_drafts(stories_path, engine):
     assert _ahead_count("discarded") - discarded == 0
 
 
+def test_a_call_asking_for_no_step_ahead_gets_none(stories_path, engine):
+    """The rounds of the test above, every call asking for no decode-ahead
+    step (VerifySequence.skip_decode_ahead, what the gateway asks where
+    drafts follow): no step runs ahead of any call, each draft-less call is
+    counted as skipped, and the output is plain greedy."""
+    from dataclasses import replace
+
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 30)
+    used, discarded, skipped = _ahead_count("used"), _ahead_count("discarded"), _ahead_count("skipped")
+    drafts_fn, draft_less = _alternate_drafts(prompt, expected), []
+
+    def counted(tokens):
+        drafts = drafts_fn(tokens)
+        draft_less.append(not drafts)
+        return drafts
+
+    async def run():
+        sched = Scheduler(engine, decode_ahead=True)
+        try:
+            tokens = list(prompt)
+            job = replace(spec("noahead", context=tokens, drafts=counted(tokens)), skip_decode_ahead=True)
+            while len(tokens) - len(prompt) < 30:
+                (r,), _, _ = await sched.verify([job])
+                assert r.status == OK, r.message
+                tokens += r.output_token_ids
+                await asyncio.sleep(0.05)  # time enough for a step ahead, were one started
+                job = replace(spec("noahead", context_len=len(tokens), drafts=counted(tokens)), skip_decode_ahead=True)
+            await sched.release(["noahead"])
+            return tokens[len(prompt):len(prompt) + 30]
+        finally:
+            sched.stop()
+
+    assert asyncio.run(run()) == expected
+    assert _ahead_count("used") == used and _ahead_count("discarded") == discarded
+    assert _ahead_count("skipped") - skipped == sum(draft_less[:-1]) >= 4  # (the last call is never sent)
+
+
+def test_skip_decode_ahead_travels_into_the_job():
+    from specdec.scorer_svc.server import job_spec
+
+    for skip in (False, True):
+        seq = pb.VerifySequence(seq_id="x", context_token_ids=[1, 5], skip_decode_ahead=skip)
+        assert job_spec(seq, 0, vocab_size=512, max_model_len=512, num_layers=5).skip_decode_ahead is skip
+
+
 @pytest.mark.parametrize("strategy", ["rejection", "target_match"])
 def test_decode_ahead_with_sampled_drafts_gives_the_same_tokens(stories_path, engine, strategy):
     """Sampled rounds alternating draft-less and drafted: the same tokens

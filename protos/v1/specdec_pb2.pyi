@@ -323,7 +323,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., compute_s: _Optional[float] = ..., round: _Optional[_Union[RoundDrafts, _Mapping]] = ...) -> None: ...
 
 class VerifySequence(_message.Message):
-    __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states", "feature_layers", "max_context_features", "decode_steps")
+    __slots__ = ("seq_id", "context_token_ids", "context_len", "draft_token_ids", "draft_probs", "sampling", "verify_strategy", "accept_policy", "return_hidden_states", "feature_layers", "max_context_features", "decode_steps", "skip_decode_ahead")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +336,7 @@ class VerifySequence(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     context_token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_len: int
@@ -348,7 +349,8 @@ class VerifySequence(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     max_context_features: int
     decode_steps: int
-    def __init__(self, seq_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., return_hidden_states: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., max_context_features: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    skip_decode_ahead: bool
+    def __init__(self, seq_id: _Optional[str] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., context_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseProbs, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., verify_strategy: _Optional[_Union[VerifyStrategy, str]] = ..., accept_policy: _Optional[_Union[AcceptPolicy, str]] = ..., return_hidden_states: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., max_context_features: _Optional[int] = ..., decode_steps: _Optional[int] = ..., skip_decode_ahead: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("sequences",)
