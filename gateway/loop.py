@@ -72,7 +72,8 @@ with zero drafts); a lost scorer replica costs a re-prefill on another one.
 Neither changes a token. Where state lives is ``Placement``'s business, what
 a failure costs ``FailurePolicy``'s, freeing state ``Releases``', the
 adaptive draft length ``VerifyCosts``/``plan_drafts``' (what a model
-proposer is asked for: ``DraftBudgets``'); messages are built
+proposer is asked for: ``DraftBudgets``'), which draft-less calls ask the
+scorer for no decode-ahead step ``DecodeAheadHints``'; messages are built
 and read in gateway/wire.py.
 """
 from __future__ import annotations

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-ahead", choices=["on", "off"], default="on",
                    help="when idle after answering a Verify with no drafts, run those sequences' next decode "
                         "step before their next Verify arrives (hides the round trip of plain decoding; the "
-                        "tokens are the same)")
+                        "tokens are the same), unless the Verify asked for none (skip_decode_ahead)")
     p.add_argument("--idle-timeout-s", type=float, default=600.0,
                    help="free the KV cache of a sequence not verified for this long (a gateway that "
                         "died); 0: never")
