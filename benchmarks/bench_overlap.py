@@ -17,6 +17,11 @@ between blocks). "overlapped" counts the gateway's overlapped steps in a
 run (median), and the JSON keeps the gateway's fitted Verify cost after each
 run (what ``--overlap on`` decides with). Prints a table with the CPU model and writes JSON.
 
+``--requests-per-stream N`` has each stream send N requests one after
+another, through the prompts in turn: at one stream, 8 covers every
+prompt (most of SmolLM2's are chat, ~1.5 tokens a round) where 1 sends only
+the first (which copies, ~4.8).
+
 ``--baseline-src DIR`` measures another copy of the gateway package in the
 same run (benchmarks/package_copy.py): every mode but off (or those of
 ``--baseline-modes``) gets a second gateway per latency running DIR's code,
@@ -27,7 +32,7 @@ or ``on`` choosing to).
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
         [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead] \\
-        [--baseline-src /tmp/base/gateway [--baseline-modes on]]
+        [--requests-per-stream 1] [--baseline-src /tmp/base/gateway [--baseline-modes on]]
 """
 from __future__ import annotations
 
@@ -121,11 +126,18 @@ def request(ids: list[int], k: int, max_tokens: int):
     return r
 
 
-def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int) -> dict:
-    jobs = [prompts[i % len(prompts)] for i in range(streams)]
+def stream_prompts(prompts: list[list[int]], streams: int, per_stream: int) -> list[list[list[int]]]:
+    """The prompts each stream sends, one after another: request m of
+    stream i is prompt (i + m * streams) mod len(prompts)."""
+    return [[prompts[(i + m * streams) % len(prompts)] for m in range(per_stream)] for i in range(streams)]
+
+
+def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int, per_stream: int = 1) -> dict:
+    jobs = stream_prompts(prompts, streams, per_stream)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        gens = list(pool.map(lambda ids: stream(addr, request(ids, k, max_tokens)), jobs))
+        gens = [g for gs in pool.map(lambda seq: [stream(addr, request(ids, k, max_tokens)) for ids in seq], jobs)
+                for g in gs]
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
     rounds = sum(g.stats.rounds for g in gens)
@@ -150,7 +162,10 @@ def main() -> None:
     ap.add_argument("--latencies", default="0,5,20", help="proposer's added latency per message, ms")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--max-tokens", type=int, default=96, help="tokens per stream (EOS ignored)")
+    ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
+    ap.add_argument("--requests-per-stream", type=int, default=1,
+                    help="requests each stream sends one after another, through the prompts in turn (8 at one "
+                         "stream: every prompt, not only the first)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES),
                     help="gateway --overlap values (off, the reference, among them)")
@@ -164,6 +179,8 @@ def main() -> None:
     ap.add_argument("--baseline-modes", help="the modes --baseline-src runs (default: every mode but off)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
+    if args.requests_per_stream < 1:
+        ap.error(f"--requests-per-stream: must be >= 1, got {args.requests_per_stream}")
     latencies = [float(x) for x in args.latencies.split(",")]
     streams = [int(x) for x in args.streams.split(",")]
     prompts = prompt_ids(args.model)
@@ -184,8 +201,8 @@ def main() -> None:
         modes += [m + BASELINE for m in modes if m in again]
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "baseline_src": args.baseline_src,
-              "k": args.k,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": []}
+              "k": args.k, "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream,
+              "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
     print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}\nstarting the services on {args.model}; "
           f"logs in {log_dir}", file=sys.stderr)
@@ -202,7 +219,7 @@ def main() -> None:
                 for latency, mode in combos[rep % len(combos):] + combos[:rep % len(combos)]:
                     gateway = services[gateways[latency, mode]]
                     before = step_counts(gateway)
-                    sample = run(gateway.addr, prompts, n, args.k, args.max_tokens)
+                    sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream)
                     sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
                     samples[latency, mode].append(sample)
@@ -221,7 +238,7 @@ def main() -> None:
                        "vs_baseline": (_ratio(runs, samples[latency, mode + BASELINE])
                                        if (latency, mode + BASELINE) in samples else None)}
                 row["verify_fit_runs"] = [r["verify_fit"] for r in runs]
-                for key in ("mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
+                for key in ("tokens", "mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
                             "draft_tokens_per_round", "accepted_per_draft_token", *STEP_COUNTERS):
                     row[key] = statistics.median(r[key] for r in runs)
                 result["rows"].append(row)
@@ -229,8 +246,9 @@ def main() -> None:
                       file=sys.stderr)
 
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
-    print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.max_tokens} tokens per "
-          f"stream, median of {args.repeats} (ratios: median of the repeats' own)\nCPU: {cpu}")
+    print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.requests_per_stream} x "
+          f"{args.max_tokens} tokens per stream, median of {args.repeats} (ratios: median of the repeats' own)"
+          f"\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
           f"{'identical':>10}{'overlapped':>11}{'ahead':>6}{'vs base':>8}")

@@ -1,0 +1,38 @@
+"""benchmarks/bench_overlap.py: the prompts each stream sends, and a short
+run on stories260K through real processes (lock-step and ``on``, two
+requests a stream one after another), its table and JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overlap.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+
+def test_each_stream_sends_its_requests_through_the_prompts_in_turn():
+    from bench_overlap import stream_prompts
+
+    prompts = [[i] for i in range(8)]
+    assert stream_prompts(prompts, 1, 1) == [[[0]]]  # one stream, one request: the first prompt only
+    assert stream_prompts(prompts, 1, 8) == [[[i] for i in range(8)]]  # every prompt
+    assert stream_prompts(prompts[:4], 3, 2) == [[[0], [3]], [[1], [0]], [[2], [1]]]
+
+
+def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_path, tmp_path):
+    out = tmp_path / "overlap.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "1",
+                           "--modes", "off,on", "--repeats", "1", "--max-tokens", "8", "--requests-per-stream", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["requests_per_stream"] == 2
+    assert [(r["mode"], r["streams"]) for r in result["rows"]] == [("off", 1), ("on", 1)]
+    assert all(r["identical_to_lock_step"] and r["tok_s"] > 0 for r in result["rows"])
+    assert all(r["tokens"] == 2 * 8 for r in result["rows"])  # two requests of 8 tokens (EOS ignored)
+    assert "2 x 8 tokens per stream" in proc.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--requests-per-stream", "0"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--requests-per-stream" in bad.stderr
