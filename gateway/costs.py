@@ -217,8 +217,8 @@ class DecodeAheadHints:
             if last is not None and last[1]:
                 event = float(bool(drafts[seq.seq_id]) and num_accepted[seq.seq_id] > 0)
                 method = seq.params.method
-                self.drafted_after_plain[method] = moving_average(self.drafted_after_plain.get(method), event,
-                                                            self.DECAY)
+                self.drafted_after_plain[method] = moving_average(
+                    self.drafted_after_plain.get(method), event, self.DECAY)
             self._last[seq.seq_id] = (now, not drafts[seq.seq_id])
 
     def forget(self, seq_id: str) -> None:
