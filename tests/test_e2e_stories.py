@@ -104,9 +104,12 @@ def test_a_verify_asking_for_no_step_ahead_gets_none_from_the_real_scorer(storie
     prompt = list(_ids(stories_path, PROMPTS["story"]))
     tokens = list(prompt)
     used, skipped = count("used"), count("skipped")
+    flags = [True, True, True, False, False, False, False]
     with grpc.insecure_channel(scorer.addr) as ch:
         stub = pb_grpc.ScorerStub(ch)
-        for i, skip in enumerate([True, True, True, False, False]):
+        for i, skip in enumerate(flags):
+            if i == flags.index(False):  # the flagged calls are done: no step ran ahead of any of them
+                assert count("skipped") - skipped == 3 and count("used") == used
             seq = pb.VerifySequence(seq_id="e2e-skip-ahead", context_len=len(tokens), skip_decode_ahead=skip,
                                     context_token_ids=tokens if i == 0 else [])
             result = stub.Verify(pb.VerifyRequest(sequences=[seq]), timeout=30).results[0]
@@ -114,9 +117,11 @@ def test_a_verify_asking_for_no_step_ahead_gets_none_from_the_real_scorer(storie
             tokens += result.output_token_ids
             time.sleep(0.3)  # time enough for a step ahead, were one started
         stub.Release(pb.ReleaseRequest(seq_ids=["e2e-skip-ahead"]), timeout=30)
-    assert tokens[len(prompt):] == list(hf_greedy(stories_path, tuple(prompt), 5))
+    assert tokens[len(prompt):] == list(hf_greedy(stories_path, tuple(prompt), len(flags)))
     assert count("skipped") - skipped == 3
-    assert count("used") - used == 1  # the last call took the step run ahead of it
+    # the unflagged calls' steps ran ahead and the calls after them took them (each of the 3 may, rarely, have
+    # come before its step started: test_scheduler.py's decode-ahead tests allow for that too)
+    assert 1 <= count("used") - used <= 3
 
 
 def test_plain_decoding_comes_several_tokens_per_verify(stories_stack, stories_path):
