@@ -19,7 +19,7 @@ run (what ``--overlap on`` decides with). Prints a table with the CPU model and 
 
 ``--requests-per-stream N`` has each stream send N requests one after
 another, through the prompts in turn: at one stream, 8 covers every
-prompt (most of SmolLM2's are chat, ~1.5 tokens a round) where 1 sends only
+prompt (most of SmolLM2's are chat: 1.85 tokens a round lock-step) where 1 sends only
 the first (which copies, ~4.8).
 
 ``--baseline-src DIR`` measures another copy of the gateway package in the

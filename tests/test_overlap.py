@@ -629,13 +629,6 @@ def test_draft_less_calls_ask_the_scorer_for_no_step_ahead_where_drafts_follow(o
         assert len(plain) >= 3 and not any(plain), plain
 
 
-def test_plain_decoding_leaves_the_scorer_its_steps_ahead():
-    outputs, calls = _generate(Overlap.OFF, num_seqs=2, max_tokens=30, latency_s=0.0, fixed_s=0.002,
-                               per_token_s=0.001, method="none", k=0)
-    assert outputs == [_expected(_prompt(i), 30) for i in range(2)]
-    assert len(calls.sent) >= 30 and not any(skip for _, skip in calls.sent)
-
-
 def test_drafting_ahead_asks_for_two_rounds_and_a_target_token_only_where_drafts_cannot_change_output():
     from specdec.gateway.wire import propose_request
 
