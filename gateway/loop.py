@@ -90,7 +90,7 @@ from typing import TypeVar
 
 import grpc
 
-from specdec.drafts import NO_DRAFT, ONE_HOT_METHODS, Draft
+from specdec.drafts import NO_DRAFT, ONE_HOT_METHODS, Branches, Draft, held_after
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
@@ -119,7 +119,7 @@ from specdec.gateway.wire import (
     verdicts_from_response,
     verify_request,
 )
-from specdec.limits import DEFAULT_DECODE_STEPS, DEFAULT_MAX_STALLED_ROUNDS, STALL_SLEEP_S
+from specdec.limits import DEFAULT_AHEAD_BRANCH_WIDTH, DEFAULT_DECODE_STEPS, DEFAULT_MAX_STALLED_ROUNDS, STALL_SLEEP_S
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -143,6 +143,8 @@ class LoopConfig:
     stall_sleep_s: float = STALL_SLEEP_S
     overlap: Overlap = Overlap.ON
     decode_steps: int = DEFAULT_DECODE_STEPS  # plain decoding: tokens per Verify call (Sequence.decode_steps)
+    # drafting ahead: branches per draft position to ask for (RoundUpdates.branch_width; 0: none)
+    ahead_branch_width: int = DEFAULT_AHEAD_BRANCH_WIDTH
 
 
 class SpecLoop:
@@ -164,8 +166,9 @@ class SpecLoop:
         self._model_acceptance: dict[str, AcceptanceEstimate] = {}  # the same, of model-made drafts alone
         self._live: list[Sequence] = []
         self._drafted: dict[str, Draft] = {}  # the cohort proposed last step, to verify next step
-        # drafting ahead: seq_id -> (context length it was proposed at, draft of up to 2k + 1 tokens)
-        self._ahead: dict[str, tuple[int, Draft]] = {}
+        # drafting ahead: seq_id -> (context length it was proposed at, draft of up to 2k + 1 tokens, its
+        # branches: the drafts where the outcome leaves it)
+        self._ahead: dict[str, tuple[int, Draft, Branches]] = {}
         # drafting ahead: proposer replica -> its exchange still in flight (one at a time), which the rounds
         # wait for only where that pays (_settle_ahead); the answers land in self._ahead
         self._in_flight: dict[str, _InFlight] = {}
@@ -424,18 +427,19 @@ class SpecLoop:
 
     def _draft_from_ahead(self, seq: Sequence) -> Draft:
         """What still holds of the draft proposed ahead for the sequence: the
-        part after the tokens committed since (NO_DRAFT when they contradict
-        it, or nothing of it is left), at most this round's budget."""
+        part after the tokens committed since, or where they leave it, the
+        branch that they follow (``drafts.held_after``; NO_DRAFT when neither
+        holds, or nothing of it is left), at most this round's budget."""
         entry = self._ahead.pop(seq.seq_id, None)
         if entry is None or not seq.may_draft_ahead:
             return NO_DRAFT
-        start, draft = entry
+        start, draft, branches = entry
         committed = seq.tokens[start:]
-        if len(committed) > len(draft) or draft.token_ids[:len(committed)].tolist() != committed:
-            return NO_DRAFT
-        held = draft.after(len(committed)).truncated(seq.num_speculative_tokens())
+        held = held_after(draft, branches, committed).truncated(seq.num_speculative_tokens())
         if held:
             metrics.AHEAD_DRAFTS.labels(seq.params.method).inc()
+            if len(committed) > len(draft) or draft.token_ids[:len(committed)].tolist() != committed:
+                metrics.AHEAD_BRANCH_DRAFTS.labels(seq.params.method).inc()
         return held
 
     def _fresh_drafts_pay(self, live: list[Sequence], drafts: dict[str, Draft], optional: list[Sequence]) -> bool:
@@ -528,7 +532,8 @@ class SpecLoop:
             if self._nothing_to_ask(addr, seqs):
                 return {}
         sent = {seq.seq_id: (len(seq.tokens), seq.propose_budget(ahead and seq.may_draft_ahead)) for seq in seqs}
-        message = propose_request(seqs, self.releases.take_proposer(addr), ahead)
+        message = propose_request(seqs, self.releases.take_proposer(addr), ahead,
+                                  self.config.ahead_branch_width if ahead else 0)
         start = time.perf_counter()
         try:
             response = await self.conns.proposer_stream(addr).exchange(message.request,
@@ -564,7 +569,7 @@ class SpecLoop:
                     seq.model_acceptance.proposed(context_len, draft.token_ids.tolist())
                     model_steps = max(model_steps, len(draft))
             if drafting_ahead:
-                self._ahead[seq.seq_id] = (context_len, draft)
+                self._ahead[seq.seq_id] = (context_len, draft, self._checked_branches(answer.branches, budget))
                 draft = draft.truncated(seq.num_speculative_tokens())
             drafts[seq.seq_id] = draft
         if not opens:
@@ -586,6 +591,13 @@ class SpecLoop:
         """The wall-time Verify fit of the scorer replica holding most of ``seqs``."""
         busiest = _busiest_scorer(seqs)
         return None if busiest is None else self.costs.wall_estimate(busiest[0])
+
+    def _checked_branches(self, branches: Branches, budget: int) -> Branches:
+        """The branches of a draft ahead that are well formed (at most the
+        budget's tokens, all inside the vocabulary); a faulty proposer's
+        others are dropped (the branch's own token is only ever compared with
+        committed ones)."""
+        return {key: ids for key, ids in branches.items() if Draft(ids).is_well_formed(budget, self.vocab_size)}
 
     def _checked(self, seq: Sequence, draft: Draft, budget: int) -> Draft:
         """A proposer returning garbage (more drafts than the budget asked,

@@ -42,6 +42,10 @@ AHEAD_ROUNDS = Counter("specdec_gateway_ahead_rounds_total",
 AHEAD_DRAFTS = Counter("specdec_gateway_ahead_drafts_total",
                        "Drafts verified that were proposed ahead, during the round before, and still held "
                        "(--overlap ahead, or on drafting ahead), by method", ["method"])
+AHEAD_BRANCH_DRAFTS = Counter("specdec_gateway_ahead_branch_drafts_total",
+                              "Drafts verified that came from a branch of a draft proposed ahead (the round's "
+                              "outcome left the draft; --ahead-branches), by method; also counted in "
+                              "specdec_gateway_ahead_drafts_total", ["method"])
 REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",

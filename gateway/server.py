@@ -18,7 +18,7 @@ from specdec.gateway.discovery import KubernetesDiscovery, ReplicaSet, StaticDis
 from specdec.gateway.loop import LoopConfig, Overlap, SpecLoop
 from specdec.gateway.request import InvalidArgument, ModelLimits, parse_request
 from specdec.gateway.sequence import Delta, FinishReason, RequestFailed, Sequence
-from specdec.limits import MAX_DECODE_STEPS
+from specdec.limits import MAX_BRANCH_WIDTH, MAX_DECODE_STEPS
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -156,6 +156,8 @@ async def serve(args) -> None:
 
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:
         raise SystemExit(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    if not 0 <= args.ahead_branches <= MAX_BRANCH_WIDTH:
+        raise SystemExit(f"--ahead-branches must be in 0..{MAX_BRANCH_WIDTH}, got {args.ahead_branches}")
     if args.max_stalled_rounds < 0:
         raise SystemExit(f"--max-stalled-rounds must be >= 0, got {args.max_stalled_rounds}")
     tokenizer = load_tokenizer(resolve_model(args.model))
@@ -167,6 +169,7 @@ async def serve(args) -> None:
     loop = SpecLoop(scorers, proposers, vocab_size=0,
                     config=LoopConfig(propose_timeout_s=args.propose_timeout_ms / 1000,
                                       overlap=Overlap(args.overlap), decode_steps=args.decode_steps,
+                                      ahead_branch_width=args.ahead_branches,
                                       max_stalled_rounds=args.max_stalled_rounds),
                     conns=Connections(client_tls_from_args(args)))
     limits = await fetch_limits(loop, tokenizer, args.scorer_wait_s)

@@ -4,13 +4,13 @@ itself (gateway/loop.py) sees only the domain types."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.drafts import ONE_HOT_METHODS, Draft
+from specdec.drafts import ONE_HOT_METHODS, Branches, Draft
 from specdec.gateway.sequence import FeatureBlock, Sequence
-from specdec.limits import FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES
+from specdec.limits import AHEAD_BRANCH_MAX_SEQUENCES, FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES
 from specdec.protos.v1 import specdec_pb2 as pb
 
 
@@ -85,6 +85,8 @@ class ProposerAnswer:
     draft: Draft
     # the answer to an open: (feature_layers, features_from) it declared
     features: tuple[tuple[int, ...], int] = ((), 0)
+    # drafting ahead: the draft's branches (RoundUpdates.branch_width), unchecked
+    branches: Branches = field(default_factory=dict)
 
 
 def in_columns(seq: Sequence) -> bool:
@@ -95,9 +97,11 @@ def in_columns(seq: Sequence) -> bool:
 
 
 def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
-                    ahead: bool = False) -> ProposeMessage:
+                    ahead: bool = False, branch_width: int = 0) -> ProposeMessage:
     """One Propose message (asking for drafts ahead for the sequences that
-    may use them when ``ahead``): releases (seq_id, completed) first, then the
+    may use them when ``ahead``, and for ``branch_width`` branches of each
+    such draft in the columns, ``branch_depths``, when they are
+    AHEAD_BRANCH_MAX_SEQUENCES at most): releases (seq_id, completed) first, then the
     plain updates of one-hot methods as columns (request.round: a round of
     many sequences is then a few packed fields), then the other updates
     (opens, methods with sampled drafts or features), each with the target
@@ -130,7 +134,18 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
         cols.context_lens.extend([len(seq.tokens) for seq in in_round])
         cols.num_speculative_tokens.extend([seq.propose_budget(ahead and seq.may_draft_ahead)
                                             for seq in in_round])
+        depths = [branch_depth(seq) if ahead and seq.may_draft_ahead else 0 for seq in in_round]
+        if branch_width and any(depths) and sum(d > 0 for d in depths) <= AHEAD_BRANCH_MAX_SEQUENCES:
+            cols.branch_width = branch_width
+            cols.branch_depths.extend(depths)
     return ProposeMessage(request, in_round, in_sequences)
+
+
+def branch_depth(seq: Sequence) -> int:
+    """The last position of a draft ahead worth branches at: this round's
+    budget k (its output leaves the draft at position k at the latest), cut so
+    that a branch has a token left in the budget drafting ahead asks for."""
+    return max(0, min(seq.num_speculative_tokens(), seq.propose_budget(True) - 2))
 
 
 def proposer_answers(message: ProposeMessage,
@@ -149,12 +164,35 @@ def proposer_answers(message: ProposeMessage,
         flat = np.array(cols.token_ids, dtype=np.int32)  # (as proposer_svc.server._ints)
         bounds = np.cumsum([0, *counts]).tolist()
         ok = [s == pb.SEQUENCE_STATUS_OK for s in cols.statuses] if cols.statuses else [True] * n
-        answers += [(seq, ProposerAnswer(Draft(flat[bounds[i]:bounds[i + 1]])) if ok[i] else None)
+        branches = _round_branches(cols, n)
+        answers += [(seq, ProposerAnswer(Draft(flat[bounds[i]:bounds[i + 1]]), branches=branches[i]) if ok[i] else None)
                     for i, seq in enumerate(message.in_round)]
     for seq, msg in zip(message.in_sequences, response.drafts):
         answers.append((seq, ProposerAnswer(draft_from_message(msg), (tuple(msg.feature_layers), msg.features_from))
                         if msg.status == pb.SEQUENCE_STATUS_OK else None))
     return answers
+
+
+def _round_branches(cols: pb.RoundDrafts, n: int) -> list[Branches]:
+    """Each sequence's branches from RoundDrafts.branch_* (none when absent).
+    Raises ValueError when the columns do not fit together."""
+    counts = cols.branch_counts
+    if not counts:
+        return [{} for _ in range(n)]
+    m = len(cols.branch_positions)
+    if (len(counts) != n or min(counts) < 0 or sum(counts) != m or len(cols.branch_tokens) != m
+            or len(cols.branch_lens) != m or min(cols.branch_lens, default=0) < 0
+            or sum(cols.branch_lens) != len(cols.branch_token_ids)):
+        raise ValueError(f"round branches do not fit the {n} sequences of the round")
+    flat = np.array(cols.branch_token_ids, dtype=np.int32)
+    starts = np.cumsum([0, *cols.branch_lens]).tolist()
+    found: list[Branches] = []
+    b = 0
+    for count in counts:
+        found.append({(cols.branch_positions[i], cols.branch_tokens[i]): flat[starts[i]:starts[i + 1]]
+                      for i in range(b, b + count)})
+        b += count
+    return found
 
 
 def draft_from_message(msg: pb.Draft) -> Draft:

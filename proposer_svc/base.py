@@ -67,6 +67,21 @@ class DraftBatch:
     drafts: list[Draft] | None = None  # per sequence, when drafts carry probabilities
 
 
+@dataclass
+class BranchBatch:
+    """The branches of one ``branches`` call, for n sequences (see
+    ``specdec.drafts.Branches``): sequence i's are entries
+    ``offsets[i]:offsets[i + 1]``; branch b leaves the draft at position
+    ``positions[b]`` with token ``tokens[b]``, and its draft is
+    ``token_ids[starts[b]:starts[b + 1]]``."""
+
+    offsets: np.ndarray  # int64 [n + 1]
+    positions: np.ndarray  # int32 [m]
+    tokens: np.ndarray  # int32 [m]
+    starts: np.ndarray  # int64 [m + 1]
+    token_ids: np.ndarray  # int32 [total]
+
+
 def bounds_of(counts: np.ndarray) -> np.ndarray:
     """Segment bounds (int64 [n + 1]) of n consecutive segments of ``counts``."""
     bounds = np.zeros(len(counts) + 1, dtype=np.int64)
@@ -141,6 +156,18 @@ class Proposer(abc.ABC):
         (SequenceUpdate.model_steps) in a method that drafts from a model or
         a copy (draft_hybrid); its copies keep the whole budget. Others
         ignore it."""
+        return None
+
+    def branches(self, seq_ids: list[str], drafts: np.ndarray, offsets: np.ndarray, ks: np.ndarray,
+                 depths: np.ndarray, width: int) -> BranchBatch | None:
+        """Branches of the drafts an ``advance`` just made (drafting ahead,
+        RoundUpdates.branch_width): for sequence i, whose draft is
+        ``drafts[offsets[i]:offsets[i + 1]]`` (int32, offsets int64 [n + 1]),
+        at each position j <= min(depths[i], its draft's length), up to
+        ``width`` likely tokens t other than the draft's own, each with the
+        draft of at most ``ks[i] - depths[i] - 1`` tokens that the method
+        would make after ``draft[:j] + [t]``; depths, ks: int64 [n]. None:
+        the method makes no branches (the default)."""
         return None
 
     def advance(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,

@@ -15,7 +15,7 @@ import numpy as np
 
 from specdec.drafts import Draft
 from specdec.limits import MAX_SPECULATIVE_TOKENS
-from specdec.proposer_svc.base import ContextStore, DraftBatch, Proposer, SeqOptions, njit_leaf
+from specdec.proposer_svc.base import BranchBatch, ContextStore, DraftBatch, Proposer, SeqOptions, bounds_of, njit_leaf
 
 
 @njit_leaf
@@ -91,6 +91,90 @@ def ngram_batch(pool, starts, lens, ref_pool, ref_starts, ref_lens, min_ns, max_
     offsets[slots.shape[0]] = num
 
 
+@njit_leaf
+def _branch(scratch, h, t, reference, min_n, max_n, length, j, pos, tok, starts, ids, m):
+    """Drafts after ``scratch[:h] + [t]`` into branch m (see ngram_branches);
+    returns the branches there are now (m + 1 when it drafted anything)."""
+    scratch[h] = t
+    num = ngram_draft(scratch[:h + 1], reference, min_n, max_n, length, ids[starts[m]:])
+    if num == 0:
+        return m
+    pos[m], tok[m] = j, t
+    starts[m + 1] = starts[m] + num
+    return m + 1
+
+
+@njit_leaf
+def ngram_branches(context, reference, draft, ranked, min_n, max_n, width, depth, length, scratch,
+                   pos, tok, starts, ids):
+    """Branches of ``draft`` (RoundUpdates.branch_width): at each position
+    j <= min(depth, len(draft)), up to ``width`` tokens t other than
+    ``draft[j]``, each with its draft of at most ``length`` tokens after
+    ``context + draft[:j] + [t]`` (exactly what ``ngram_draft`` makes there;
+    tokens it makes no draft after are skipped). Returns their number m.
+
+    Which t: those that followed the earlier occurrences of the context's
+    last n tokens, the longest n first (they continue the longest matches),
+    the most recent first; then, when ``min_n <= 1`` (a single token
+    matches), ``ranked``'s (int32 [u]: the context's distinct tokens, the
+    most frequent first).
+
+    context: int32 [c]; reference: int32 [r]; draft: int32 [d]; scratch:
+    int32 [>= c + d + 1]; pos, tok: int32 [>= (depth + 1) * width] (the
+    branches' j and t); starts: int64 [>= (depth + 1) * width + 1], starts[0]
+    set by the caller, branch b's draft in ids[starts[b]:starts[b + 1]];
+    ids: int32 [>= (depth + 1) * width * length].
+    """
+    c, d = context.shape[0], draft.shape[0]
+    for i in range(c):
+        scratch[i] = context[i]
+    for i in range(d):
+        scratch[c + i] = draft[i]
+    m = 0
+    for j in range(min(depth, d) + 1):
+        h = c + j
+        exclude = draft[j] if j < d else -1
+        first = m  # this position's branches are m's from here; their tokens are distinct
+        for n in range(max_n - 1, max(min_n - 1, 1) - 1, -1):
+            for end in range(h - 2, n - 2, -1):  # haystack[end - n + 1 : end + 1] against the last n tokens
+                same = True
+                for q in range(n):
+                    if scratch[end - q] != scratch[h - 1 - q]:
+                        same = False
+                        break
+                t = scratch[end + 1]
+                if not same or t == exclude:
+                    continue
+                seen = False
+                for b in range(first, m):
+                    seen = seen or tok[b] == t
+                if not seen:
+                    m = _branch(scratch, h, t, reference, min_n, max_n, length, j, pos, tok, starts, ids, m)
+                    if m - first == width:
+                        break
+            if m - first == width:
+                break
+        if min_n <= 1:
+            for u in range(ranked.shape[0]):
+                if m - first == width:
+                    break
+                t = ranked[u]
+                seen = t == exclude
+                for b in range(first, m):
+                    seen = seen or tok[b] == t
+                if not seen:
+                    m = _branch(scratch, h, t, reference, min_n, max_n, length, j, pos, tok, starts, ids, m)
+        if j < d:
+            scratch[h] = draft[j]  # (_branch wrote its tokens there)
+    return m
+
+
+def _by_frequency(context: np.ndarray) -> np.ndarray:
+    """The context's distinct tokens, the most frequent first (int32 [u])."""
+    tokens, counts = np.unique(context, return_counts=True)
+    return tokens[np.argsort(-counts, kind="stable")].astype(np.int32)
+
+
 _WARM_UP = "__warm_up__"  # the warm-up's sequence id (it lives only inside the constructor)
 
 
@@ -117,7 +201,8 @@ class NgramProposer(Proposer):
         self.start(_WARM_UP, tokens, SeqOptions())
         self._propose_one(_WARM_UP, 4)
         one = np.ones(1, dtype=np.int64)
-        self.advance([_WARM_UP], tokens[:1], np.array([0, 1], dtype=np.int64), one * 6, one * 4)
+        batch = self.advance([_WARM_UP], tokens[:1], np.array([0, 1], dtype=np.int64), one * 6, one * 4)
+        self.branches([_WARM_UP], batch.token_ids, batch.offsets, one * 4, one, 2)
         self.stop(_WARM_UP, completed=False)
 
     def start(self, seq_id, context, options):
@@ -151,6 +236,30 @@ class NgramProposer(Proposer):
                     self._n_range[:, 0], self._n_range[:, 1], slots, refs.slots(seq_ids), context_lens, ks,
                     in_sync, out, offsets)
         return DraftBatch(in_sync, out[:offsets[-1]], offsets)
+
+    def branches(self, seq_ids, drafts, offsets, ks, depths, width):
+        n = len(seq_ids)
+        depths = np.minimum(depths, np.maximum(ks - 1, 0))
+        lengths = ks - depths - 1
+        most = int(((depths + 1) * width * (lengths > 0)).sum())
+        pos, tok = np.empty(most, dtype=np.int32), np.empty(most, dtype=np.int32)
+        starts = np.zeros(most + 1, dtype=np.int64)
+        ids = np.empty(int(((depths + 1) * width * np.maximum(lengths, 0)).sum()), dtype=np.int32)
+        counts = np.zeros(n, dtype=np.int64)
+        m = 0
+        for i, seq_id in enumerate(seq_ids):
+            if depths[i] <= 0 or lengths[i] <= 0:
+                continue
+            context = self._contexts.tokens(seq_id)
+            draft = drafts[offsets[i]:offsets[i + 1]]
+            min_n, max_n = self._n_range[self._contexts.slot(seq_id)].tolist()
+            ranked = _by_frequency(context) if min_n <= 1 else context[:0]
+            scratch = np.empty(len(context) + len(draft) + 1, dtype=np.int32)
+            found = ngram_branches(context, self._references.tokens(seq_id), draft, ranked, min_n, max_n,
+                                   width, int(depths[i]), int(lengths[i]), scratch, pos[m:], tok[m:], starts[m:], ids)
+            counts[i] = found
+            m += found
+        return BranchBatch(bounds_of(counts), pos[:m], tok[:m], starts[:m + 1], ids[:starts[m]])
 
     def stop(self, seq_id, completed):
         self._contexts.stop(seq_id)

@@ -18,9 +18,10 @@ from specdec.limits import (
     DEFAULT_MAX_SPEC_FACTOR,
     DEFAULT_MAX_TREE_DEPTH,
     DEFAULT_MIN_N,
+    MAX_BRANCH_WIDTH,
     MAX_SPECULATIVE_TOKENS,
 )
-from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, bounds_of
+from specdec.proposer_svc.base import BranchBatch, DraftBatch, Proposer, SeqOptions, bounds_of
 from specdec.protos.v1 import specdec_pb2 as pb
 from specdec.protos.v1 import specdec_pb2_grpc as pb_grpc
 
@@ -175,6 +176,10 @@ def _columns_shape_error(cols: pb.RoundUpdates, n: int) -> str:
         return "round.token_counts: negative count"
     if sum(counts) != len(cols.token_ids):
         return f"round.token_ids: {len(cols.token_ids)} tokens, token_counts add up to {sum(counts)}"
+    if not 0 <= cols.branch_width <= MAX_BRANCH_WIDTH:
+        return f"round.branch_width: must be in 0..{MAX_BRANCH_WIDTH}, got {cols.branch_width}"
+    if len(cols.branch_depths) not in (0, n):
+        return f"round.branch_depths: {len(cols.branch_depths)} entries for {n} seq_ids (or none)"
     return ""
 
 
@@ -189,6 +194,24 @@ def _flat_drafts(method: str, result: DraftBatch) -> tuple[np.ndarray, np.ndarra
     offsets = bounds_of(np.array([len(d) for d in result.drafts], dtype=np.int64))
     tokens = np.concatenate([d.token_ids for d in result.drafts]) if result.drafts else np.zeros(0)
     return tokens.astype(np.int32, copy=False), offsets
+
+
+def _fill_branches(out: pb.RoundDrafts, n: int, branched: list[tuple[np.ndarray, BranchBatch]]) -> None:
+    """Writes the branches of a round's entries (each method's BranchBatch
+    with the entries it is for) as RoundDrafts.branch_* columns, in entry
+    order. Only messages that ask for branches come here: a few sequences."""
+    per_entry: dict[int, tuple[BranchBatch, int]] = {}  # entry -> (its batch, its index there)
+    for entries, made in branched:
+        per_entry.update((j, (made, i)) for i, j in enumerate(entries.tolist()))
+    counts = [0] * n
+    for j, (made, i) in sorted(per_entry.items()):
+        first, last = int(made.offsets[i]), int(made.offsets[i + 1])
+        counts[j] = last - first
+        out.branch_positions.extend(made.positions[first:last].tolist())
+        out.branch_tokens.extend(made.tokens[first:last].tolist())
+        out.branch_lens.extend(np.diff(made.starts[first:last + 1]).tolist())
+        out.branch_token_ids.extend(made.token_ids[made.starts[first]:made.starts[last]].tolist())
+    out.branch_counts.extend(counts)
 
 
 def _fill_draft(msg: pb.Draft, draft: Draft) -> None:
@@ -408,6 +431,10 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         fail((ks < 0) | (ks > MAX_SPECULATIVE_TOKENS), pb.SEQUENCE_STATUS_INVALID,
              f"round.num_speculative_tokens: must be in 0..{MAX_SPECULATIVE_TOKENS}")
         fail(context_lens < 0, pb.SEQUENCE_STATUS_INVALID, "round.context_lens: must be >= 0")
+        depths = _ints(cols.branch_depths, np.int64) if cols.branch_width and len(cols.branch_depths) else None
+        if depths is not None:
+            fail((depths < 0) | ((depths > 0) & (depths >= ks)), pb.SEQUENCE_STATUS_INVALID,
+                 "round.branch_depths: must be in 0..num_speculative_tokens - 1")
         if len(tokens) and tokens.min() < 0:
             fail(np.bincount(np.repeat(np.arange(n), counts)[tokens < 0], minlength=n) > 0,
                  pb.SEQUENCE_STATUS_INVALID, "round.token_ids: negative token id")
@@ -428,6 +455,7 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         # one advance per method over its valid entries; drafts placed back in entry order
         draft_counts = np.zeros(n, dtype=np.int64)
         found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (entries, drafts, their offsets)
+        branched: list[tuple[np.ndarray, BranchBatch]] = []  # (entries, their branches)
         ok = status == pb.SEQUENCE_STATUS_OK
         by_name = np.array(methods) if len(kinds) > 1 else None
         for method in sorted(kinds & set(ONE_HOT_METHODS)):
@@ -445,6 +473,13 @@ class ProposerServicer(pb_grpc.ProposerServicer):
             draft_counts[entries] = np.diff(offsets)
             found.append((entries, drafts, offsets))
             DRAFT_TOKENS.labels(method).inc(len(drafts))
+            if depths is not None:
+                wanted = np.where(result.in_sync & (status[entries] == pb.SEQUENCE_STATUS_OK), depths[entries], 0)
+                if wanted.any():
+                    made = self.proposers[method].branches([seq_ids[j] for j in entries.tolist()], drafts, offsets,
+                                                           ks[entries], wanted, cols.branch_width)
+                    if made is not None:
+                        branched.append((entries, made))
         out.draft_counts.extend(draft_counts.tolist())
         if len(found) == 1 and len(found[0][0]) == n:
             out.token_ids.extend(found[0][1].tolist())
@@ -455,6 +490,8 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 sizes = np.diff(offsets)
                 flat[np.repeat(starts[entries] - offsets[:-1], sizes) + np.arange(len(drafts))] = drafts
             out.token_ids.extend(flat.tolist())
+        if branched:
+            _fill_branches(out, n, branched)
         if (status != pb.SEQUENCE_STATUS_OK).any():
             out.statuses.extend(status.tolist())
             out.messages.extend(messages)

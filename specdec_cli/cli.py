@@ -114,10 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from specdec.gateway.admission import AdmissionConfig
     from specdec.limits import (
+        AHEAD_BRANCH_MAX_SEQUENCES,
         COLOCATED_DRAFT_THREADS,
+        DEFAULT_AHEAD_BRANCH_WIDTH,
         DEFAULT_DECODE_STEPS,
         DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
+        MAX_BRANCH_WIDTH,
         MAX_DECODE_STEPS,
         MAX_SPECULATIVE_TOKENS,
         STALL_SLEEP_S,
@@ -206,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "next one (budget 2k+1), used where the round's outcome confirms it; the round waits "
                         "for fresh drafts, or for a proposer slower than the Verify, only where that pays "
                         "(greedy and target-match requests); off: lock-step rounds")
+    p.add_argument("--ahead-branches", type=int, default=DEFAULT_AHEAD_BRANCH_WIDTH,
+                   help="drafting ahead: besides each draft, ask the proposer for this many branches per draft "
+                        "position (likely tokens where the round's outcome may leave the draft, each with the "
+                        "draft after it), so a round whose draft ahead the outcome contradicts still finds "
+                        f"one (0 to {MAX_BRANCH_WIDTH}; 0: none; ngram answers them; only in messages with at "
+                        f"most {AHEAD_BRANCH_MAX_SEQUENCES} sequences drafting ahead)")
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
                         f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "

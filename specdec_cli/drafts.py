@@ -75,3 +75,30 @@ class Draft:
 EMPTY_DRAFT_TOKENS = np.zeros(0, dtype=np.int32)
 #: Zero draft tokens: what a sequence verifies when its proposer had nothing.
 NO_DRAFT = Draft(EMPTY_DRAFT_TOKENS)
+
+
+#: Branches of a draft proposed ahead: (position j, token t) -> the draft
+#: after ``draft[:j] + [t]`` (int32 [m]), where t is not ``draft[j]``
+#: (RoundUpdates.branch_width).
+Branches = dict[tuple[int, int], np.ndarray]
+
+
+def held_after(draft: Draft, branches: Branches, committed: list[int]) -> Draft:
+    """What still holds of a draft proposed ahead once ``committed`` tokens
+    have become context after the point it was proposed at: the draft past
+    them where they are its first tokens, else the branch that leaves the
+    draft where they do, past the rest of them; NO_DRAFT where neither
+    holds (or nothing of it is left).
+
+    draft: up to 2k + 1 tokens; committed: the tokens since the draft's context."""
+    ids = draft.token_ids
+    j = 0  # committed[:j] == ids[:j]
+    while j < len(committed) and j < len(ids) and committed[j] == ids[j]:
+        j += 1
+    if j == len(committed):
+        return draft.after(j)
+    branch = branches.get((j, committed[j]))
+    rest = committed[j + 1:]
+    if branch is None or len(rest) > len(branch) or branch[:len(rest)].tolist() != rest:
+        return NO_DRAFT
+    return Draft(branch[len(rest):])

@@ -15,6 +15,23 @@ import random
 #: Largest draft budget per sequence and round, checked by the gateway (client
 #: requests), the proposer servicer (updates) and the scorer (drafts to verify).
 MAX_SPECULATIVE_TOKENS = 16
+#: Most branches per draft position a Propose message may ask for
+#: (RoundUpdates.branch_width), checked by the proposer servicer.
+MAX_BRANCH_WIDTH = 32
+#: Branches per draft position the gateway asks for when it drafts ahead
+#: (gateway ``--ahead-branches``; 0: none): the tokens the method finds
+#: likeliest where the target's tokens leave the draft, each with the draft
+#: that follows it, so a round whose draft ahead the outcome contradicts
+#: still finds one. Along SmolLM2's greedy answers to bench_overlap's
+#: prompts (ngram k=5, every round drafted ahead, the real proposer's
+#: drafts and branches; docs/architecture.md): 1.85 tokens a round without
+#: branches, 2.03 with 8, 2.06 with 16, 2.11 with 32, 2.15 with 200, as
+#: lock-step. 16 cost the proposer 0.06-0.1 ms a sequence there (AMD EPYC).
+DEFAULT_AHEAD_BRANCH_WIDTH = 16
+#: The gateway asks for branches only in messages with at most this many
+#: sequences drafting ahead: a branch costs the proposer a draft's work (an
+#: ngram lookup each), which at one or a few streams hides beside the Verify.
+AHEAD_BRANCH_MAX_SEQUENCES = 16
 #: Draft budget when a request names none (gateway ``--default-k``).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 #: Most tokens one Verify may decode for a sequence without drafts

@@ -267,30 +267,44 @@ class ProposeRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ..., round: _Optional[_Union[RoundUpdates, _Mapping]] = ...) -> None: ...
 
 class RoundUpdates(_message.Message):
-    __slots__ = ("seq_ids", "token_counts", "token_ids", "context_lens", "num_speculative_tokens")
+    __slots__ = ("seq_ids", "token_counts", "token_ids", "context_lens", "num_speculative_tokens", "branch_width", "branch_depths")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     context_lens: _containers.RepeatedScalarFieldContainer[int]
     num_speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    branch_width: int
+    branch_depths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[_Iterable[int]] = ..., branch_width: _Optional[int] = ..., branch_depths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundDrafts(_message.Message):
-    __slots__ = ("draft_counts", "token_ids", "statuses", "messages")
+    __slots__ = ("draft_counts", "token_ids", "statuses", "messages", "branch_counts", "branch_positions", "branch_tokens", "branch_lens", "branch_token_ids")
     DRAFT_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STATUSES_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_LENS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     draft_counts: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     statuses: _containers.RepeatedScalarFieldContainer[SequenceStatus]
     messages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, draft_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[SequenceStatus, str]]] = ..., messages: _Optional[_Iterable[str]] = ...) -> None: ...
+    branch_counts: _containers.RepeatedScalarFieldContainer[int]
+    branch_positions: _containers.RepeatedScalarFieldContainer[int]
+    branch_tokens: _containers.RepeatedScalarFieldContainer[int]
+    branch_lens: _containers.RepeatedScalarFieldContainer[int]
+    branch_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., statuses: _Optional[_Iterable[_Union[SequenceStatus, str]]] = ..., messages: _Optional[_Iterable[str]] = ..., branch_counts: _Optional[_Iterable[int]] = ..., branch_positions: _Optional[_Iterable[int]] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., branch_lens: _Optional[_Iterable[int]] = ..., branch_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("seq_id", "status", "token_ids", "probs", "message", "feature_layers", "features_from")
