@@ -10,7 +10,12 @@ import numpy as np
 
 from specdec.drafts import ONE_HOT_METHODS, Branches, Draft
 from specdec.gateway.sequence import FeatureBlock, Sequence
-from specdec.limits import AHEAD_BRANCH_MAX_SEQUENCES, FEATURE_BYTES_PER_MESSAGE, FEATURE_VALUE_BYTES
+from specdec.limits import (
+    AHEAD_BRANCH_BUDGET,
+    AHEAD_BRANCH_MAX_SEQUENCES,
+    FEATURE_BYTES_PER_MESSAGE,
+    FEATURE_VALUE_BYTES,
+)
 from specdec.protos.v1 import specdec_pb2 as pb
 
 
@@ -99,9 +104,10 @@ def in_columns(seq: Sequence) -> bool:
 def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
                     ahead: bool = False, branch_width: int = 0) -> ProposeMessage:
     """One Propose message (asking for drafts ahead for the sequences that
-    may use them when ``ahead``, and for ``branch_width`` branches of each
-    such draft in the columns, ``branch_depths``, when they are
-    AHEAD_BRANCH_MAX_SEQUENCES at most): releases (seq_id, completed) first, then the
+    may use them when ``ahead``, and for up to ``branch_width`` branches per
+    position of each such draft in the columns, ``branch_depths``, when they
+    are AHEAD_BRANCH_MAX_SEQUENCES at most, AHEAD_BRANCH_BUDGET in all):
+    releases (seq_id, completed) first, then the
     plain updates of one-hot methods as columns (request.round: a round of
     many sequences is then a few packed fields), then the other updates
     (opens, methods with sampled drafts or features), each with the target
@@ -135,8 +141,9 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
         cols.num_speculative_tokens.extend([seq.propose_budget(ahead and seq.may_draft_ahead)
                                             for seq in in_round])
         depths = [branch_depth(seq) if ahead and seq.may_draft_ahead else 0 for seq in in_round]
-        if branch_width and any(depths) and sum(d > 0 for d in depths) <= AHEAD_BRANCH_MAX_SEQUENCES:
-            cols.branch_width = branch_width
+        branching = sum(d > 0 for d in depths)
+        if branch_width and 0 < branching <= AHEAD_BRANCH_MAX_SEQUENCES:
+            cols.branch_width = min(branch_width, AHEAD_BRANCH_BUDGET // branching)
             cols.branch_depths.extend(depths)
     return ProposeMessage(request, in_round, in_sequences)
 

@@ -114,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     from specdec.gateway.admission import AdmissionConfig
     from specdec.limits import (
+        AHEAD_BRANCH_BUDGET,
         AHEAD_BRANCH_MAX_SEQUENCES,
         COLOCATED_DRAFT_THREADS,
         DEFAULT_AHEAD_BRANCH_WIDTH,
@@ -214,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "position (likely tokens where the round's outcome may leave the draft, each with the "
                         "draft after it), so a round whose draft ahead the outcome contradicts still finds "
                         f"one (0 to {MAX_BRANCH_WIDTH}; 0: none; ngram answers them; only in messages with at "
-                        f"most {AHEAD_BRANCH_MAX_SEQUENCES} sequences drafting ahead)")
+                        f"most {AHEAD_BRANCH_MAX_SEQUENCES} sequences drafting ahead, {AHEAD_BRANCH_BUDGET} "
+                        "branches per position in all)")
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
                         f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "

@@ -17,7 +17,7 @@ import random
 MAX_SPECULATIVE_TOKENS = 16
 #: Most branches per draft position a Propose message may ask for
 #: (RoundUpdates.branch_width), checked by the proposer servicer.
-MAX_BRANCH_WIDTH = 32
+MAX_BRANCH_WIDTH = 64
 #: Branches per draft position the gateway asks for when it drafts ahead
 #: (gateway ``--ahead-branches``; 0: none): the tokens the method finds
 #: likeliest where the target's tokens leave the draft, each with the draft
@@ -25,13 +25,19 @@ MAX_BRANCH_WIDTH = 32
 #: still finds one. Along SmolLM2's greedy answers to bench_overlap's
 #: prompts (ngram k=5, every round drafted ahead, the real proposer's
 #: drafts and branches; docs/architecture.md): 1.85 tokens a round without
-#: branches, 2.03 with 8, 2.06 with 16, 2.11 with 32, 2.15 with 200, as
-#: lock-step. 16 cost the proposer 0.06-0.1 ms a sequence there (AMD EPYC).
-DEFAULT_AHEAD_BRANCH_WIDTH = 16
+#: branches, 2.03 with 8, 2.06 with 16, 2.11 with 32, 2.14 with 64, 2.15
+#: with 200, as lock-step. 64 cost the proposer ~0.12 ms and ~5 kB of
+#: answer a sequence there (16: ~0.06 ms, ~1.2 kB; AMD EPYC).
+DEFAULT_AHEAD_BRANCH_WIDTH = 64
 #: The gateway asks for branches only in messages with at most this many
-#: sequences drafting ahead: a branch costs the proposer a draft's work (an
-#: ngram lookup each), which at one or a few streams hides beside the Verify.
+#: sequences drafting ahead, ``AHEAD_BRANCH_BUDGET // sequences`` per
+#: position at most: a branch costs the proposer a draft's work (an ngram
+#: lookup each) and its answer a few bytes, which at one or a few streams
+#: hide beside the Verify.
 AHEAD_BRANCH_MAX_SEQUENCES = 16
+#: Branches per draft position a Propose message asks for, over all its
+#: sequences (at most 8 sequences get DEFAULT_AHEAD_BRANCH_WIDTH; 16, 32 each).
+AHEAD_BRANCH_BUDGET = 512
 #: Draft budget when a request names none (gateway ``--default-k``).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 #: Most tokens one Verify may decode for a sequence without drafts

@@ -45,7 +45,7 @@ from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.loop import LoopConfig, Overlap, SpecLoop
 from specdec.gateway.sequence import Sequence
 from specdec.gateway.wire import propose_request, proposer_answers
-from specdec.limits import AHEAD_BRANCH_MAX_SEQUENCES, MAX_BRANCH_WIDTH
+from specdec.limits import AHEAD_BRANCH_BUDGET, AHEAD_BRANCH_MAX_SEQUENCES, MAX_BRANCH_WIDTH
 from specdec.proposer_svc.base import SeqOptions
 from specdec.proposer_svc.ngram import NgramProposer, ngram_draft
 from specdec.proposer_svc.registry import build_proposers
@@ -208,6 +208,10 @@ def test_the_gateway_asks_for_branches_only_drafting_ahead_for_few_sequences():
     lock_step = propose_request(few, [], ahead=False, branch_width=6).request.round
     assert lock_step.branch_width == 0 and not lock_step.branch_depths
     assert not propose_request(few, [], ahead=True, branch_width=0).request.round.branch_depths
+    most = [_held(f"s{i}") for i in range(AHEAD_BRANCH_MAX_SEQUENCES)]
+    shared = propose_request(most, [], ahead=True, branch_width=MAX_BRANCH_WIDTH).request.round
+    assert shared.branch_width == min(MAX_BRANCH_WIDTH, AHEAD_BRANCH_BUDGET // AHEAD_BRANCH_MAX_SEQUENCES)
+    assert len(shared.branch_depths) == AHEAD_BRANCH_MAX_SEQUENCES
     many = [_held(f"s{i}") for i in range(AHEAD_BRANCH_MAX_SEQUENCES + 1)]
     assert not propose_request(many, [], ahead=True, branch_width=6).request.round.branch_depths
     sampled = _held("x")
