@@ -90,7 +90,7 @@ from typing import TypeVar
 
 import grpc
 
-from specdec.drafts import NO_DRAFT, ONE_HOT_METHODS, Branches, Draft, held_after
+from specdec.drafts import NO_BRANCHES, NO_DRAFT, ONE_HOT_METHODS, Branches, Draft, held_after
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
@@ -593,11 +593,11 @@ class SpecLoop:
         return None if busiest is None else self.costs.wall_estimate(busiest[0])
 
     def _checked_branches(self, branches: Branches, budget: int) -> Branches:
-        """The branches of a draft ahead that are well formed (at most the
-        budget's tokens, all inside the vocabulary); a faulty proposer's
-        others are dropped (the branch's own token is only ever compared with
-        committed ones)."""
-        return {key: ids for key, ids in branches.items() if Draft(ids).is_well_formed(budget, self.vocab_size)}
+        """A draft ahead's branches where all are well formed (at most the
+        budget's tokens, all inside the vocabulary), else none: a faulty
+        proposer costs its branches (a branch's own token is only ever
+        compared with committed ones)."""
+        return branches if branches.is_well_formed(budget, self.vocab_size) else NO_BRANCHES
 
     def _checked(self, seq: Sequence, draft: Draft, budget: int) -> Draft:
         """A proposer returning garbage (more drafts than the budget asked,

@@ -4,11 +4,11 @@ itself (gateway/loop.py) sees only the domain types."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.drafts import ONE_HOT_METHODS, Branches, Draft
+from specdec.drafts import NO_BRANCHES, ONE_HOT_METHODS, Branches, Draft
 from specdec.gateway.sequence import FeatureBlock, Sequence
 from specdec.limits import (
     AHEAD_BRANCH_BUDGET,
@@ -91,7 +91,7 @@ class ProposerAnswer:
     # the answer to an open: (feature_layers, features_from) it declared
     features: tuple[tuple[int, ...], int] = ((), 0)
     # drafting ahead: the draft's branches (RoundUpdates.branch_width), unchecked
-    branches: Branches = field(default_factory=dict)
+    branches: Branches = NO_BRANCHES
 
 
 def in_columns(seq: Sequence) -> bool:
@@ -183,23 +183,18 @@ def proposer_answers(message: ProposeMessage,
 def _round_branches(cols: pb.RoundDrafts, n: int) -> list[Branches]:
     """Each sequence's branches from RoundDrafts.branch_* (none when absent).
     Raises ValueError when the columns do not fit together."""
-    counts = cols.branch_counts
-    if not counts:
-        return [{} for _ in range(n)]
+    if not cols.branch_counts:
+        return [NO_BRANCHES] * n
+    counts, lens = np.array(cols.branch_counts, dtype=np.int64), np.array(cols.branch_lens, dtype=np.int64)
     m = len(cols.branch_positions)
-    if (len(counts) != n or min(counts) < 0 or sum(counts) != m or len(cols.branch_tokens) != m
-            or len(cols.branch_lens) != m or min(cols.branch_lens, default=0) < 0
-            or sum(cols.branch_lens) != len(cols.branch_token_ids)):
+    if (len(counts) != n or counts.min() < 0 or counts.sum() != m or len(cols.branch_tokens) != m
+            or len(lens) != m or (m and lens.min() < 0) or lens.sum() != len(cols.branch_token_ids)):
         raise ValueError(f"round branches do not fit the {n} sequences of the round")
-    flat = np.array(cols.branch_token_ids, dtype=np.int32)
-    starts = np.cumsum([0, *cols.branch_lens]).tolist()
-    found: list[Branches] = []
-    b = 0
-    for count in counts:
-        found.append({(cols.branch_positions[i], cols.branch_tokens[i]): flat[starts[i]:starts[i + 1]]
-                      for i in range(b, b + count)})
-        b += count
-    return found
+    positions, tokens = np.array(cols.branch_positions, dtype=np.int32), np.array(cols.branch_tokens, dtype=np.int32)
+    starts, flat = np.cumsum([0, *lens.tolist()], dtype=np.int64), np.array(cols.branch_token_ids, dtype=np.int32)
+    bounds = np.cumsum([0, *counts.tolist()]).tolist()
+    return [Branches(positions[b:e], tokens[b:e], starts[b:e + 1], flat) if e > b else NO_BRANCHES
+            for b, e in zip(bounds, bounds[1:])]
 
 
 def draft_from_message(msg: pb.Draft) -> Draft:

@@ -77,10 +77,52 @@ EMPTY_DRAFT_TOKENS = np.zeros(0, dtype=np.int32)
 NO_DRAFT = Draft(EMPTY_DRAFT_TOKENS)
 
 
-#: Branches of a draft proposed ahead: (position j, token t) -> the draft
-#: after ``draft[:j] + [t]`` (int32 [m]), where t is not ``draft[j]``
-#: (RoundUpdates.branch_width).
-Branches = dict[tuple[int, int], np.ndarray]
+@dataclass(frozen=True, eq=False)
+class Branches:
+    """The branches of one draft proposed ahead (RoundUpdates.branch_width):
+    branch b is the draft after ``draft[:positions[b]] + [tokens[b]]``,
+    ``token_ids[starts[b]:starts[b + 1]]``; tokens[b] is not the draft's own
+    token at that position, and no (position, token) pair repeats. Flat
+    arrays, as they come off the wire (a draft has hundreds)."""
+
+    positions: np.ndarray  # int32 [m]
+    tokens: np.ndarray  # int32 [m]
+    starts: np.ndarray  # int64 [m + 1], offsets into token_ids (which may hold other tokens around them)
+    token_ids: np.ndarray  # int32 [>= starts[m]]
+
+    @staticmethod
+    def of(branches: dict[tuple[int, int], list[int]]) -> Branches:
+        """From {(position, token): draft after it}."""
+        lens = [len(ids) for ids in branches.values()]
+        return Branches(np.array([j for j, _ in branches], dtype=np.int32),
+                        np.array([t for _, t in branches], dtype=np.int32),
+                        np.cumsum([0, *lens], dtype=np.int64),
+                        np.array([t for ids in branches.values() for t in ids], dtype=np.int32))
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def find(self, position: int, token: int) -> np.ndarray | None:
+        """The draft of the branch that leaves at ``position`` with ``token``, if any."""
+        hit = np.flatnonzero((self.positions == position) & (self.tokens == token))
+        if not len(hit):
+            return None
+        b = int(hit[0])
+        return self.token_ids[self.starts[b]:self.starts[b + 1]]
+
+    def is_well_formed(self, num_speculative_tokens: int, vocab_size: int) -> bool:
+        """Every branch's draft has at most num_speculative_tokens tokens, all
+        inside the vocabulary."""
+        if not len(self):
+            return True
+        ids = self.token_ids[self.starts[0]:self.starts[-1]]
+        return (int(np.diff(self.starts).max()) <= num_speculative_tokens
+                and (not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size)))
+
+
+_NONE32, _ZERO64 = np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
+#: A draft without branches.
+NO_BRANCHES = Branches(_NONE32, _NONE32, _ZERO64, _NONE32)
 
 
 def held_after(draft: Draft, branches: Branches, committed: list[int]) -> Draft:
@@ -97,7 +139,7 @@ def held_after(draft: Draft, branches: Branches, committed: list[int]) -> Draft:
         j += 1
     if j == len(committed):
         return draft.after(j)
-    branch = branches.get((j, committed[j]))
+    branch = branches.find(j, committed[j])
     rest = committed[j + 1:]
     if branch is None or len(rest) > len(branch) or branch[:len(rest)].tolist() != rest:
         return NO_DRAFT

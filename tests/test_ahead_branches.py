@@ -13,7 +13,7 @@ instead of going on without a draft.
   parsed, a misfit refused;
 - the loop (scripted proposer and scorer): a contradicted draft ahead is
   followed by its branch without waiting, and the output is lock-step's;
-- real processes on stories260K (``--overlap ahead``, a slow proposer):
+- real processes on stories260K (``--overlap ahead``, the proposer 1 ms slower):
   greedy output equals transformers' at k in {1, 3, 8} in concurrent
   streams, and branches were verified.
 """
@@ -39,7 +39,7 @@ from test_overlap import (
 )
 
 from specdec.client import make_request, stream
-from specdec.drafts import NO_DRAFT, Draft, held_after
+from specdec.drafts import NO_BRANCHES, NO_DRAFT, Branches, Draft, held_after
 from specdec.gateway import metrics
 from specdec.gateway.discovery import ReplicaSet
 from specdec.gateway.loop import LoopConfig, Overlap, SpecLoop
@@ -61,15 +61,23 @@ def _ids(*tokens: int) -> np.ndarray:
 
 def test_held_after_takes_the_draft_or_the_branch_the_committed_tokens_follow():
     draft = Draft(_ids(1, 2, 3, 4, 5))
-    branches = {(0, 9): _ids(7, 8), (2, 6): _ids(5, 4, 3), (5, 0): _ids(11)}
+    branches = Branches.of({(0, 9): [7, 8], (2, 6): [5, 4, 3], (5, 0): [11]})
     assert held_after(draft, branches, [1, 2]).token_ids.tolist() == [3, 4, 5]  # the draft holds
     assert held_after(draft, branches, [9]).token_ids.tolist() == [7, 8]  # left at position 0
     assert held_after(draft, branches, [1, 2, 6, 5]).token_ids.tolist() == [4, 3]  # the branch, past its first
     assert held_after(draft, branches, [1, 2, 3, 4, 5, 0]).token_ids.tolist() == [11]  # past the draft's end
     assert held_after(draft, branches, [1, 2, 6, 9]) is NO_DRAFT  # the branch contradicted too
     assert held_after(draft, branches, [1, 8]) is NO_DRAFT  # no branch there
-    assert held_after(draft, {}, [9]) is NO_DRAFT
+    assert held_after(draft, NO_BRANCHES, [9]) is NO_DRAFT
     assert len(held_after(draft, branches, [9, 7, 8])) == 0  # nothing of the branch left
+
+
+def test_branches_are_well_formed_within_the_budget_and_the_vocabulary():
+    branches = Branches.of({(0, 9): [7, 8], (1, 3): [99, 5, 4]})
+    assert branches.is_well_formed(3, 100) and NO_BRANCHES.is_well_formed(0, 1)
+    assert not branches.is_well_formed(2, 100)  # a branch longer than the budget
+    assert not branches.is_well_formed(3, 99)  # a token outside the vocabulary
+    assert not Branches.of({(0, 1): [-1]}).is_well_formed(3, 100)
 
 
 # ---------------------------------------------------------- ngram branches
@@ -135,11 +143,10 @@ def test_ngram_branches_cover_a_token_that_only_a_branch_continues():
     one = np.ones(1, dtype=np.int64)
     batch = proposer.advance(["a"], _ids(), np.zeros(2, dtype=np.int64), one * 0, one * 5)
     made = proposer.branches(["a"], batch.token_ids, batch.offsets, one * 5, one * 2, 16)
-    branches = {(int(made.positions[b]), int(made.tokens[b])): made.token_ids[made.starts[b]:made.starts[b + 1]]
-                for b in range(len(made.positions))}
+    branches = Branches(made.positions, made.tokens, made.starts, made.token_ids)
     assert batch.token_ids.tolist() == [3, 4, 5, 7, 8]
-    assert branches[(0, 7)].tolist() == [8, 9]
-    assert (0, 3) not in branches  # the draft's own token
+    assert branches.find(0, 7).tolist() == [8, 9]
+    assert branches.find(0, 3) is None  # the draft's own token
     assert held_after(Draft(batch.token_ids), branches, [7]).token_ids.tolist() == [8, 9]
 
 
@@ -226,8 +233,9 @@ def test_the_gateway_reads_each_sequences_branches_and_refuses_a_misfit():
         draft_counts=[2, 1], token_ids=[1, 2, 3], branch_counts=[2, 1], branch_positions=[0, 1, 0],
         branch_tokens=[9, 8, 7], branch_lens=[2, 0, 1], branch_token_ids=[4, 5, 6]))
     (_, a), (_, b) = proposer_answers(message, response)
-    assert {k: v.tolist() for k, v in a.branches.items()} == {(0, 9): [4, 5], (1, 8): []}
-    assert {k: v.tolist() for k, v in b.branches.items()} == {(0, 7): [6]}
+    assert a.branches.find(0, 9).tolist() == [4, 5] and a.branches.find(1, 8).tolist() == []
+    assert len(a.branches) == 2 and len(b.branches) == 1 and b.branches.find(0, 7).tolist() == [6]
+    assert a.branches.find(0, 7) is None
     for misfit in [dict(branch_counts=[2]), dict(branch_lens=[2, 0, 2]), dict(branch_tokens=[9, 8])]:
         broken = pb.ProposeResponse()
         broken.CopyFrom(response)
@@ -330,11 +338,14 @@ PROMPTS = ["Once upon a time", "Lily went to the park with her mom."]
 
 @pytest.fixture(scope="module")
 def branching_stack(stories_path, tmp_path_factory):
-    """ngram behind a 10 ms proposer (stories260K's Verify takes a few ms: no
-    round waits for it), drafting ahead with branches."""
+    """ngram drafting ahead with branches, the proposer 1 ms slower: about
+    stories260K's Verify, so that most exchanges land by the round after
+    (a proposer much slower than that spans several rounds, whose outputs
+    seldom still follow one draft and its branches: 10 ms gave 0-3 branch
+    drafts a run)."""
     stack = start_stack(stories_path, tmp_path_factory, "branches", methods="ngram", metrics=True,
                         extra_gateway_args=["--overlap", "ahead", "--ahead-branches", "16"],
-                        extra_proposer_args=["--added-latency-ms", "10"])
+                        extra_proposer_args=["--added-latency-ms", "1"])
     yield stack
     stack.stop()
 
@@ -348,4 +359,5 @@ def test_greedy_identity_drafting_ahead_with_branches(branching_stack, stories_p
         expected = hf_greedy(stories_path, tuple(hf_model(stories_path)[1](prompt)["input_ids"]), 48)
         assert_same_as_greedy(stories_path, gen, expected, 48)
     samples = branching_stack.by_name("gateway")[0].metrics()
-    assert samples.get('specdec_gateway_ahead_branch_drafts_total{method="ngram"}', 0.0) > 0
+    # (AMD EPYC, 3 runs: 24-32 of 45-49 drafts verified from ahead came from branches)
+    assert samples.get('specdec_gateway_ahead_branch_drafts_total{method="ngram"}', 0.0) >= 5
