@@ -31,16 +31,18 @@ MAX_BRANCH_WIDTH = 64
 DEFAULT_AHEAD_BRANCH_WIDTH = 64
 #: The gateway asks for branches only in messages with at most this many
 #: sequences drafting ahead, ``AHEAD_BRANCH_BUDGET // sequences`` per
-#: position at most: a branch costs the proposer a draft's work (an ngram
-#: lookup each) and its answer a few bytes, which at one or a few streams
-#: hide beside the Verify.
-AHEAD_BRANCH_MAX_SEQUENCES = 16
+#: position at most. A branch costs the proposer an ngram lookup and its
+#: answer a few bytes (on one machine, the scorer's cores), and a branch
+#: draft verified costs the Verify its rows while it is accepted less often
+#: than a draft made after the round (the draft planner cannot tell them
+#: apart yet). bench_overlap (SmolLM2, 2 cores of an AMD EPYC, against the
+#: gateway without branches in the same run): one stream gained (the chat
+#: mix 1.09x / 1.07x at 5 / 20 ms), 8 streams lost (0.94x at 5 and 20 ms
+#: with 16 branches each, 0.98x / 0.93x with 64; their Verify 3-5 ms longer
+#: for 0.83 drafts a round against 0.59, accepted 1.49 tokens against 1.44).
+AHEAD_BRANCH_MAX_SEQUENCES = 2
 #: Branches per draft position a Propose message asks for, over all its
-#: sequences (1-2 sequences get DEFAULT_AHEAD_BRANCH_WIDTH, 8 get 16 each):
-#: on one machine the proposer's and the gateway's work for them takes the
-#: scorer's cores. bench_overlap at 8 streams (SmolLM2, AMD EPYC, 2 cores)
-#: with 512 (64 each) read 0.98x / 0.93x the gateway without branches at
-#: 5 / 20 ms, their Verify 5 ms longer.
+#: sequences (two get DEFAULT_AHEAD_BRANCH_WIDTH each).
 AHEAD_BRANCH_BUDGET = 128
 #: Draft budget when a request names none (gateway ``--default-k``).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
