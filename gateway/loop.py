@@ -90,7 +90,7 @@ from typing import TypeVar
 
 import grpc
 
-from specdec.drafts import NO_BRANCHES, NO_DRAFT, ONE_HOT_METHODS, Branches, Draft, held_after
+from specdec.drafts import NO_BRANCHES, NO_DRAFT, ONE_HOT_METHODS, Branches, Draft, held_after, leaves_at
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
@@ -438,7 +438,7 @@ class SpecLoop:
         held = held_after(draft, branches, committed).truncated(seq.num_speculative_tokens())
         if held:
             metrics.AHEAD_DRAFTS.labels(seq.params.method).inc()
-            if len(committed) > len(draft) or draft.token_ids[:len(committed)].tolist() != committed:
+            if leaves_at(draft, committed) is not None:
                 metrics.AHEAD_BRANCH_DRAFTS.labels(seq.params.method).inc()
         return held
 

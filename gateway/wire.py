@@ -140,9 +140,9 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
         cols.context_lens.extend([len(seq.tokens) for seq in in_round])
         cols.num_speculative_tokens.extend([seq.propose_budget(ahead and seq.may_draft_ahead)
                                             for seq in in_round])
-        depths = [branch_depth(seq) if ahead and seq.may_draft_ahead else 0 for seq in in_round]
+        depths = [branch_depth(seq) if seq.may_draft_ahead else 0 for seq in in_round] if ahead and branch_width else []
         branching = sum(d > 0 for d in depths)
-        if branch_width and 0 < branching <= AHEAD_BRANCH_MAX_SEQUENCES:
+        if 0 < branching <= AHEAD_BRANCH_MAX_SEQUENCES:
             cols.branch_width = min(branch_width, AHEAD_BRANCH_BUDGET // branching)
             cols.branch_depths.extend(depths)
     return ProposeMessage(request, in_round, in_sequences)

@@ -125,6 +125,18 @@ _NONE32, _ZERO64 = np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64)
 NO_BRANCHES = Branches(_NONE32, _NONE32, _ZERO64, _NONE32)
 
 
+def leaves_at(draft: Draft, committed: list[int]) -> int | None:
+    """The position where ``committed`` (the tokens that became context
+    since the draft was proposed) leaves the draft: the first j with
+    committed[j] != draft[j], or the draft's length when committed runs past
+    it; None when committed is the draft's start."""
+    ids = draft.token_ids
+    j = 0  # committed[:j] == ids[:j]
+    while j < len(committed) and j < len(ids) and committed[j] == ids[j]:
+        j += 1
+    return None if j == len(committed) else j
+
+
 def held_after(draft: Draft, branches: Branches, committed: list[int]) -> Draft:
     """What still holds of a draft proposed ahead once ``committed`` tokens
     have become context after the point it was proposed at: the draft past
@@ -133,12 +145,9 @@ def held_after(draft: Draft, branches: Branches, committed: list[int]) -> Draft:
     holds (or nothing of it is left).
 
     draft: up to 2k + 1 tokens; committed: the tokens since the draft's context."""
-    ids = draft.token_ids
-    j = 0  # committed[:j] == ids[:j]
-    while j < len(committed) and j < len(ids) and committed[j] == ids[j]:
-        j += 1
-    if j == len(committed):
-        return draft.after(j)
+    j = leaves_at(draft, committed)
+    if j is None:
+        return draft.after(len(committed))
     branch = branches.find(j, committed[j])
     rest = committed[j + 1:]
     if branch is None or len(rest) > len(branch) or branch[:len(rest)].tolist() != rest:

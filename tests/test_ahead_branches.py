@@ -263,7 +263,6 @@ class _BranchingProposer(_SlowProposer):
         cols = request.round
         if not cols.branch_width:
             return response
-        at = 0
         for i, seq_id in enumerate(cols.seq_ids):
             context_len, draft = self.made[seq_id][-1]
             context = self.tokens[seq_id][:context_len]
@@ -280,8 +279,7 @@ class _BranchingProposer(_SlowProposer):
                 response.round.branch_token_ids.extend(tail)
                 count += 1
             response.round.branch_counts.append(count)
-            at += count
-        self.branched += at
+            self.branched += count
         return response
 
 
