@@ -40,7 +40,11 @@ upper edges of the buckets that hold the 99th percentile and the longest;
 n proposer processes with the gateway's own consistent hashing
 (gateway.discovery.ReplicaSet.pick, as gateway/placement.py places them) and
 each replica gets its part concurrently (asyncio.gather, as gateway/loop.py's
-_propose); reported: round time and each replica's mean compute_s.
+_propose); reported: round time, each replica's mean compute_s (wall time
+in its handler, which grows when more processes than cores share the
+machine) and each replica process's CPU time per round (user + system from
+/proc/PID/stat, gRPC threads included: the work it was given, whatever the
+number of cores).
 
 ``--gap-ms G`` waits G ms after each exchange before the next round, as a
 gateway waits for the scorer's verification (10-40 ms on a GPU): work a
@@ -293,8 +297,24 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-async def run_row(addrs: list[str], metrics_ports: list[int], workload: Workload, seconds: float, gap_s: float,
-                  ahead: bool, burst: int) -> dict:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process pid so far (Linux /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
+def replica_cpu_ms(before: list[float | None], after: list[float | None], rounds: int) -> list[float] | None:
+    """Each replica's CPU ms per round between two cpu_seconds readings."""
+    if not rounds or None in before or None in after:
+        return None
+    return [1e3 * (a - b) / rounds for a, b in zip(after, before)]  # type: ignore[operator]
+
+
+async def run_row(addrs: list[str], metrics_ports: list[int], pids: list[int], workload: Workload, seconds: float,
+                  gap_s: float, ahead: bool, burst: int) -> dict:
     """Rounds for ``seconds`` (after one opening round and one warm round),
     ``gap_s`` apart (ahead: every ``burst`` rounds), the messages built
     before the rounds when ``ahead``; the sequences go to replicas by the
@@ -350,6 +370,7 @@ async def run_row(addrs: list[str], metrics_ports: list[int], workload: Workload
         await one_round()
     rounds, computes, exchanges, drafts = [], [], [], 0
     waits_before = message_waits(metrics_ports)
+    cpu_before = [cpu_seconds(pid) for pid in pids]
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end and (built or not ahead):
         wall, compute, n, exchange = await one_round()
@@ -357,6 +378,7 @@ async def run_row(addrs: list[str], metrics_ports: list[int], workload: Workload
         computes.append(compute)
         exchanges.append(exchange)
         drafts += n
+    cpu_ms = replica_cpu_ms(cpu_before, [cpu_seconds(pid) for pid in pids], len(rounds))
     waits = wait_summary(waits_before, message_waits(metrics_ports))
     for s in streams.values():
         s.reset()
@@ -370,7 +392,7 @@ async def run_row(addrs: list[str], metrics_ports: list[int], workload: Workload
             "us_per_seq_round": 1e6 * round_s / workload.batch,
             "exchange_us_per_seq_round": 1e6 * float(np.mean(exchanges)) / workload.batch,
             "compute_share": float(compute.max(axis=1).mean() / round_s),
-            "replica_compute_ms": [1e3 * float(c) for c in compute.mean(axis=0)],
+            "replica_compute_ms": [1e3 * float(c) for c in compute.mean(axis=0)], "replica_cpu_ms": cpu_ms,
             "drafts_per_seq_round": drafts / (len(rounds) * workload.batch), **waits}
 
 
@@ -392,7 +414,9 @@ def bench(label: str, src: str | None, methods: list[str], batches: list[int], r
             for method in methods:
                 for b in (batches if n == 1 else [max(batches)]):
                     workload = Workload(stream, b, method, handed_out[method], columns=columns)
-                    row = asyncio.run(run_row(procs.addrs, procs.metrics_ports, workload, seconds, gap_s, ahead, burst))
+                    pids = [p.pid for p in procs.procs]
+                    row = asyncio.run(run_row(procs.addrs, procs.metrics_ports, pids, workload, seconds, gap_s, ahead,
+                                              burst))
                     handed_out[method] = workload.generation
                     row["code"], row["columns"] = label, columns
                     rows.append(row)
@@ -420,13 +444,14 @@ def git_commit() -> str:
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'code':9s} {'method':7s} {'B':>4s} {'repl':>4s} {'ms/round':>9s} {'p99 ms':>8s} {'max ms':>8s} "
           f"{'us/seq-rnd':>10s} {'exchange':>8s} {'compute':>7s} {'wait ms':>7s} {'p99<=':>6s} {'max<=':>6s}  "
-          f"replica compute ms")
+          f"replica compute ms | CPU ms")
     for r in rows:
         print(f"{r['code']:9s} {r['method']:7s} {r['batch']:4d} {r['replicas']:4d} {r['ms_per_round']:9.2f} "
               f"{r['p99_ms_per_round']:8.2f} {r['max_ms_per_round']:8.2f} {r['us_per_seq_round']:10.1f} "
               f"{r['exchange_us_per_seq_round']:8.1f} {r['compute_share']:7.2f} {_ms(r['wait_mean_ms']):>7s} "
               f"{_ms(r['wait_p99_le_ms']):>6s} {_ms(r['wait_max_le_ms']):>6s}  "
-              f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])}")
+              f"{' '.join(f'{c:.2f}' for c in r['replica_compute_ms'])} | "
+              f"{' '.join(f'{c:.2f}' for c in r.get('replica_cpu_ms') or []) or '-'}")
 
 
 def main() -> None:
