@@ -1,7 +1,8 @@
 """Overlapped rounds against lock-step (issue 16): aggregate tokens/s of 1, 8
-and 32 concurrent greedy ngram streams through a real scorer and a real
-proposer that answers each Propose message ``--added-latency-ms`` later (0,
-5, 20 ms: a remote or model-based proposer), with the gateway's ``--overlap``
+and 32 concurrent greedy streams of one copy method (``--method``: ngram,
+the default, suffix or hybrid) through a real scorer and a real proposer
+that answers each Propose message ``--added-latency-ms`` later (0, 5, 20
+ms: a remote or model-based proposer), with the gateway's ``--overlap``
 off (lock-step), on (two cohorts while the cost model says it pays), always
 (two cohorts) and ahead (the next round drafted during verification).
 
@@ -76,24 +77,25 @@ def prompt_ids(model: str) -> list[list[int]]:
     return [list(tokenizer(text)["input_ids"]) for text in STORY_PROMPTS]
 
 
-def start_services(stack: Stack, latencies: list[float], modes: list[str],
-                   baseline_src: str | None = None) -> dict[tuple[float, str], str]:
+def start_services(stack: Stack, latencies: list[float], modes: list[str], baseline_src: str | None = None,
+                   method: str = "ngram", proposer_args: list[str] | None = None) -> dict[tuple[float, str], str]:
     """A proposer per latency and a gateway per (latency, mode) beside the
     stack's scorer (modes named ``MODE@baseline`` run the gateway package in
     baseline_src); returns their gateway addresses."""
     scorer = stack.by_name("scorer")[0].addr
     gateways = {}
     for latency in latencies:
-        proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", "ngram",
-                                                             "--added-latency-ms", str(latency)], free_port())
+        proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", method,
+                                                             "--added-latency-ms", str(latency),
+                                                             *(proposer_args or [])], free_port())
         wait_serving(proposer.addr, proposer.proc, 300, proposer.name, None)
         for mode in modes:
             overlap = mode.removesuffix(BASELINE)
             command = ([sys.executable, "-c", load_package("gateway") + RUN_CLI, str(baseline_src)]
                        if mode.endswith(BASELINE) else None)
             gateway = stack._spawn(f"gateway-{latency:g}ms-{mode}", [
-                "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"ngram={proposer.addr}",
-                "--default-method", "ngram", "--overlap", overlap], free_port(), command)
+                "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"{method}={proposer.addr}",
+                "--default-method", method, "--overlap", overlap], free_port(), command)
             gateways[latency, mode] = gateway.addr
     for service in stack.by_name("gateway-"):
         wait_serving(service.addr, service.proc, 300, service.name, None)
@@ -120,8 +122,8 @@ def verify_fit(gateway) -> dict[str, float]:
             if key.startswith("specdec_gateway_verify_cost_seconds{") and f'part="{part}"' in key}
 
 
-def request(ids: list[int], k: int, max_tokens: int):
-    r = make_request(ids, max_tokens=max_tokens, method="ngram", k=k)
+def request(ids: list[int], k: int, max_tokens: int, method: str = "ngram"):
+    r = make_request(ids, max_tokens=max_tokens, method=method, k=k)
     r.ignore_eos = True  # every stream makes max_tokens
     return r
 
@@ -132,12 +134,13 @@ def stream_prompts(prompts: list[list[int]], streams: int, per_stream: int) -> l
     return [[prompts[(i + m * streams) % len(prompts)] for m in range(per_stream)] for i in range(streams)]
 
 
-def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int, per_stream: int = 1) -> dict:
+def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int, per_stream: int = 1,
+        method: str = "ngram") -> dict:
     jobs = stream_prompts(prompts, streams, per_stream)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        gens = [g for gs in pool.map(lambda seq: [stream(addr, request(ids, k, max_tokens)) for ids in seq], jobs)
-                for g in gs]
+        gens = [g for gs in pool.map(lambda seq: [stream(addr, request(ids, k, max_tokens, method)) for ids in seq],
+                                     jobs) for g in gs]
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
     rounds = sum(g.stats.rounds for g in gens)
@@ -162,6 +165,8 @@ def main() -> None:
     ap.add_argument("--latencies", default="0,5,20", help="proposer's added latency per message, ms")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "hybrid"],
+                    help="the copy method every stream asks for (the proposer serves it alone)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
     ap.add_argument("--requests-per-stream", type=int, default=1,
                     help="requests each stream sends one after another, through the prompts in turn (8 at one "
@@ -172,6 +177,9 @@ def main() -> None:
     ap.add_argument("--scorer-args", default="",
                     help="more arguments for the scorer, e.g. '--device cuda --dtype bfloat16' (a GPU scorer, whose "
                          "short Verify is the case overlap is for)")
+    ap.add_argument("--proposer-args", default="",
+                    help="more arguments for the proposers, e.g. '--max-cached-requests 0' (suffix and hybrid: no "
+                         "global tree, which would otherwise hold the answers of earlier repeats of the same prompts)")
     ap.add_argument("--baseline-src",
                     help="another gateway package directory (e.g. git archive main gateway | tar -x -C /tmp/base, "
                          "then /tmp/base/gateway): every mode but off (or --baseline-modes) also runs on it, in "
@@ -200,18 +208,20 @@ def main() -> None:
             ap.error(f"--baseline-modes: choose from the measured modes but off ({','.join(candidates)})")
         modes += [m + BASELINE for m in modes if m in again]
     cpu = cpu_model()
-    result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args, "baseline_src": args.baseline_src,
-              "k": args.k, "max_tokens": args.max_tokens, "requests_per_stream": args.requests_per_stream,
-              "repeats": args.repeats, "rows": []}
+    result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args,
+              "proposer_args": args.proposer_args, "baseline_src": args.baseline_src,
+              "method": args.method, "k": args.k, "max_tokens": args.max_tokens,
+              "requests_per_stream": args.requests_per_stream, "repeats": args.repeats, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
     print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}\nstarting the services on {args.model}; "
           f"logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True,
                extra_scorer_args=shlex.split(args.scorer_args)) as stack:
-        gateways = start_services(stack, latencies, modes, args.baseline_src)
+        gateways = start_services(stack, latencies, modes, args.baseline_src, args.method,
+                                  shlex.split(args.proposer_args))
         services = {service.addr: service for service in stack.by_name("gateway-")}
         for addr in set(gateways.values()):
-            run(addr, prompts, 2, args.k, 8)  # warm up
+            run(addr, prompts, 2, args.k, 8, method=args.method)  # warm up
         combos = [(latency, mode) for latency in latencies for mode in modes]
         for n in streams:
             samples: dict[tuple[float, str], list[dict]] = {combo: [] for combo in combos}
@@ -219,7 +229,8 @@ def main() -> None:
                 for latency, mode in combos[rep % len(combos):] + combos[:rep % len(combos)]:
                     gateway = services[gateways[latency, mode]]
                     before = step_counts(gateway)
-                    sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream)
+                    sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream,
+                                 args.method)
                     sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
                     samples[latency, mode].append(sample)
@@ -246,7 +257,7 @@ def main() -> None:
                       file=sys.stderr)
 
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
-    print(f"\nOverlapped rounds vs lock-step: {args.model}, ngram k={args.k}, {args.requests_per_stream} x "
+    print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k}, {args.requests_per_stream} x "
           f"{args.max_tokens} tokens per stream, median of {args.repeats} (ratios: median of the repeats' own)"
           f"\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"

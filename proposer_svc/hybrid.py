@@ -85,6 +85,12 @@ class HybridProposer(Proposer):
         return DraftBatch(ngram.in_sync & suffix.in_sync, np.array(out, dtype=np.int32),
                           np.array(offsets, dtype=np.int64))
 
+    def branches(self, seq_ids, drafts, offsets, ks, depths, width):
+        """Its n-gram half's branches, of whichever draft the round kept: the
+        draft the n-gram matcher makes after each likely outcome (the
+        suffix trees' alternatives would need a speculation per branch)."""
+        return self.ngram.branches(seq_ids, drafts, offsets, ks, depths, width)
+
     def _better(self, ngram_draft: Draft, suffix_draft: Draft, suffix_score: float) -> Draft:
         q = self.config.ngram_token_prob
         if ngram_score(len(ngram_draft.token_ids), q) > suffix_score:

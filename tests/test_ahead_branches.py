@@ -7,14 +7,15 @@ instead of going on without a draft.
 - ``ngram_branches``: each branch is exactly the draft ngram makes after its
   token, the tokens chosen as its docstring says (a reference written out
   here);
+- hybrid: its n-gram half's branches of the draft it kept;
 - the proposer servicer: branches answered in entry order as columns, bad
   branch fields named;
 - the gateway's wire: asked for only drafting ahead, for few sequences;
   parsed, a misfit refused;
 - the loop (scripted proposer and scorer): a contradicted draft ahead is
   followed by its branch without waiting, and the output is lock-step's;
-- real processes on stories260K (``--overlap ahead``, the proposer 1 ms slower):
-  greedy output equals transformers' at k in {1, 3, 8} in concurrent
+- real processes on stories260K (``--overlap ahead``, the proposer 1 ms slower;
+  ngram and hybrid): greedy output equals transformers' at k in {1, 3, 8} in concurrent
   streams, and branches were verified.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ from specdec.gateway.sequence import Sequence
 from specdec.gateway.wire import propose_request, proposer_answers
 from specdec.limits import AHEAD_BRANCH_BUDGET, AHEAD_BRANCH_MAX_SEQUENCES, MAX_BRANCH_WIDTH
 from specdec.proposer_svc.base import SeqOptions
+from specdec.proposer_svc.hybrid import HybridProposer
 from specdec.proposer_svc.ngram import NgramProposer, ngram_draft
 from specdec.proposer_svc.registry import build_proposers
 from specdec.proposer_svc.server import ProposerServicer
@@ -148,6 +150,24 @@ def test_ngram_branches_cover_a_token_that_only_a_branch_continues():
     assert branches.find(0, 7).tolist() == [8, 9]
     assert branches.find(0, 3) is None  # the draft's own token
     assert held_after(Draft(batch.token_ids), branches, [7]).token_ids.tolist() == [8, 9]
+
+
+def test_hybrid_answers_its_ngram_half_s_branches_of_the_draft_it_kept():
+    """hybrid's branches of the draft it kept are the ones its n-gram matcher
+    makes after each outcome of that draft, and there are some."""
+    text = _ids(1, 2, 3, 4, 5, 7, 8, 9, 6, 1, 2, 3, 4, 5, 7, 8, 1, 2)
+    hybrid, ngram = HybridProposer(), NgramProposer()
+    hybrid.start("a", text, SeqOptions())
+    ngram.start("a", text, SeqOptions())
+    one = np.ones(1, dtype=np.int64)
+    batch = hybrid.advance(["a"], _ids(), np.zeros(2, dtype=np.int64), one * 0, one * 6)
+    assert len(batch.token_ids) > 2
+    made = hybrid.branches(["a"], batch.token_ids, batch.offsets, one * 6, one * 2, 8)
+    want = ngram.branches(["a"], batch.token_ids, batch.offsets, one * 6, one * 2, 8)
+    assert len(made.positions) > 0
+    for got, expected in zip((made.offsets, made.positions, made.tokens, made.starts, made.token_ids),
+                             (want.offsets, want.positions, want.tokens, want.starts, want.token_ids)):
+        assert got.tolist() == expected.tolist()
 
 
 # ---------------------------------------------------------------- servicer
@@ -341,23 +361,25 @@ def branching_stack(stories_path, tmp_path_factory):
     (a proposer much slower than that spans several rounds, whose outputs
     seldom still follow one draft and its branches: 10 ms gave 0-3 branch
     drafts a run)."""
-    stack = start_stack(stories_path, tmp_path_factory, "branches", methods="ngram", metrics=True,
+    stack = start_stack(stories_path, tmp_path_factory, "branches", methods="ngram,hybrid", metrics=True,
                         extra_gateway_args=["--overlap", "ahead", "--ahead-branches", "16"],
                         extra_proposer_args=["--added-latency-ms", "1"])
     yield stack
     stack.stop()
 
 
-def test_greedy_identity_drafting_ahead_with_branches(branching_stack, stories_path):
+@pytest.mark.parametrize("method", ["ngram", "hybrid"])
+def test_greedy_identity_drafting_ahead_with_branches(branching_stack, stories_path, method):
     """Two streams at a time (the gateway asks for branches in messages of
-    at most AHEAD_BRANCH_MAX_SEQUENCES sequences drafting ahead)."""
+    at most AHEAD_BRANCH_MAX_SEQUENCES sequences drafting ahead); hybrid
+    answers its n-gram half's branches."""
     cases = [(prompt, k) for k in (1, 3, 8) for prompt in PROMPTS]
     with ThreadPoolExecutor(AHEAD_BRANCH_MAX_SEQUENCES) as pool:
         gens = list(pool.map(lambda c: stream(branching_stack.gateway_addr,
-                                              make_request(c[0], max_tokens=48, method="ngram", k=c[1])), cases))
+                                              make_request(c[0], max_tokens=48, method=method, k=c[1])), cases))
     for (prompt, _), gen in zip(cases, gens):
         expected = hf_greedy(stories_path, tuple(hf_model(stories_path)[1](prompt)["input_ids"]), 48)
         assert_same_as_greedy(stories_path, gen, expected, 48)
     samples = branching_stack.by_name("gateway")[0].metrics()
-    # (AMD EPYC, 3 runs two streams at a time: 30-33 drafts verified from branches)
-    assert samples.get('specdec_gateway_ahead_branch_drafts_total{method="ngram"}', 0.0) >= 5
+    # (AMD EPYC, 3 runs two streams at a time: ngram 30-33 drafts verified from branches)
+    assert samples.get(f'specdec_gateway_ahead_branch_drafts_total{{method="{method}"}}', 0.0) >= 5

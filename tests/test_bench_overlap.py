@@ -1,5 +1,5 @@
 """benchmarks/bench_overlap.py: the prompts each stream sends, and a short
-run on stories260K through real processes (lock-step and ``on``, two
+run on stories260K through real processes (hybrid, lock-step and ``on``, two
 requests a stream one after another), its table and JSON."""
 from __future__ import annotations
 
@@ -25,14 +25,16 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     out = tmp_path / "overlap.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "1",
                            "--modes", "off,on", "--repeats", "1", "--max-tokens", "8", "--requests-per-stream", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--method", "hybrid", "--proposer-args", "--max-cached-requests 0", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["requests_per_stream"] == 2
+    assert result["requests_per_stream"] == 2 and result["method"] == "hybrid"  # served by a hybrid-only proposer
+    assert result["proposer_args"] == "--max-cached-requests 0"
     assert [(r["mode"], r["streams"]) for r in result["rows"]] == [("off", 1), ("on", 1)]
     assert all(r["identical_to_lock_step"] and r["tok_s"] > 0 for r in result["rows"])
     assert all(r["tokens"] == 2 * 8 for r in result["rows"])  # two requests of 8 tokens (EOS ignored)
-    assert "2 x 8 tokens per stream" in proc.stdout
+    assert "hybrid k=5, 2 x 8 tokens per stream" in proc.stdout
     bad = subprocess.run([sys.executable, str(SCRIPT), "--requests-per-stream", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--requests-per-stream" in bad.stderr
