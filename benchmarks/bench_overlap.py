@@ -51,6 +51,7 @@ from pathlib import Path
 from specdec.client import make_request, stream
 from specdec.launcher import Stack, free_port, wait_serving
 from specdec.models import load_tokenizer, resolve_model
+from specdec.proposer_svc.registry import COPY_METHODS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import PROMPTS as CHAT_PROMPTS  # noqa: E402
@@ -165,7 +166,7 @@ def main() -> None:
     ap.add_argument("--latencies", default="0,5,20", help="proposer's added latency per message, ms")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "hybrid"],
+    ap.add_argument("--method", default="ngram", choices=COPY_METHODS,
                     help="the copy method every stream asks for (the proposer serves it alone)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
     ap.add_argument("--requests-per-stream", type=int, default=1,
