@@ -69,7 +69,15 @@ import numpy as np
 from numba import njit
 
 from specdec.drafts import Draft
-from specdec.proposer_svc.base import DraftBatch, Proposer, SeqOptions, UnknownSequence, njit_leaf
+from specdec.proposer_svc.base import (
+    BranchBatch,
+    DraftBatch,
+    Proposer,
+    SeqOptions,
+    UnknownSequence,
+    bounds_of,
+    njit_leaf,
+)
 
 # columns of `nodes`: first the fields an insert or a draft reads at every
 # step, so that they usually share a cache line; GEN (the row's generation,
@@ -511,11 +519,12 @@ def pack_streams(pool, seqs, live, i, at, budget, room):
 
 # -------------------------------------------------------------- speculation
 @njit_leaf
-def _draft_from(nodes, stamps, pool, seqs, node, off, max_depth, cap, min_token_prob, out):
+def _draft_from(nodes, stamps, pool, seqs, node, off, max_depth, cap, min_token_prob, out, prob=1.0, score=0.0):
     """Follows the best path from ``node`` (``off`` tokens into its leaf
     chain), settling the best children it reads (``_best``); returns
-    (number of tokens written to out, score)."""
-    num, score, prob = 0, 0.0, 1.0
+    (number of tokens written to out, score). prob and score: the path's
+    probability and score so far (see _draft_at_end)."""
+    num = 0
     while num < cap:
         if nodes[node, LSEQ] >= 0:  # inside a leaf chain: probability ratio 1
             seq = nodes[node, LSEQ]
@@ -833,6 +842,207 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
     return slots.shape[0]
 
 
+# ------------------------------------------------- branches of a draft ahead
+# SuffixProposer.branches: where the target's next tokens leave a draft,
+# the draft the method would make there. For a draft d of the context C and
+# a position j, the strings C + d[:j] + [t] are not in the tries: their
+# matches are found by stepping the context's matches (a per-request trie's
+# active nodes, the global trie's lists of follow_global) through d[:j] and
+# t, as follow_global steps its lists through appended tokens (entry i the
+# suffix of length i + 1; the present ones are a prefix of the list).
+
+@njit_leaf
+def _stepped(nodes, table, shards, pool, seqs, max_depth, src_node, src_off, n, tok, max_match, dst_node, dst_off):
+    """The matches of a string's suffixes followed by tok, written to dst,
+    from the string's (src's first n entries): entry 0 is [tok] from the
+    root, entry i + 1 src's entry i stepped by tok, up to the first absent
+    or max_match entries; returns their number."""
+    node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, ROOT, 0, tok)
+    i = 0
+    while node >= 0:
+        dst_node[i], dst_off[i] = node, off
+        i += 1
+        if i > n or i == max_match:
+            break
+        node, off = _step_match(nodes, table, shards, pool, seqs, max_depth, src_node[i - 1], src_off[i - 1], tok)
+    return i
+
+
+@njit_leaf
+def _draft_at_end(nodes, stamps, pool, seqs, node, off, max_depth, cap, min_token_prob, out):
+    """_draft_from at the match (node, off) of a suffix of C + e in a
+    per-request trie holding the context C but not e: once e were
+    inserted, the suffix would have one more occurrence, at the context's
+    end, with no continuation, so the first token's probability is
+    count(child) / (count + 1), and a match inside a leaf chain (count 1)
+    would be a node of count 2 whose one child is the chain's next token."""
+    if cap <= 0:
+        return 0, 0.0
+    if nodes[node, LSEQ] >= 0:
+        seq = nodes[node, LSEQ]
+        pos = nodes[node, LPOS] + off + 1
+        if nodes[node, DEPTH] + off + 1 > max_depth or pos >= seqs[seq, S_LEN]:
+            return 0, 0.0
+        prob = 1.0 / 2.0
+        out[0] = pool[seqs[seq, S_START] + pos]
+        nxt, nxt_off = node, off + 1
+    else:
+        b = _best(nodes, stamps, node)
+        if b < 0:
+            return 0, 0.0
+        prob = nodes[b, COUNT] / (nodes[node, COUNT] + 1)
+        out[0] = nodes[b, TOK]
+        nxt, nxt_off = b, 0
+    if prob < min_token_prob:
+        return 0, 0.0
+    num, score = _draft_from(nodes, stamps, pool, seqs, nxt, nxt_off, max_depth, cap - 1, min_token_prob, out[1:],
+                             prob, prob)
+    return num + 1, score
+
+
+@njit_leaf
+def _likeliest_child(nodes, pool, seqs, max_depth, node, off, exclude, tried, n_tried):
+    """The token after the match (node, off) with the most occurrences (ties:
+    the child made last), other than exclude and tried[:n_tried]; -1: none."""
+    if nodes[node, LSEQ] >= 0:  # a leaf chain: its one next token
+        seq = nodes[node, LSEQ]
+        pos = nodes[node, LPOS] + off + 1
+        if nodes[node, DEPTH] + off + 1 > max_depth or pos >= seqs[seq, S_LEN]:
+            return -1
+        t = pool[seqs[seq, S_START] + pos]
+        for q in range(n_tried):
+            if tried[q] == t:
+                return -1
+        return t if t != exclude else -1
+    best, best_count = -1, 0
+    c = nodes[node, FIRST]
+    while c >= 0:  # (siblings: the latest made first)
+        t, count = nodes[c, TOK], nodes[c, COUNT]
+        if count > best_count and t != exclude:
+            seen = False
+            for q in range(n_tried):
+                seen = seen or tried[q] == t
+            if not seen:
+                best, best_count = t, count
+        c = nodes[c, NEXT]
+    return best
+
+
+@njit_leaf
+def _branch_draft(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, g_nodes, g_table, g_shards, g_pool,
+                  g_seqs, g_stamps, g_depth, use_global, g_node, g_off, ng, tok, length, factor, min_prob, no_stamps,
+                  t_node, t_off, out, bests, scratch):
+    """The draft (written to out, int32 [>= length]) of at most length
+    tokens that arena_round would make after a string followed by tok, the
+    string's matches given (l: the per-request trie's, nl entries; g: the
+    global trie's, ng); returns its length. t_node, t_off: work space."""
+    best, g_best, tmp, g_out = bests[0], bests[1], scratch[0], scratch[1]
+    best[:] = 0.0
+    n = _stepped(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, tok, depth, t_node, t_off)
+    for i in range(n):  # (as speculate_active over the active nodes then)
+        num, score = _draft_at_end(nodes, no_stamps, pool, seqs, t_node[i], t_off[i], depth,
+                                   _max_draft_len(i + 1, length, factor), min_prob, tmp)
+        _keep_if_better(num, score, i + 1, best, tmp, out)
+    drafted = int(best[1])
+    if use_global and best[0] < length:
+        n = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, tok, depth, t_node, t_off)
+        speculate_listed(g_nodes, g_stamps, g_pool, g_seqs, g_depth, t_node, t_off, n, length, factor, min_prob,
+                         best[0], g_out, g_best, tmp)
+        if g_best[0] > best[0] or (g_best[0] == best[0] and g_best[1] > best[1]):
+            drafted = int(g_best[1])
+            for j in range(drafted):
+                out[j] = g_out[j]
+    return drafted
+
+
+@njit_leaf
+def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, factors, min_probs, active, n_active,
+                   slots, drafts, offsets, branch_depths, lengths, width, g_nodes, g_table, g_shards, g_pool, g_seqs,
+                   g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, pos, tok, starts, ids, counts,
+                   no_stamps, lists, tried, bests, scratch):
+    """Branches of the drafts ``drafts[offsets[i]:offsets[i + 1]]`` of the
+    requests in slots (SuffixProposer.branches): at each position j <=
+    min(branch_depths[i], the draft's length), up to ``width`` tokens t
+    other than the draft's own, each with the draft of at most lengths[i]
+    tokens that arena_round would make after the context + draft[:j] + [t]
+    (tokens it makes no draft after are skipped; the probabilities count the
+    new tokens' suffixes once more, at the context's end: _draft_at_end).
+
+    Which t: the tokens that follow the matches of the context +
+    draft[:j] in the per-request trie, then in the global trie, the longest
+    match first, each match's by decreasing count; at most tried.shape[0]
+    tried a position.
+
+    Writes counts[i] (sequence i's branches), pos and tok (int32 [>= their
+    number]: branch b's j and t), starts (int64 [>= their number + 1],
+    starts[0] set: branch b's draft is ids[starts[b]:starts[b + 1]]) and
+    ids; returns the number of branches. Work space: lists int32 [6, >=
+    max_depth + 1], tried int32 [>= 1], bests float64 [2, 3], scratch int32
+    [2, >= max(lengths)]. The global trie's lists of each slot are brought
+    up to date first (follow_global, as arena_round does).
+    """
+    l_node, l_off, g_node, g_off, t_node, t_off = lists[0], lists[1], lists[2], lists[3], lists[4], lists[5]
+    m = 0
+    for i in range(slots.shape[0]):
+        counts[i] = 0
+        if branch_depths[i] <= 0 or lengths[i] <= 0:
+            continue
+        s, length = slots[i], lengths[i]
+        depth, factor, min_prob = depths[s], factors[s], min_probs[s]
+        trie, shards, ctx = nodes[nbase[s]:nbase[s] + ncap[s]], tshards[s], 2 * s + CONTEXT_STREAM
+        nl = n_active[s]
+        for q in range(nl):  # the context's matches: its active nodes, by increasing depth
+            l_node[q], l_off[q] = active[s, q], 0
+        ng = 0
+        if use_global:
+            start, c = seqs[ctx, S_START], seqs[ctx, S_LEN]
+            lst = g_lists[s]
+            g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_shards, g_pool, g_seqs, g_depth, pool[start:start + c],
+                                   depth, g_len[s], g_seen[s], lst[0], lst[1], lst[2], g_n[s])
+            g_len[s], g_seen[s] = c, g_clock
+            ng = g_n[s]
+            for q in range(ng):
+                g_node[q], g_off[q] = lst[0, q], lst[1, q]
+        draft = drafts[offsets[i]:offsets[i + 1]]
+        d = draft.shape[0]
+        first_m = m
+        for j in range(min(branch_depths[i], d) + 1):
+            exclude = draft[j] if j < d else -1
+            first, n_tried = m, 0
+            for where in range(2):  # the per-request trie's matches, then the global trie's
+                n = nl if where == 0 else ng
+                for e in range(n - 1, -1, -1):
+                    while m - first < width and n_tried < tried.shape[0]:
+                        if where == 0:
+                            t = _likeliest_child(trie, pool, seqs, depth, l_node[e], l_off[e], exclude, tried, n_tried)
+                        else:
+                            t = _likeliest_child(g_nodes, g_pool, g_seqs, g_depth, g_node[e], g_off[e], exclude, tried,
+                                                 n_tried)
+                        if t < 0:
+                            break
+                        tried[n_tried] = t
+                        n_tried += 1
+                        num = _branch_draft(trie, table, shards, pool, seqs, depth, l_node, l_off, nl, g_nodes,
+                                            g_table, g_shards, g_pool, g_seqs, g_stamps, g_depth, use_global, g_node,
+                                            g_off, ng, t, length, factor, min_prob, no_stamps, t_node, t_off,
+                                            ids[starts[m]:starts[m] + length], bests, scratch)
+                        if num > 0:
+                            pos[m], tok[m] = j, t
+                            starts[m + 1] = starts[m] + num
+                            m += 1
+            if j < d:  # the matches of the context + draft[:j + 1]
+                nl = _stepped(trie, table, shards, pool, seqs, depth, l_node, l_off, nl, draft[j], depth, t_node, t_off)
+                for q in range(nl):
+                    l_node[q], l_off[q] = t_node[q], t_off[q]
+                if use_global:
+                    ng = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, draft[j],
+                                  depth, t_node, t_off)
+                    for q in range(ng):
+                        g_node[q], g_off[q] = t_node[q], t_off[q]
+        counts[i] = m - first_m
+    return m
+
+
 # ----------------------------------------------------------- Python handle
 #: address space reserved for each large array of the tries (a
 #: RequestArena's node and hash rows; the global trie's node rows, hash
@@ -844,6 +1054,10 @@ def arena_round(nodes, table, hdrs, nbase, ncap, tshards, pool, pool_hdr, seqs, 
 #: the kernel counts address space (vm.overcommit_memory=2) and on hosts
 #: whose RAM a container's limit does not show
 RESERVE_BYTES = min(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 1 << 30)
+#: tokens tried at a draft position, per branch asked for there
+#: (SuffixProposer.branches): a token the method makes no draft after costs
+#: a try and gives no branch
+BRANCH_TRIES_PER_WIDTH = 2
 #: tokens of an output inserted into the global trie in one step of its
 #: upkeep (_GlobalCache.work), so that a step rarely overruns a slice of
 #: upkeep between messages: 0.05 ms (median), 0.4 ms (p99; 64 tokens: 0.10,
@@ -1321,6 +1535,30 @@ class RequestArena:
                 self._grow(int(slots[i]))
         return DraftBatch(in_sync, out[:offsets[-1]], offsets), scores
 
+    def branches(self, slots: np.ndarray, drafts: np.ndarray, offsets: np.ndarray, depths: np.ndarray,
+                 lengths: np.ndarray, width: int, glob: SuffixTrie | None) -> BranchBatch:
+        """arena_branches over all of slots (int64 [n]): at most ``width``
+        branches at each position j <= depths[i] of sequence i's draft, each
+        with a draft of at most lengths[i] tokens (depths, lengths: int64 [n])."""
+        n = len(slots)
+        wanted = (depths > 0) & (lengths > 0)
+        most = int(((depths + 1) * width * wanted).sum())
+        pos, tok = np.empty(most, dtype=np.int32), np.empty(most, dtype=np.int32)
+        starts = np.zeros(most + 1, dtype=np.int64)
+        ids = np.empty(int(((depths + 1) * width * np.maximum(lengths, 0) * wanted).sum()), dtype=np.int32)
+        counts = np.zeros(n, dtype=np.int64)
+        longest = max(int(lengths.max()) if n else 0, 1)
+        g = glob if glob is not None else _NO_TRIE
+        m = arena_branches(self._nodes.array, self._table.array, self.nbase, self.ncap, self.tshards, self.pool,
+                           self.seqs, self.depths, self.factors, self.min_probs, self.active, self.n_active, slots,
+                           np.ascontiguousarray(drafts, dtype=np.int32), offsets, depths, lengths, width, g.nodes,
+                           g.table, g.shards, g.pool, g.seqs, g.stamps, g.max_depth, g.clock, glob is not None,
+                           self.g_lists, self.g_n, self.g_len, self.g_seen, pos, tok, starts, ids, counts, _NO_STAMPS,
+                           np.zeros((6, self.max_depth + 1), dtype=np.int32),
+                           np.zeros(BRANCH_TRIES_PER_WIDTH * width, dtype=np.int32), np.zeros((2, 3)),
+                           np.zeros((2, longest), dtype=np.int32))
+        return BranchBatch(bounds_of(counts), pos[:m], tok[:m], starts[:m + 1], ids[:starts[m]])
+
     def _trie(self, slot: int) -> np.ndarray:
         return self._nodes.array[self.nbase[slot]:self.nbase[slot] + self.ncap[slot]]
 
@@ -1541,15 +1779,28 @@ class SuffixProposer(Proposer):
         off = batch.offsets.tolist()
         return [(Draft(batch.token_ids[off[i]:off[i + 1]].copy()), float(scores[i])) for i in range(n)]
 
-    def _round(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
-               ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+    def _slots(self, seq_ids: list[str]) -> np.ndarray:
         try:
-            slots = np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
+            return np.array([self._slot[s] for s in seq_ids], dtype=np.int64)
         except KeyError as e:
             raise UnknownSequence(e.args[0]) from None
+
+    def _round(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
+               ks: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+        slots = self._slots(seq_ids)
         glob = self._global
         return self._arena.round(slots, tokens, bounds, context_lens, ks,
                                  glob.trie if glob is not None and glob.fifo else None)
+
+    def branches(self, seq_ids, drafts, offsets, ks, depths, width):
+        """The drafts the method would make where the target's tokens leave
+        each draft (RequestArena.branches; the likeliest tokens there by the
+        tries' counts)."""
+        slots = self._slots(seq_ids)
+        depths = np.minimum(depths, np.maximum(ks - 1, 0))
+        glob = self._global
+        return self._arena.branches(slots, drafts, offsets, depths, ks - depths - 1, width,
+                                    glob.trie if glob is not None and glob.fifo else None)
 
     def stop(self, seq_id, completed):
         slot = self._slot.pop(seq_id, None)
@@ -1611,7 +1862,8 @@ def _warm_up() -> None:
     arena = RequestArena(4)
     slot = arena.open(np.array([1, 2, 1, 2, 3], dtype=np.int32), 4, SeqOptions(max_tree_depth=4))
     one = np.ones(1, dtype=np.int64)
-    arena.round(np.array([slot]), np.array([1], dtype=np.int32), np.array([0, 1]), one * 6, one * 2, trie)
+    batch, _ = arena.round(np.array([slot]), np.array([1], dtype=np.int32), np.array([0, 1]), one * 6, one * 2, trie)
+    arena.branches(np.array([slot]), batch.token_ids, batch.offsets, one, one, 2, trie)
     arena.close(slot)
 
 

@@ -59,7 +59,7 @@ def build_tree(streams: list[tuple[list[int], int]], max_depth: int) -> RefNode:
     return root
 
 
-def _find(root: RefNode, tokens: list[int]) -> RefNode | None:
+def find_node(root: RefNode, tokens: list[int]) -> RefNode | None:
     node = root
     for tok in tokens:
         child = node.children.get(tok)
@@ -69,7 +69,7 @@ def _find(root: RefNode, tokens: list[int]) -> RefNode | None:
     return node
 
 
-def _draft_path(node: RefNode, cap: int, min_token_prob: float) -> tuple[list[int], float]:
+def draft_path(node: RefNode, cap: int, min_token_prob: float) -> tuple[list[int], float]:
     tokens: list[int] = []
     score, prob = 0.0, 1.0
     while len(tokens) < cap and node.children:
@@ -89,10 +89,10 @@ def speculate(root: RefNode, context: list[int], max_match: int, k: int,
     best: tuple[float, int, int] = (0.0, 0, 0)  # (score, len, match_len)
     best_tokens: list[int] = []
     for m in range(1, min(max_match, len(context)) + 1):
-        node = _find(root, context[len(context) - m:])
+        node = find_node(root, context[len(context) - m:])
         if node is None:
             break
-        tokens, score = _draft_path(node, max_draft_len(m, k, max_spec_factor), min_token_prob)
+        tokens, score = draft_path(node, max_draft_len(m, k, max_spec_factor), min_token_prob)
         if tokens and (score, len(tokens), m) >= best:
             best, best_tokens = (score, len(tokens), m), tokens
     return best_tokens, best[0]
