@@ -138,8 +138,13 @@ def propose_request(seqs: list[Sequence], releases: list[tuple[str, bool]],
         cols.token_counts.extend([len(t) for t in news])
         cols.token_ids.extend([t for new in news for t in new])
         cols.context_lens.extend([len(seq.tokens) for seq in in_round])
-        cols.num_speculative_tokens.extend([seq.propose_budget(ahead and seq.may_draft_ahead)
-                                            for seq in in_round])
+        budgets = [seq.propose_budget(ahead and seq.may_draft_ahead) for seq in in_round]
+        cols.num_speculative_tokens.extend(budgets)
+        if ahead:  # the round being verified: its budget k, which the first k + 1 tokens of a draft ahead cover
+            aheads = [min(seq.num_speculative_tokens(), budget - 1) if seq.may_draft_ahead and budget else 0
+                      for seq, budget in zip(in_round, budgets)]
+            if any(aheads):
+                cols.ahead_ks.extend(aheads)
         depths = [branch_depth(seq) if seq.may_draft_ahead else 0 for seq in in_round] if ahead and branch_width else []
         branching = sum(d > 0 for d in depths)
         if 0 < branching <= AHEAD_BRANCH_MAX_SEQUENCES:

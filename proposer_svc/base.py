@@ -170,6 +170,18 @@ class Proposer(abc.ABC):
         the method makes no branches (the default)."""
         return None
 
+    def ahead(self, seq_ids: list[str], drafts: np.ndarray, offsets: np.ndarray, ks: np.ndarray,
+              ahead_ks: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Drafting ahead (RoundUpdates.ahead_ks): the drafts an ``advance``
+        just made (sequence i's ``drafts[offsets[i]:offsets[i + 1]]``, int32,
+        offsets int64 [n + 1]), each that ends within the first
+        ``ahead_ks[i] + 1`` tokens (the round being verified: its drafts and
+        target token; 0: not drafting ahead) continued by what the method
+        would draft once it is appended, to at most ``ks[i]`` tokens in all;
+        (token_ids, offsets) as advance's. None: the drafts stand (the
+        default: a method that drafts its whole budget where it can)."""
+        return None
+
     def advance(self, seq_ids: list[str], tokens: np.ndarray, bounds: np.ndarray, context_lens: np.ndarray,
                 ks: np.ndarray) -> DraftBatch:
         """One round of n open sequences: appends ``tokens[bounds[i]:bounds[i + 1]]``

@@ -91,6 +91,11 @@ class HybridProposer(Proposer):
         suffix trees' alternatives would need a speculation per branch)."""
         return self.ngram.branches(seq_ids, drafts, offsets, ks, depths, width)
 
+    def ahead(self, seq_ids, drafts, offsets, ks, ahead_ks):
+        """Its suffix half's continuation of whichever draft the round kept
+        (an n-gram draft ends within the round only where no match goes on)."""
+        return self.suffix.ahead(seq_ids, drafts, offsets, ks, ahead_ks)
+
     def _better(self, ngram_draft: Draft, suffix_draft: Draft, suffix_score: float) -> Draft:
         q = self.config.ngram_token_prob
         if ngram_score(len(ngram_draft.token_ids), q) > suffix_score:

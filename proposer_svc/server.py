@@ -180,6 +180,8 @@ def _columns_shape_error(cols: pb.RoundUpdates, n: int) -> str:
         return f"round.branch_width: must be in 0..{MAX_BRANCH_WIDTH}, got {cols.branch_width}"
     if len(cols.branch_depths) not in (0, n):
         return f"round.branch_depths: {len(cols.branch_depths)} entries for {n} seq_ids (or none)"
+    if len(cols.ahead_ks) not in (0, n):
+        return f"round.ahead_ks: {len(cols.ahead_ks)} entries for {n} seq_ids (or none)"
     return ""
 
 
@@ -435,6 +437,10 @@ class ProposerServicer(pb_grpc.ProposerServicer):
         if depths is not None:
             fail((depths < 0) | ((depths > 0) & (depths >= ks)), pb.SEQUENCE_STATUS_INVALID,
                  "round.branch_depths: must be in 0..num_speculative_tokens - 1")
+        aheads = _ints(cols.ahead_ks, np.int64) if len(cols.ahead_ks) else None
+        if aheads is not None:
+            fail((aheads < 0) | ((aheads > 0) & (aheads >= ks)), pb.SEQUENCE_STATUS_INVALID,
+                 "round.ahead_ks: must be in 0..num_speculative_tokens - 1")
         if len(tokens) and tokens.min() < 0:
             fail(np.bincount(np.repeat(np.arange(n), counts)[tokens < 0], minlength=n) > 0,
                  pb.SEQUENCE_STATUS_INVALID, "round.token_ids: negative token id")
@@ -470,11 +476,17 @@ class ProposerServicer(pb_grpc.ProposerServicer):
                 self._stop(seq_ids[j], completed=False)
                 status[j], messages[j] = pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE, UNKNOWN_MESSAGE
             drafts, offsets = _flat_drafts(method, result)
+            in_sync = result.in_sync & (status[entries] == pb.SEQUENCE_STATUS_OK)
+            if aheads is not None and (aheads[entries] * in_sync).any():
+                continued = self.proposers[method].ahead([seq_ids[j] for j in entries.tolist()], drafts, offsets,
+                                                         ks[entries], aheads[entries] * in_sync)
+                if continued is not None:
+                    drafts, offsets = continued
             draft_counts[entries] = np.diff(offsets)
             found.append((entries, drafts, offsets))
             DRAFT_TOKENS.labels(method).inc(len(drafts))
             if depths is not None:
-                wanted = np.where(result.in_sync & (status[entries] == pb.SEQUENCE_STATUS_OK), depths[entries], 0)
+                wanted = np.where(in_sync, depths[entries], 0)
                 if wanted.any():
                     made = self.proposers[method].branches([seq_ids[j] for j in entries.tolist()], drafts, offsets,
                                                            ks[entries], wanted, cols.branch_width)

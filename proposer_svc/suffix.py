@@ -933,20 +933,30 @@ def _branch_draft(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, g_
                   g_seqs, g_stamps, g_depth, use_global, g_node, g_off, ng, tok, length, factor, min_prob, no_stamps,
                   t_node, t_off, out, bests, scratch):
     """The draft (written to out, int32 [>= length]) of at most length
-    tokens that arena_round would make after a string followed by tok, the
-    string's matches given (l: the per-request trie's, nl entries; g: the
-    global trie's, ng); returns its length. t_node, t_off: work space."""
+    tokens that arena_round would make after a string followed by tok (tok
+    < 0: after the string), the string's matches given (l: the per-request
+    trie's, nl entries; g: the global trie's, ng), the string and tok not
+    in the per-request trie; returns its length. t_node, t_off: work space."""
     best, g_best, tmp, g_out = bests[0], bests[1], scratch[0], scratch[1]
     best[:] = 0.0
-    n = _stepped(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, tok, depth, t_node, t_off)
+    if tok >= 0:
+        n = _stepped(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, tok, depth, t_node, t_off)
+        m_node, m_off = t_node, t_off
+    else:
+        n, m_node, m_off = nl, l_node, l_off
     for i in range(n):  # (as speculate_active over the active nodes then)
-        num, score = _draft_at_end(nodes, no_stamps, pool, seqs, t_node[i], t_off[i], depth,
+        num, score = _draft_at_end(nodes, no_stamps, pool, seqs, m_node[i], m_off[i], depth,
                                    _max_draft_len(i + 1, length, factor), min_prob, tmp)
         _keep_if_better(num, score, i + 1, best, tmp, out)
     drafted = int(best[1])
     if use_global and best[0] < length:
-        n = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, tok, depth, t_node, t_off)
-        speculate_listed(g_nodes, g_stamps, g_pool, g_seqs, g_depth, t_node, t_off, n, length, factor, min_prob,
+        if tok >= 0:
+            n = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, tok, depth, t_node,
+                         t_off)
+            m_node, m_off = t_node, t_off
+        else:
+            n, m_node, m_off = ng, g_node, g_off
+        speculate_listed(g_nodes, g_stamps, g_pool, g_seqs, g_depth, m_node, m_off, n, length, factor, min_prob,
                          best[0], g_out, g_best, tmp)
         if g_best[0] > best[0] or (g_best[0] == best[0] and g_best[1] > best[1]):
             drafted = int(g_best[1])
@@ -956,10 +966,49 @@ def _branch_draft(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, g_
 
 
 @njit_leaf
+def _context_matches(active, n_active, pool, seqs, s, depth, g_nodes, g_table, g_shards, g_pool, g_seqs, g_stamps,
+                     g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, l_node, l_off, g_node, g_off):
+    """The matches of slot s's context: its active nodes (l) and its lists
+    in the global trie (g, brought up to date first as arena_round does);
+    returns (nl, ng), their numbers."""
+    nl = n_active[s]
+    for q in range(nl):  # by increasing depth
+        l_node[q], l_off[q] = active[s, q], 0
+    ng = 0
+    if use_global:
+        ctx = 2 * s + CONTEXT_STREAM
+        start, c = seqs[ctx, S_START], seqs[ctx, S_LEN]
+        lst = g_lists[s]
+        g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_shards, g_pool, g_seqs, g_depth, pool[start:start + c],
+                               depth, g_len[s], g_seen[s], lst[0], lst[1], lst[2], g_n[s])
+        g_len[s], g_seen[s] = c, g_clock
+        ng = g_n[s]
+        for q in range(ng):
+            g_node[q], g_off[q] = lst[0, q], lst[1, q]
+    return nl, ng
+
+
+@njit_leaf
+def _step_matches(nodes, table, shards, pool, seqs, depth, g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth,
+                  use_global, l_node, l_off, nl, g_node, g_off, ng, tok, t_node, t_off):
+    """Both lists of matches (_context_matches) stepped by tok, in place;
+    returns their new numbers (t_node, t_off: work space)."""
+    nl = _stepped(nodes, table, shards, pool, seqs, depth, l_node, l_off, nl, tok, depth, t_node, t_off)
+    for q in range(nl):
+        l_node[q], l_off[q] = t_node[q], t_off[q]
+    if use_global:
+        ng = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, tok, depth, t_node,
+                      t_off)
+        for q in range(ng):
+            g_node[q], g_off[q] = t_node[q], t_off[q]
+    return nl, ng
+
+
+@njit_leaf
 def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, factors, min_probs, active, n_active,
                    slots, drafts, offsets, branch_depths, lengths, width, g_nodes, g_table, g_shards, g_pool, g_seqs,
                    g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, pos, tok, starts, ids, counts,
-                   no_stamps, lists, tried, bests, scratch):
+                   no_stamps, lists, bests, scratch, tried):
     """Branches of the drafts ``drafts[offsets[i]:offsets[i + 1]]`` of the
     requests in slots (SuffixProposer.branches): at each position j <=
     min(branch_depths[i], the draft's length), up to ``width`` tokens t
@@ -978,8 +1027,7 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
     starts[0] set: branch b's draft is ids[starts[b]:starts[b + 1]]) and
     ids; returns the number of branches. Work space: lists int32 [6, >=
     max_depth + 1], tried int32 [>= 1], bests float64 [2, 3], scratch int32
-    [2, >= max(lengths)]. The global trie's lists of each slot are brought
-    up to date first (follow_global, as arena_round does).
+    [2, >= max(lengths)].
     """
     l_node, l_off, g_node, g_off, t_node, t_off = lists[0], lists[1], lists[2], lists[3], lists[4], lists[5]
     m = 0
@@ -989,20 +1037,10 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
             continue
         s, length = slots[i], lengths[i]
         depth, factor, min_prob = depths[s], factors[s], min_probs[s]
-        trie, shards, ctx = nodes[nbase[s]:nbase[s] + ncap[s]], tshards[s], 2 * s + CONTEXT_STREAM
-        nl = n_active[s]
-        for q in range(nl):  # the context's matches: its active nodes, by increasing depth
-            l_node[q], l_off[q] = active[s, q], 0
-        ng = 0
-        if use_global:
-            start, c = seqs[ctx, S_START], seqs[ctx, S_LEN]
-            lst = g_lists[s]
-            g_n[s] = follow_global(g_nodes, g_stamps, g_table, g_shards, g_pool, g_seqs, g_depth, pool[start:start + c],
-                                   depth, g_len[s], g_seen[s], lst[0], lst[1], lst[2], g_n[s])
-            g_len[s], g_seen[s] = c, g_clock
-            ng = g_n[s]
-            for q in range(ng):
-                g_node[q], g_off[q] = lst[0, q], lst[1, q]
+        trie, shards = nodes[nbase[s]:nbase[s] + ncap[s]], tshards[s]
+        nl, ng = _context_matches(active, n_active, pool, seqs, s, depth, g_nodes, g_table, g_shards, g_pool, g_seqs,
+                                  g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, l_node, l_off,
+                                  g_node, g_off)
         draft = drafts[offsets[i]:offsets[i + 1]]
         d = draft.shape[0]
         first_m = m
@@ -1031,16 +1069,51 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
                             starts[m + 1] = starts[m] + num
                             m += 1
             if j < d:  # the matches of the context + draft[:j + 1]
-                nl = _stepped(trie, table, shards, pool, seqs, depth, l_node, l_off, nl, draft[j], depth, t_node, t_off)
-                for q in range(nl):
-                    l_node[q], l_off[q] = t_node[q], t_off[q]
-                if use_global:
-                    ng = _stepped(g_nodes, g_table, g_shards, g_pool, g_seqs, g_depth, g_node, g_off, ng, draft[j],
-                                  depth, t_node, t_off)
-                    for q in range(ng):
-                        g_node[q], g_off[q] = t_node[q], t_off[q]
+                nl, ng = _step_matches(trie, table, shards, pool, seqs, depth, g_nodes, g_table, g_shards, g_pool,
+                                       g_seqs, g_depth, use_global, l_node, l_off, nl, g_node, g_off, ng, draft[j],
+                                       t_node, t_off)
         counts[i] = m - first_m
     return m
+
+
+@njit_leaf
+def arena_ahead(nodes, table, nbase, ncap, tshards, pool, seqs, depths, factors, min_probs, active, n_active, slots,
+                drafts, offsets, ks, ahead_ks, g_nodes, g_table, g_shards, g_pool, g_seqs, g_stamps, g_depth, g_clock,
+                use_global, g_lists, g_n, g_len, g_seen, out, out_offsets, no_stamps, lists, bests, scratch):
+    """Drafts ahead (RoundUpdates.ahead_ks): sequence i's draft
+    ``drafts[offsets[i]:offsets[i + 1]]`` (d tokens), followed, when
+    0 < d <= ahead_ks[i] (the draft ends within the round being verified),
+    by the draft of at most ks[i] - d tokens that arena_round would make
+    after the context + draft (_branch_draft): its first token guesses
+    that round's target token, the rest is the next round's draft if the
+    round accepts the whole draft. So a draft that the length cap (a match
+    of m tokens drafts at most ceil(m * max_spec_factor)) ended still
+    reaches into the next round, from the match that the round's tokens
+    grow. Writes out (int32 [>= sum of ks]) at out_offsets (int64 [n + 1],
+    out_offsets[0] set). Work space as arena_branches' (scratch int32 [2,
+    >= max(ks)])."""
+    l_node, l_off, g_node, g_off, t_node, t_off = lists[0], lists[1], lists[2], lists[3], lists[4], lists[5]
+    for i in range(slots.shape[0]):
+        at, d = out_offsets[i], offsets[i + 1] - offsets[i]
+        for j in range(d):
+            out[at + j] = drafts[offsets[i] + j]
+        num = d
+        if 0 < d <= ahead_ks[i] and d < ks[i]:
+            s = slots[i]
+            depth = depths[s]
+            trie, shards = nodes[nbase[s]:nbase[s] + ncap[s]], tshards[s]
+            nl, ng = _context_matches(active, n_active, pool, seqs, s, depth, g_nodes, g_table, g_shards, g_pool,
+                                      g_seqs, g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen,
+                                      l_node, l_off, g_node, g_off)
+            for j in range(d):
+                nl, ng = _step_matches(trie, table, shards, pool, seqs, depth, g_nodes, g_table, g_shards, g_pool,
+                                       g_seqs, g_depth, use_global, l_node, l_off, nl, g_node, g_off, ng,
+                                       drafts[offsets[i] + j], t_node, t_off)
+            num += _branch_draft(trie, table, shards, pool, seqs, depth, l_node, l_off, nl, g_nodes, g_table,
+                                 g_shards, g_pool, g_seqs, g_stamps, g_depth, use_global, g_node, g_off, ng, -1,
+                                 ks[i] - d, factors[s], min_probs[s], no_stamps, t_node, t_off,
+                                 out[at + d:at + ks[i]], bests, scratch)
+        out_offsets[i + 1] = at + num
 
 
 # ----------------------------------------------------------- Python handle
@@ -1547,17 +1620,34 @@ class RequestArena:
         starts = np.zeros(most + 1, dtype=np.int64)
         ids = np.empty(int(((depths + 1) * width * np.maximum(lengths, 0) * wanted).sum()), dtype=np.int32)
         counts = np.zeros(n, dtype=np.int64)
-        longest = max(int(lengths.max()) if n else 0, 1)
         g = glob if glob is not None else _NO_TRIE
         m = arena_branches(self._nodes.array, self._table.array, self.nbase, self.ncap, self.tshards, self.pool,
                            self.seqs, self.depths, self.factors, self.min_probs, self.active, self.n_active, slots,
                            np.ascontiguousarray(drafts, dtype=np.int32), offsets, depths, lengths, width, g.nodes,
                            g.table, g.shards, g.pool, g.seqs, g.stamps, g.max_depth, g.clock, glob is not None,
                            self.g_lists, self.g_n, self.g_len, self.g_seen, pos, tok, starts, ids, counts, _NO_STAMPS,
-                           np.zeros((6, self.max_depth + 1), dtype=np.int32),
-                           np.zeros(BRANCH_TRIES_PER_WIDTH * width, dtype=np.int32), np.zeros((2, 3)),
-                           np.zeros((2, longest), dtype=np.int32))
+                           *self._work(int(lengths.max(initial=0))),
+                           np.zeros(BRANCH_TRIES_PER_WIDTH * width, dtype=np.int32))
         return BranchBatch(bounds_of(counts), pos[:m], tok[:m], starts[:m + 1], ids[:starts[m]])
+
+    def ahead(self, slots: np.ndarray, drafts: np.ndarray, offsets: np.ndarray, ks: np.ndarray,
+              ahead_ks: np.ndarray, glob: SuffixTrie | None) -> tuple[np.ndarray, np.ndarray]:
+        """arena_ahead over all of slots (int64 [n]): the drafts (int32, at
+        offsets int64 [n + 1]) continued where they end within the round
+        being verified (ahead_ks, ks: int64 [n]); (token_ids, offsets)."""
+        out, out_offsets = np.empty(int(ks.sum()), dtype=np.int32), np.zeros(len(slots) + 1, dtype=np.int64)
+        g = glob if glob is not None else _NO_TRIE
+        arena_ahead(self._nodes.array, self._table.array, self.nbase, self.ncap, self.tshards, self.pool, self.seqs,
+                    self.depths, self.factors, self.min_probs, self.active, self.n_active, slots,
+                    np.ascontiguousarray(drafts, dtype=np.int32), offsets, ks, ahead_ks, g.nodes, g.table, g.shards,
+                    g.pool, g.seqs, g.stamps, g.max_depth, g.clock, glob is not None, self.g_lists, self.g_n,
+                    self.g_len, self.g_seen, out, out_offsets, _NO_STAMPS, *self._work(int(ks.max(initial=0))))
+        return out[:out_offsets[-1]], out_offsets
+
+    def _work(self, longest: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Work space of arena_branches and arena_ahead: lists, bests, scratch."""
+        return (np.zeros((6, self.max_depth + 1), dtype=np.int32), np.zeros((2, 3)),
+                np.zeros((2, max(longest, 1)), dtype=np.int32))
 
     def _trie(self, slot: int) -> np.ndarray:
         return self._nodes.array[self.nbase[slot]:self.nbase[slot] + self.ncap[slot]]
@@ -1802,6 +1892,15 @@ class SuffixProposer(Proposer):
         return self._arena.branches(slots, drafts, offsets, depths, ks - depths - 1, width,
                                     glob.trie if glob is not None and glob.fifo else None)
 
+    def ahead(self, seq_ids, drafts, offsets, ks, ahead_ks):
+        """Each draft that ends within the round being verified, continued by
+        the draft the method would make once it is appended
+        (RequestArena.ahead: where the length cap of a short match ended it,
+        the grown match drafts on)."""
+        glob = self._global
+        return self._arena.ahead(self._slots(seq_ids), drafts, offsets, ks, ahead_ks,
+                                 glob.trie if glob is not None and glob.fifo else None)
+
     def stop(self, seq_id, completed):
         slot = self._slot.pop(seq_id, None)
         if slot is None:
@@ -1864,6 +1963,7 @@ def _warm_up() -> None:
     one = np.ones(1, dtype=np.int64)
     batch, _ = arena.round(np.array([slot]), np.array([1], dtype=np.int32), np.array([0, 1]), one * 6, one * 2, trie)
     arena.branches(np.array([slot]), batch.token_ids, batch.offsets, one, one, 2, trie)
+    arena.ahead(np.array([slot]), batch.token_ids, batch.offsets, one * 2, one, trie)
     arena.close(slot)
 
 

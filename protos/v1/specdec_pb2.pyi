@@ -267,7 +267,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, batch_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceUpdate, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[SequenceRelease, _Mapping]]] = ..., round: _Optional[_Union[RoundUpdates, _Mapping]] = ...) -> None: ...
 
 class RoundUpdates(_message.Message):
-    __slots__ = ("seq_ids", "token_counts", "token_ids", "context_lens", "num_speculative_tokens", "branch_width", "branch_depths")
+    __slots__ = ("seq_ids", "token_counts", "token_ids", "context_lens", "num_speculative_tokens", "branch_width", "branch_depths", "ahead_ks")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,7 @@ class RoundUpdates(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_WIDTH_FIELD_NUMBER: _ClassVar[int]
     BRANCH_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_KS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     token_counts: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -282,7 +283,8 @@ class RoundUpdates(_message.Message):
     num_speculative_tokens: _containers.RepeatedScalarFieldContainer[int]
     branch_width: int
     branch_depths: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[_Iterable[int]] = ..., branch_width: _Optional[int] = ..., branch_depths: _Optional[_Iterable[int]] = ...) -> None: ...
+    ahead_ks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., token_counts: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., context_lens: _Optional[_Iterable[int]] = ..., num_speculative_tokens: _Optional[_Iterable[int]] = ..., branch_width: _Optional[int] = ..., branch_depths: _Optional[_Iterable[int]] = ..., ahead_ks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RoundDrafts(_message.Message):
     __slots__ = ("draft_counts", "token_ids", "statuses", "messages", "branch_counts", "branch_positions", "branch_tokens", "branch_lens", "branch_token_ids")
