@@ -11,9 +11,13 @@ instead of going on without a draft.
 - ``SuffixProposer.branches``: each branch is the draft a reference written
   out here makes (suffix_reference's trees, the branch's own occurrence
   counted), its tokens those that follow the tries' matches;
+- ``SuffixProposer.ahead`` (RoundUpdates.ahead_ks): a draft ahead that ends
+  within the round being verified goes on with the reference's draft after
+  it; hybrid's too, ngram's stand;
 - the proposer servicer: branches answered in entry order as columns, bad
   branch fields named;
-- the gateway's wire: asked for only drafting ahead, for few sequences;
+- the gateway's wire: asked for only drafting ahead, for few sequences (the
+  round's k with every draft ahead);
   parsed, a misfit refused;
 - the loop (scripted proposer and scorer): a contradicted draft ahead is
   followed by its branch without waiting, and the output is lock-step's;
@@ -296,6 +300,78 @@ def test_suffix_branches_cover_a_token_that_only_a_branch_continues():
     assert held_after(Draft(batch.token_ids), branches, [7]).token_ids.tolist() == [8, 9, 6]
 
 
+# ---------------------------------------------------- suffix drafts ahead
+
+@pytest.mark.parametrize("cached", [0, 3])
+def test_suffix_continues_a_draft_ahead_that_ends_within_the_round_being_verified(cached):
+    """SuffixProposer.ahead: a draft of d <= ahead_k tokens goes on with the
+    draft the written-out reference makes after the context + the draft
+    (of at most K - d tokens, K the budget); a longer draft, ahead_k 0 or
+    an empty draft stand. Drafts that the length cap ended (a match of m
+    tokens drafts at most m) are continued and grow."""
+    depth_tree, grown = 16, 0
+    for seed in range(8):
+        rng = np.random.default_rng(100 + seed)
+        phrases = [rng.integers(0, 40, size=int(rng.integers(2, 6))).tolist() for _ in range(6)]
+
+        def text(n: int) -> list[int]:
+            out: list[int] = []
+            while len(out) < n:
+                out += phrases[int(rng.integers(6))] if rng.random() < 0.7 else [int(rng.integers(40))]
+            return out
+
+        outputs = [text(40) for _ in range(cached)]
+        proposer = SuffixProposer(SuffixConfig(max_cached_requests=cached, max_tree_depth=depth_tree))
+        reference = ReferenceSuffixProposer(cached, depth_tree)
+        for q, output in enumerate(outputs):
+            for p in (proposer, reference):
+                p.start(f"o{q}", _ids(*output[:5]), SeqOptions())
+                p.extend(f"o{q}", _ids(*output[5:]))
+                p.stop(f"o{q}", completed=True)
+        contexts = [text(50 + 5 * i) for i in range(4)]
+        seq_ids = [f"a{i}" for i in range(4)]
+        for seq_id, context in zip(seq_ids, contexts):
+            proposer.start(seq_id, _ids(*context), SeqOptions())
+        glob = build_tree(list(reference._cached), depth_tree)
+        n = len(seq_ids)
+        ks = np.array([11, 11, 11, 7], dtype=np.int64)
+        ahead_ks = np.array([5, 1, 0, 3], dtype=np.int64)
+        batch = proposer.advance(seq_ids, _ids(), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64), ks)
+        token_ids, offsets = proposer.ahead(seq_ids, batch.token_ids, batch.offsets, ks, ahead_ks)
+        for i, context in enumerate(contexts):
+            draft = batch.token_ids[batch.offsets[i]:batch.offsets[i + 1]].tolist()
+            got = token_ids[offsets[i]:offsets[i + 1]].tolist()
+            want = draft
+            if 0 < len(draft) <= ahead_ks[i]:
+                want = draft + _suffix_draft_after(build_tree([(context, 0)], depth_tree), glob, context + draft,
+                                                   depth_tree, int(ks[i]) - len(draft))
+            assert got == want, (seed, i)
+            assert len(got) <= ks[i]
+            grown += len(got) > len(draft)
+    assert grown >= 4  # drafts were continued, and compared (12 without the global trie, 6 with)
+
+
+def test_suffix_continues_the_draft_the_length_cap_ended_from_the_grown_match():
+    """After "... 6 1 2" the draft is 3 4 5 (the match "6 1 2" drafts at most
+    3); drafting ahead of a round of k = 5 it goes on with what the method
+    drafts after "... 6 1 2 3 4 5": "1 2 3 4 5" was followed by 6 and 9
+    (9 the latest), then "1 2 7 8 9" (6 tokens at most, the budget's
+    rest). hybrid continues its drafts the same way (its suffix half)."""
+    text = _ids(1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 9, 1, 2, 7, 8, 9, 6, 1, 2)
+    one = np.ones(1, dtype=np.int64)
+    suffix, hybrid = SuffixProposer(SuffixConfig(max_cached_requests=0)), HybridProposer()
+    for proposer in (suffix, hybrid):
+        proposer.start("a", text, SeqOptions())
+    batch = suffix.advance(["a"], _ids(), np.zeros(2, dtype=np.int64), one * 0, one * 11)
+    assert batch.token_ids.tolist() == [3, 4, 5]
+    token_ids, offsets = suffix.ahead(["a"], batch.token_ids, batch.offsets, one * 11, one * 5)
+    assert token_ids.tolist() == [3, 4, 5, 9, 1, 2, 7, 8, 9] and offsets.tolist() == [0, 9]
+    assert suffix.ahead(["a"], batch.token_ids, batch.offsets, one * 11, one * 2)[0].tolist() == [3, 4, 5]
+    assert suffix.ahead(["a"], batch.token_ids, batch.offsets, one * 11, one * 0)[0].tolist() == [3, 4, 5]
+    assert hybrid.ahead(["a"], batch.token_ids, batch.offsets, one * 11, one * 5)[0].tolist() == token_ids.tolist()
+    assert NgramProposer().ahead(["a"], batch.token_ids, batch.offsets, one * 11, one * 5) is None
+
+
 # ---------------------------------------------------------------- servicer
 
 def _opened(methods: dict[str, str], text: list[int]):
@@ -350,6 +426,31 @@ def test_the_servicer_answers_branches_in_entry_order_and_names_bad_branch_field
     assert one_bad.messages[2].startswith("round.branch_depths")
 
 
+
+def test_the_servicer_continues_drafts_ahead_by_method_and_names_bad_ahead_fields():
+    """RoundUpdates.ahead_ks: suffix's draft continued (as SuffixProposer.ahead),
+    ngram's as it was; a bad length or value named."""
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 9, 1, 2, 7, 8, 9, 6, 1, 2]
+    handle = _opened({"n": "ngram", "s": "suffix"}, text)
+
+    def round_(ks: list[int], aheads: list[int]) -> pb.RoundDrafts:
+        return handle(pb.ProposeRequest(round=pb.RoundUpdates(
+            seq_ids=["n", "s"], token_counts=[0, 0], context_lens=[20, 20], num_speculative_tokens=ks,
+            ahead_ks=aheads))).round
+
+    plain = round_([11, 11], [])
+    out = round_([11, 11], [5, 5])
+    assert list(plain.draft_counts)[1] == 3 and list(out.draft_counts) == [plain.draft_counts[0], 9]
+    assert list(out.token_ids)[-9:] == [3, 4, 5, 9, 1, 2, 7, 8, 9]
+    assert list(out.token_ids)[:out.draft_counts[0]] == list(plain.token_ids)[:plain.draft_counts[0]]
+    bad = round_([11, 11], [5])
+    assert list(bad.statuses) == [pb.SEQUENCE_STATUS_INVALID] * 2
+    assert {m.split(":")[0] for m in bad.messages} == {"round.ahead_ks"}
+    one_bad = round_([11, 5], [5, 5])  # the round's k + 1 tokens must fit the budget
+    assert list(one_bad.statuses) == [pb.SEQUENCE_STATUS_OK, pb.SEQUENCE_STATUS_INVALID]
+    assert one_bad.messages[1].startswith("round.ahead_ks")
+
+
 # -------------------------------------------------------------------- wire
 
 def _held(seq_id: str, k: int = 3, method: str = "ngram") -> Sequence:
@@ -366,6 +467,7 @@ def test_the_gateway_asks_for_branches_only_drafting_ahead_for_few_sequences():
     lock_step = propose_request(few, [], ahead=False, branch_width=6).request.round
     assert lock_step.branch_width == 0 and not lock_step.branch_depths
     assert not propose_request(few, [], ahead=True, branch_width=0).request.round.branch_depths
+    assert list(asked.ahead_ks) == [3] * len(few) and not lock_step.ahead_ks  # the round's k, drafting ahead
     most = [_held(f"s{i}") for i in range(AHEAD_BRANCH_MAX_SEQUENCES)]
     shared = propose_request(most, [], ahead=True, branch_width=MAX_BRANCH_WIDTH).request.round
     assert shared.branch_width == min(MAX_BRANCH_WIDTH, AHEAD_BRANCH_BUDGET // AHEAD_BRANCH_MAX_SEQUENCES)
@@ -375,6 +477,7 @@ def test_the_gateway_asks_for_branches_only_drafting_ahead_for_few_sequences():
     sampled = _held("x")
     sampled.params = _params([5, 7, 11], 3, 24, strategy=pb.VERIFY_STRATEGY_REJECTION)  # may not draft ahead
     assert list(propose_request([few[0], sampled], [], True, 6).request.round.branch_depths) == [3, 0]
+    assert list(propose_request([few[0], sampled], [], True, 6).request.round.ahead_ks) == [3, 0]
 
 
 def test_the_gateway_reads_each_sequences_branches_and_refuses_a_misfit():
