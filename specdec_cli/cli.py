@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafting ahead: besides each draft, ask the proposer for this many branches per draft "
                         "position (likely tokens where the round's outcome may leave the draft, each with the "
                         "draft after it), so a round whose draft ahead the outcome contradicts still finds "
-                        f"one (0 to {MAX_BRANCH_WIDTH}; 0: none; ngram, suffix and hybrid answer them; only in messages "
-                        f"with at most {AHEAD_BRANCH_MAX_SEQUENCES} sequences drafting ahead, {AHEAD_BRANCH_BUDGET} "
-                        "branches per position in all)")
+                        f"one (0 to {MAX_BRANCH_WIDTH}; 0: none; ngram, suffix and hybrid answer them; only in "
+                        f"messages with at most {AHEAD_BRANCH_MAX_SEQUENCES} sequences drafting ahead, "
+                        f"{AHEAD_BRANCH_BUDGET} branches per position in all)")
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
                         f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "
