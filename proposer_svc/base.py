@@ -89,6 +89,14 @@ def bounds_of(counts: np.ndarray) -> np.ndarray:
     return bounds
 
 
+def by_frequency(context: np.ndarray) -> np.ndarray:
+    """The context's distinct tokens, the most frequent first (ties: the
+    smaller id; int32 [u]): the tokens a method branches on where its
+    matches offer no more (ngram_branches, arena_branches)."""
+    tokens, counts = np.unique(context, return_counts=True)
+    return tokens[np.argsort(-counts, kind="stable")].astype(np.int32)
+
+
 class UnknownSequence(KeyError):
     """The proposer holds no state for this sequence id."""
 

@@ -15,7 +15,16 @@ import numpy as np
 
 from specdec.drafts import Draft
 from specdec.limits import MAX_SPECULATIVE_TOKENS
-from specdec.proposer_svc.base import BranchBatch, ContextStore, DraftBatch, Proposer, SeqOptions, bounds_of, njit_leaf
+from specdec.proposer_svc.base import (
+    BranchBatch,
+    ContextStore,
+    DraftBatch,
+    Proposer,
+    SeqOptions,
+    bounds_of,
+    by_frequency,
+    njit_leaf,
+)
 
 
 @njit_leaf
@@ -169,12 +178,6 @@ def ngram_branches(context, reference, draft, ranked, min_n, max_n, width, depth
     return m
 
 
-def _by_frequency(context: np.ndarray) -> np.ndarray:
-    """The context's distinct tokens, the most frequent first (int32 [u])."""
-    tokens, counts = np.unique(context, return_counts=True)
-    return tokens[np.argsort(-counts, kind="stable")].astype(np.int32)
-
-
 _WARM_UP = "__warm_up__"  # the warm-up's sequence id (it lives only inside the constructor)
 
 
@@ -253,7 +256,7 @@ class NgramProposer(Proposer):
             context = self._contexts.tokens(seq_id)
             draft = drafts[offsets[i]:offsets[i + 1]]
             min_n, max_n = self._n_range[self._contexts.slot(seq_id)].tolist()
-            ranked = _by_frequency(context) if min_n <= 1 else context[:0]
+            ranked = by_frequency(context) if min_n <= 1 else context[:0]
             scratch = np.empty(len(context) + len(draft) + 1, dtype=np.int32)
             found = ngram_branches(context, self._references.tokens(seq_id), draft, ranked, min_n, max_n,
                                    width, int(depths[i]), int(lengths[i]), scratch, pos[m:], tok[m:], starts[m:], ids)

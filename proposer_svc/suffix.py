@@ -76,6 +76,7 @@ from specdec.proposer_svc.base import (
     SeqOptions,
     UnknownSequence,
     bounds_of,
+    by_frequency,
     njit_leaf,
 )
 
@@ -1007,8 +1008,8 @@ def _step_matches(nodes, table, shards, pool, seqs, depth, g_nodes, g_table, g_s
 @njit_leaf
 def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, factors, min_probs, active, n_active,
                    slots, drafts, offsets, branch_depths, lengths, width, g_nodes, g_table, g_shards, g_pool, g_seqs,
-                   g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, pos, tok, starts, ids, counts,
-                   no_stamps, lists, bests, scratch, tried):
+                   g_stamps, g_depth, g_clock, use_global, g_lists, g_n, g_len, g_seen, ranked, r_offsets, pos, tok,
+                   starts, ids, counts, no_stamps, lists, bests, scratch, tried):
     """Branches of the drafts ``drafts[offsets[i]:offsets[i + 1]]`` of the
     requests in slots (SuffixProposer.branches): at each position j <=
     min(branch_depths[i], the draft's length), up to ``width`` tokens t
@@ -1019,8 +1020,12 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
 
     Which t: the tokens that follow the matches of the context +
     draft[:j] in the per-request trie, then in the global trie, the longest
-    match first, each match's by decreasing count; at most tried.shape[0]
-    tried a position.
+    match first, each match's by decreasing count; then
+    ``ranked[r_offsets[i]:r_offsets[i + 1]]``'s (int32: sequence i's
+    context's tokens, the most frequent first, base.by_frequency: a token
+    no match continues, where the target's next token often falls, still
+    gets the draft of its own short match); at most tried.shape[0] tried a
+    position.
 
     Writes counts[i] (sequence i's branches), pos and tok (int32 [>= their
     number]: branch b's j and t), starts (int64 [>= their number + 1],
@@ -1047,15 +1052,25 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
         for j in range(min(branch_depths[i], d) + 1):
             exclude = draft[j] if j < d else -1
             first, n_tried = m, 0
-            for where in range(2):  # the per-request trie's matches, then the global trie's
-                n = nl if where == 0 else ng
-                for e in range(n - 1, -1, -1):
+            # the per-request trie's matches (longest first), the global trie's, then ranked's tokens
+            for where in range(3):
+                n = nl if where == 0 else ng if where == 1 else r_offsets[i + 1] - r_offsets[i]
+                for e in range(n):
                     while m - first < width and n_tried < tried.shape[0]:
                         if where == 0:
-                            t = _likeliest_child(trie, pool, seqs, depth, l_node[e], l_off[e], exclude, tried, n_tried)
+                            t = _likeliest_child(trie, pool, seqs, depth, l_node[nl - 1 - e], l_off[nl - 1 - e],
+                                                 exclude, tried, n_tried)
+                        elif where == 1:
+                            t = _likeliest_child(g_nodes, g_pool, g_seqs, g_depth, g_node[ng - 1 - e],
+                                                 g_off[ng - 1 - e], exclude, tried, n_tried)
                         else:
-                            t = _likeliest_child(g_nodes, g_pool, g_seqs, g_depth, g_node[e], g_off[e], exclude, tried,
-                                                 n_tried)
+                            t = ranked[r_offsets[i] + e]
+                            for q in range(n_tried):
+                                if tried[q] == t:
+                                    t = -1
+                                    break
+                            if t == exclude:
+                                t = -1
                         if t < 0:
                             break
                         tried[n_tried] = t
@@ -1068,6 +1083,8 @@ def arena_branches(nodes, table, nbase, ncap, tshards, pool, seqs, depths, facto
                             pos[m], tok[m] = j, t
                             starts[m + 1] = starts[m] + num
                             m += 1
+                        if where == 2:  # (one token a ranked entry)
+                            break
             if j < d:  # the matches of the context + draft[:j + 1]
                 nl, ng = _step_matches(trie, table, shards, pool, seqs, depth, g_nodes, g_table, g_shards, g_pool,
                                        g_seqs, g_depth, use_global, l_node, l_off, nl, g_node, g_off, ng, draft[j],
@@ -1620,12 +1637,16 @@ class RequestArena:
         starts = np.zeros(most + 1, dtype=np.int64)
         ids = np.empty(int(((depths + 1) * width * np.maximum(lengths, 0) * wanted).sum()), dtype=np.int32)
         counts = np.zeros(n, dtype=np.int64)
+        by_slot = [by_frequency(self.context(int(slots[i]))) if wanted[i] else _NO_TOKENS for i in range(n)]
+        ranked = np.concatenate(by_slot) if by_slot else _NO_TOKENS
+        sizes = np.array([len(r) for r in by_slot], dtype=np.int64)
         g = glob if glob is not None else _NO_TRIE
         m = arena_branches(self._nodes.array, self._table.array, self.nbase, self.ncap, self.tshards, self.pool,
                            self.seqs, self.depths, self.factors, self.min_probs, self.active, self.n_active, slots,
                            np.ascontiguousarray(drafts, dtype=np.int32), offsets, depths, lengths, width, g.nodes,
                            g.table, g.shards, g.pool, g.seqs, g.stamps, g.max_depth, g.clock, glob is not None,
-                           self.g_lists, self.g_n, self.g_len, self.g_seen, pos, tok, starts, ids, counts, _NO_STAMPS,
+                           self.g_lists, self.g_n, self.g_len, self.g_seen, ranked, bounds_of(sizes), pos, tok, starts,
+                           ids, counts, _NO_STAMPS,
                            *self._work(int(lengths.max(initial=0))),
                            np.zeros(BRANCH_TRIES_PER_WIDTH * width, dtype=np.int32))
         return BranchBatch(bounds_of(counts), pos[:m], tok[:m], starts[:m + 1], ids[:starts[m]])
@@ -1884,8 +1905,8 @@ class SuffixProposer(Proposer):
 
     def branches(self, seq_ids, drafts, offsets, ks, depths, width):
         """The drafts the method would make where the target's tokens leave
-        each draft (RequestArena.branches; the likeliest tokens there by the
-        tries' counts)."""
+        each draft (RequestArena.branches: the tokens that follow the tries'
+        matches there by count, then the context's most frequent)."""
         slots = self._slots(seq_ids)
         depths = np.minimum(depths, np.maximum(ks - 1, 0))
         glob = self._global
@@ -1971,3 +1992,4 @@ def _warm_up() -> None:
 _NO_TRIE = SuffixTrie(1, 1, reserve_bytes=0, num_shards=1)
 #: the stamps of a trie that keeps none (RequestArena's)
 _NO_STAMPS = np.zeros(0, dtype=np.int64)
+_NO_TOKENS = np.zeros(0, dtype=np.int32)

@@ -231,8 +231,9 @@ def test_suffix_branches_are_the_drafts_suffix_makes_after_the_tokens_its_trees_
     makes (the per-request trie of the context, the global trie of the
     cached outputs); with room for every candidate, the branches at
     position j are exactly the tokens that follow a match of the context +
-    draft[:j] in either trie (but the draft's own) that a draft follows;
-    with little room, at most ``width`` distinct ones of them."""
+    draft[:j] in either trie or occur in the context (but the draft's own)
+    that a draft follows; with little room, at most ``width`` distinct ones
+    of them."""
     depth_tree, checked = 16, 0
     for seed in range(8):
         rng = np.random.default_rng(seed)
@@ -272,7 +273,7 @@ def test_suffix_branches_are_the_drafts_suffix_makes_after_the_tokens_its_trees_
                 at.setdefault(j, []).append(t)
                 checked += 1
             for j in range(min(depth, len(draft)) + 1):
-                candidates = {t for t in _following([local, glob], context + draft[:j], depth_tree)
+                candidates = {t for t in _following([local, glob], context + draft[:j], depth_tree) | set(context)
                               if (j == len(draft) or t != draft[j])
                               and _suffix_draft_after(local, glob, context + draft[:j] + [t], depth_tree,
                                                       budget - depth - 1)}
