@@ -28,6 +28,7 @@ instead of going on without a draft.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -225,6 +226,29 @@ def _following(trees: list[RefNode], text: list[int], depth: int) -> set[int]:
     return found
 
 
+def _suffix_case(seed: int, cached: int, depth_tree: int) -> tuple[Callable[[int], list[int]], SuffixProposer, RefNode]:
+    """Text of a few phrases over 40 tokens (text(n): at least n tokens of
+    it), a SuffixProposer that cached ``cached`` finished outputs of it,
+    and the reference's global tree of the same outputs."""
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(0, 40, size=int(rng.integers(2, 6))).tolist() for _ in range(6)]
+
+    def text(n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            out += phrases[int(rng.integers(6))] if rng.random() < 0.7 else [int(rng.integers(40))]
+        return out
+
+    proposer = SuffixProposer(SuffixConfig(max_cached_requests=cached, max_tree_depth=depth_tree))
+    reference = ReferenceSuffixProposer(cached, depth_tree)
+    for q, output in enumerate([text(40) for _ in range(cached)]):
+        for p in (proposer, reference):
+            p.start(f"o{q}", _ids(*output[:5]), SeqOptions())
+            p.extend(f"o{q}", _ids(*output[5:]))
+            p.stop(f"o{q}", completed=True)
+    return text, proposer, build_tree(list(reference._cached), depth_tree)
+
+
 @pytest.mark.parametrize("cached", [0, 3])
 def test_suffix_branches_are_the_drafts_suffix_makes_after_the_tokens_its_trees_follow_with(cached):
     """Each branch's draft is the one the docstring's written-out reference
@@ -236,27 +260,10 @@ def test_suffix_branches_are_the_drafts_suffix_makes_after_the_tokens_its_trees_
     of them."""
     depth_tree, checked = 16, 0
     for seed in range(8):
-        rng = np.random.default_rng(seed)
-        phrases = [rng.integers(0, 40, size=int(rng.integers(2, 6))).tolist() for _ in range(6)]
-
-        def text(n: int) -> list[int]:
-            out: list[int] = []
-            while len(out) < n:
-                out += phrases[int(rng.integers(6))] if rng.random() < 0.7 else [int(rng.integers(40))]
-            return out
-
-        outputs = [text(40) for _ in range(cached)]
-        proposer = SuffixProposer(SuffixConfig(max_cached_requests=cached, max_tree_depth=depth_tree))
-        reference = ReferenceSuffixProposer(cached, depth_tree)
-        for q, output in enumerate(outputs):
-            for p in (proposer, reference):
-                p.start(f"o{q}", _ids(*output[:5]), SeqOptions())
-                p.extend(f"o{q}", _ids(*output[5:]))
-                p.stop(f"o{q}", completed=True)
+        text, proposer, glob = _suffix_case(seed, cached, depth_tree)
         context = text(60 + 4 * seed)
         proposer.start("a", _ids(*context), SeqOptions())
         local = build_tree([(context, 0)], depth_tree)
-        glob = build_tree(list(reference._cached), depth_tree)
         one = np.ones(1, dtype=np.int64)
         depth, budget = 4, 9
         batch = proposer.advance(["a"], _ids(), np.zeros(2, dtype=np.int64), one * 0, one * budget)
@@ -312,28 +319,11 @@ def test_suffix_continues_a_draft_ahead_that_ends_within_the_round_being_verifie
     tokens drafts at most m) are continued and grow."""
     depth_tree, grown = 16, 0
     for seed in range(8):
-        rng = np.random.default_rng(100 + seed)
-        phrases = [rng.integers(0, 40, size=int(rng.integers(2, 6))).tolist() for _ in range(6)]
-
-        def text(n: int) -> list[int]:
-            out: list[int] = []
-            while len(out) < n:
-                out += phrases[int(rng.integers(6))] if rng.random() < 0.7 else [int(rng.integers(40))]
-            return out
-
-        outputs = [text(40) for _ in range(cached)]
-        proposer = SuffixProposer(SuffixConfig(max_cached_requests=cached, max_tree_depth=depth_tree))
-        reference = ReferenceSuffixProposer(cached, depth_tree)
-        for q, output in enumerate(outputs):
-            for p in (proposer, reference):
-                p.start(f"o{q}", _ids(*output[:5]), SeqOptions())
-                p.extend(f"o{q}", _ids(*output[5:]))
-                p.stop(f"o{q}", completed=True)
+        text, proposer, glob = _suffix_case(100 + seed, cached, depth_tree)
         contexts = [text(50 + 5 * i) for i in range(4)]
         seq_ids = [f"a{i}" for i in range(4)]
         for seq_id, context in zip(seq_ids, contexts):
             proposer.start(seq_id, _ids(*context), SeqOptions())
-        glob = build_tree(list(reference._cached), depth_tree)
         n = len(seq_ids)
         ks = np.array([11, 11, 11, 7], dtype=np.int64)
         ahead_ks = np.array([5, 1, 0, 3], dtype=np.int64)
