@@ -608,8 +608,6 @@ def test_greedy_identity_drafting_ahead_with_branches(branching_stack, stories_p
         expected = hf_greedy(stories_path, tuple(hf_model(stories_path)[1](prompt)["input_ids"]), 48)
         assert_same_as_greedy(stories_path, gen, expected, 48)
     samples = branching_stack.by_name("gateway")[0].metrics()
-    # drafts verified from branches (AMD EPYC, 8 runs two streams at a time: ngram 22-30, hybrid 8-25, suffix
-    # 3-10: its tries hold few alternatives to a draft in stories260K's short answers, and its drafts are at
-    # most as long as their match). Without branches: 0
-    least = {"ngram": 5, "hybrid": 5, "suffix": 1}[method]
-    assert samples.get(f'specdec_gateway_ahead_branch_drafts_total{{method="{method}"}}', 0.0) >= least
+    # drafts verified from branches (AMD EPYC, two streams at a time: ngram 22-31 and hybrid 8-40 in 12 runs,
+    # suffix 17-28 in 4; suffix branching only on its tries' alternatives made 3-10). Without branches: 0
+    assert samples.get(f'specdec_gateway_ahead_branch_drafts_total{{method="{method}"}}', 0.0) >= 5
