@@ -87,8 +87,9 @@ class HybridProposer(Proposer):
 
     def branches(self, seq_ids, drafts, offsets, ks, depths, width):
         """Its n-gram half's branches, of whichever draft the round kept: the
-        draft the n-gram matcher makes after each likely outcome (the
-        suffix trees' alternatives would need a speculation per branch)."""
+        draft the n-gram matcher makes after each likely outcome (its
+        suffix half branches too; which half's serve hybrid better is not
+        measured)."""
         return self.ngram.branches(seq_ids, drafts, offsets, ks, depths, width)
 
     def ahead(self, seq_ids, drafts, offsets, ks, ahead_ks):
