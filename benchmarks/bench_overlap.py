@@ -56,6 +56,7 @@ from specdec.proposer_svc.registry import COPY_METHODS
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import PROMPTS as CHAT_PROMPTS  # noqa: E402
 from bench_e2e import chat_ids  # noqa: E402
+from bench_proposer import cpu_seconds  # noqa: E402
 from package_copy import RUN_CLI, load_package  # noqa: E402
 
 STORY_PROMPTS = ["Once upon a time", "Tom saw a big dog. The dog was happy. Tom saw a big dog. The",
@@ -145,7 +146,7 @@ def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: i
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
     rounds = sum(g.stats.rounds for g in gens)
-    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall,
+    return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall, "rounds": rounds,
             "mean_accepted_length": tokens / rounds,
             "draft_tokens_per_round": sum(g.stats.draft_tokens for g in gens) / rounds,
             "accepted_per_draft_token": (sum(g.stats.accepted_tokens for g in gens)
@@ -155,9 +156,32 @@ def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: i
             "token_ids": [g.token_ids for g in gens]}
 
 
+#: the processes whose CPU time per round a run reports
+CPU_PARTS = ("scorer", "proposer", "gateway")
+
+
+def cpu_readings(pids: dict[str, int]) -> dict[str, float | None]:
+    return {part: cpu_seconds(pid) for part, pid in pids.items()}
+
+
+def cpu_ms_per_round(before: dict[str, float | None], after: dict[str, float | None], rounds: int) -> dict:
+    """Each process's CPU ms per round between two cpu_readings (None where
+    /proc could not be read)."""
+    return {part: (None if before[part] is None or after[part] is None or not rounds
+                   else 1e3 * (after[part] - before[part]) / rounds) for part in before}  # type: ignore[operator]
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    return None if None in values else statistics.median(values)  # type: ignore[type-var]
+
+
 def _ratio(runs: list[dict], baseline: list[dict]) -> float:
     """Median over the repeats of tok/s against the baseline's in the same repeat."""
     return statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(runs, baseline))
+
+
+def _cpu(ms: float | None) -> str:
+    return "-" if ms is None else f"{ms:.1f}"
 
 
 def main() -> None:
@@ -221,6 +245,8 @@ def main() -> None:
         gateways = start_services(stack, latencies, modes, args.baseline_src, args.method,
                                   shlex.split(args.proposer_args))
         services = {service.addr: service for service in stack.by_name("gateway-")}
+        scorer_pid = stack.by_name("scorer")[0].proc.pid
+        proposer_pids = {latency: stack.by_name(f"proposer-{latency:g}ms")[0].proc.pid for latency in latencies}
         for addr in set(gateways.values()):
             run(addr, prompts, 2, args.k, 8, method=args.method)  # warm up
         combos = [(latency, mode) for latency in latencies for mode in modes]
@@ -229,11 +255,13 @@ def main() -> None:
             for rep in range(args.repeats):  # every (latency, mode) once a repeat, in turns
                 for latency, mode in combos[rep % len(combos):] + combos[:rep % len(combos)]:
                     gateway = services[gateways[latency, mode]]
-                    before = step_counts(gateway)
+                    pids = {"scorer": scorer_pid, "proposer": proposer_pids[latency], "gateway": gateway.proc.pid}
+                    before, cpu_before = step_counts(gateway), cpu_readings(pids)
                     sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream,
                                  args.method)
                     sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
+                    sample["cpu_ms_per_round"] = cpu_ms_per_round(cpu_before, cpu_readings(pids), sample["rounds"])
                     samples[latency, mode].append(sample)
             reference = samples[latencies[0], "off"][0]["token_ids"]
             for latency, mode in combos:
@@ -250,6 +278,8 @@ def main() -> None:
                        "vs_baseline": (_ratio(runs, samples[latency, mode + BASELINE])
                                        if (latency, mode + BASELINE) in samples else None)}
                 row["verify_fit_runs"] = [r["verify_fit"] for r in runs]
+                row["cpu_ms_per_round"] = {part: _median_or_none([r["cpu_ms_per_round"][part] for r in runs])
+                                           for part in CPU_PARTS}
                 for key in ("tokens", "mean_accepted_length", "propose_ms_per_round", "verify_ms_per_round",
                             "draft_tokens_per_round", "accepted_per_draft_token", *STEP_COUNTERS):
                     row[key] = statistics.median(r[key] for r in runs)
@@ -263,14 +293,15 @@ def main() -> None:
           f"\nCPU: {cpu}")
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
-          f"{'identical':>10}{'overlapped':>11}{'ahead':>6}{'vs base':>8}")
+          f"{'identical':>10}{'overlapped':>11}{'ahead':>6}{'vs base':>8}{'CPU ms s/p/g':>20}")
     for r in result["rows"]:
         print(f"{r['latency_ms']:>6g}ms{r['streams']:>8}{r['mode']:>15}{r['tok_s']:>9.1f}{r['vs_off']:>7.2f}x"
               f"{100 * r['loss_vs_same_mode_0ms']:>11.1f}%{r['vs_off_0ms']:>10.2f}x"
               f"{r['propose_ms_per_round']:>11.2f}{r['verify_ms_per_round']:>10.2f}"
               f"{r['mean_accepted_length']:>8.2f}{r['draft_tokens_per_round']:>7.2f}{r['accepted_per_draft_token']:>10.2f}"
               f"{str(r['identical_to_lock_step']):>10}{r['overlapped_steps']:>11.0f}{r['ahead_rounds']:>6.0f}"
-              + (f"{r['vs_baseline']:>7.2f}x" if r["vs_baseline"] is not None else f"{'-':>8}"))
+              + (f"{r['vs_baseline']:>7.2f}x" if r["vs_baseline"] is not None else f"{'-':>8}")
+              + f"{'/'.join(_cpu(r['cpu_ms_per_round'][part]) for part in CPU_PARTS):>20}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overlap.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
@@ -19,6 +21,17 @@ def test_each_stream_sends_its_requests_through_the_prompts_in_turn():
     assert stream_prompts(prompts, 1, 1) == [[[0]]]  # one stream, one request: the first prompt only
     assert stream_prompts(prompts, 1, 8) == [[[i] for i in range(8)]]  # every prompt
     assert stream_prompts(prompts[:4], 3, 2) == [[[0], [3]], [[1], [0]], [[2], [1]]]
+
+
+def test_cpu_ms_per_round_divides_each_process_s_cpu_time_by_the_rounds():
+    from bench_overlap import cpu_ms_per_round
+
+    before = {"scorer": 1.0, "proposer": 2.0, "gateway": None}
+    after = {"scorer": 1.5, "proposer": 2.01, "gateway": 3.0}
+    per_round = cpu_ms_per_round(before, after, 10)
+    assert per_round["gateway"] is None  # /proc unreadable before the run
+    assert per_round["scorer"] == pytest.approx(50.0) and per_round["proposer"] == pytest.approx(1.0)
+    assert cpu_ms_per_round(before, after, 0) == {"scorer": None, "proposer": None, "gateway": None}
 
 
 def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_path, tmp_path):
@@ -35,6 +48,9 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     assert all(r["identical_to_lock_step"] and r["tok_s"] > 0 for r in result["rows"])
     assert all(r["tokens"] == 2 * 8 for r in result["rows"])  # two requests of 8 tokens (EOS ignored)
     assert "hybrid k=5, 2 x 8 tokens per stream" in proc.stdout
+    for row in result["rows"]:  # every process worked during the run (the scorer verified, the gateway looped)
+        assert row["cpu_ms_per_round"]["scorer"] > 0 and row["cpu_ms_per_round"]["gateway"] > 0, row
+        assert row["cpu_ms_per_round"]["proposer"] >= 0, row
     bad = subprocess.run([sys.executable, str(SCRIPT), "--requests-per-stream", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--requests-per-stream" in bad.stderr
