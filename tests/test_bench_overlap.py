@@ -4,6 +4,7 @@ requests a stream one after another), its table and JSON."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,14 +35,31 @@ def test_cpu_ms_per_round_divides_each_process_s_cpu_time_by_the_rounds():
     assert cpu_ms_per_round(before, after, 0) == {"scorer": None, "proposer": None, "gateway": None}
 
 
+def test_scorer_cpus_split_the_cpus_or_name_the_flag():
+    from bench_overlap import split_cpus
+
+    assert split_cpus("0", {0, 1}) == ({0}, {1})
+    assert split_cpus("0-1,4", {0, 1, 2, 3, 4, 5}) == ({0, 1, 4}, {2, 3, 5})
+    for text, why in [("x", "not a CPU list"), ("7", "may not run on"), ("0-1", "leaves no CPU")]:
+        with pytest.raises(ValueError, match=why) as err:
+            split_cpus(text, {0, 1})
+        assert "--scorer-cpus" in str(err.value)
+
+
 def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_path, tmp_path):
     out = tmp_path / "overlap.json"
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--scorer-cpus", str(cpus[0])] if len(cpus) > 1 else []  # the scorer alone on one CPU
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "1",
                            "--modes", "off,on", "--repeats", "1", "--max-tokens", "8", "--requests-per-stream", "2",
-                           "--method", "hybrid", "--proposer-args", "--max-cached-requests 0", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+                           "--method", "hybrid", "--proposer-args", "--max-cached-requests 0", "--out", str(out),
+                           *pin], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
+    if pin:  # every process ran where --scorer-cpus put it
+        placed = result["process_cpus"]
+        assert placed["scorer"] == cpus[:1], placed
+        assert placed["proposer"] == placed["gateway"] == placed["client"] == cpus[1:], placed
     assert result["requests_per_stream"] == 2 and result["method"] == "hybrid"  # served by a hybrid-only proposer
     assert result["proposer_args"] == "--max-cached-requests 0"
     assert [(r["mode"], r["streams"]) for r in result["rows"]] == [("off", 1), ("on", 1)]
@@ -54,3 +72,6 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     bad = subprocess.run([sys.executable, str(SCRIPT), "--requests-per-stream", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--requests-per-stream" in bad.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--scorer-cpus", "0-100000"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--scorer-cpus" in bad.stderr
