@@ -29,16 +29,25 @@ same run (benchmarks/package_copy.py): every mode but off (or those of
 its rows named ``MODE@baseline``, taking turns with the others in every
 repeat; "vs base" is the median of a mode's ratios to its baseline row
 within each repeat. "ahead" counts the rounds that drafted ahead (``--overlap ahead``,
-or ``on`` choosing to).
+or ``on`` choosing to). "CPU ms s/p/g" is the CPU time (user + system,
+every thread, from /proc) the scorer, the proposer and the gateway spent
+per round during a run: on two cores, work beside a Verify slows it.
+
+``--scorer-cpus 0`` runs the scorer alone on those CPUs (its engine threads
+one per CPU) and the proposers, the gateways and this client on the others
+(each process's CPUs are written to the JSON): a remote proposer's and a
+gateway's work then no longer shares the Verify's cores, as beside a GPU
+scorer or on machines of their own.
 
     flock /tmp/specdec-bench.lock python benchmarks/bench_overlap.py \\
         [--model PATH] [--latencies 0,5,20] [--streams 1,8,32] [--max-tokens 96] [--modes off,on,always,ahead] \\
-        [--requests-per-stream 1] [--baseline-src /tmp/base/gateway [--baseline-modes on]]
+        [--requests-per-stream 1] [--baseline-src /tmp/base/gateway [--baseline-modes on]] [--scorer-cpus 0]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -175,6 +184,36 @@ def _median_or_none(values: list[float | None]) -> float | None:
     return None if None in values else statistics.median(values)  # type: ignore[type-var]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """CPU numbers from a list like ``0`` or ``0-1,4`` (taskset's -c form)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def split_cpus(text: str, available: set[int]) -> tuple[set[int], set[int]]:
+    """(the scorer's CPUs, everyone else's) for --scorer-cpus TEXT; ValueError
+    naming the flag when TEXT is malformed, names a CPU this process may not
+    run on, or leaves none for the others."""
+    try:
+        scorer = parse_cpus(text)
+    except ValueError:
+        raise ValueError(f"--scorer-cpus: {text!r} is not a CPU list like 0 or 0-1,4") from None
+    if not scorer or not scorer <= available:
+        raise ValueError(f"--scorer-cpus: {text!r} names CPUs this process may not run on (it may run on "
+                         f"{sorted(available)})")
+    if not available - scorer:
+        raise ValueError(f"--scorer-cpus: {text!r} leaves no CPU for the proposers, gateways and client")
+    return scorer, available - scorer
+
+
+def process_cpus(pids: dict[str, int]) -> dict[str, list[int]]:
+    """The CPUs each process may run on."""
+    return {part: sorted(os.sched_getaffinity(pid)) for part, pid in pids.items()}
+
+
 def _ratio(runs: list[dict], baseline: list[dict]) -> float:
     """Median over the repeats of tok/s against the baseline's in the same repeat."""
     return statistics.median(r["tok_s"] / b["tok_s"] for r, b in zip(runs, baseline))
@@ -210,8 +249,19 @@ def main() -> None:
                          "then /tmp/base/gateway): every mode but off (or --baseline-modes) also runs on it, in "
                          "the same repeats, as MODE@baseline")
     ap.add_argument("--baseline-modes", help="the modes --baseline-src runs (default: every mode but off)")
+    ap.add_argument("--scorer-cpus",
+                    help="CPUs the scorer runs on alone, e.g. 0 (its engine then uses one thread per CPU); the "
+                         "proposers, gateways and this client run on the others, so their work does not share the "
+                         "Verify's cores (as beside a GPU scorer, or with a remote proposer)")
     ap.add_argument("--out", default="bench_results/overlap.json")
     args = ap.parse_args()
+    available = os.sched_getaffinity(0)
+    scorer_cpus, other_cpus = available, available
+    if args.scorer_cpus is not None:
+        try:
+            scorer_cpus, other_cpus = split_cpus(args.scorer_cpus, available)
+        except ValueError as err:
+            ap.error(str(err))
     if args.requests_per_stream < 1:
         ap.error(f"--requests-per-stream: must be >= 1, got {args.requests_per_stream}")
     latencies = [float(x) for x in args.latencies.split(",")]
@@ -236,17 +286,24 @@ def main() -> None:
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args,
               "proposer_args": args.proposer_args, "baseline_src": args.baseline_src,
               "method": args.method, "k": args.k, "max_tokens": args.max_tokens,
-              "requests_per_stream": args.requests_per_stream, "repeats": args.repeats, "rows": []}
+              "requests_per_stream": args.requests_per_stream, "repeats": args.repeats,
+              "scorer_cpus": args.scorer_cpus, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
-    print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}\nstarting the services on {args.model}; "
+    os.sched_setaffinity(0, scorer_cpus)  # the scorer (and the stack's idle default gateway) inherit these
+    print(f"CPU: {cpu}; scorer arguments: {args.scorer_args or '-'}; scorer CPUs {sorted(scorer_cpus)}, the "
+          f"others' {sorted(other_cpus)}\nstarting the services on {args.model}; "
           f"logs in {log_dir}", file=sys.stderr)
     with Stack(model=args.model, num_proposers=0, default_method="none", log_dir=log_dir, metrics=True,
                extra_scorer_args=shlex.split(args.scorer_args)) as stack:
+        os.sched_setaffinity(0, other_cpus)  # the proposers and gateways started below, and the client
         gateways = start_services(stack, latencies, modes, args.baseline_src, args.method,
                                   shlex.split(args.proposer_args))
         services = {service.addr: service for service in stack.by_name("gateway-")}
         scorer_pid = stack.by_name("scorer")[0].proc.pid
         proposer_pids = {latency: stack.by_name(f"proposer-{latency:g}ms")[0].proc.pid for latency in latencies}
+        result["process_cpus"] = process_cpus({"scorer": scorer_pid, "proposer": proposer_pids[latencies[0]],
+                                               "gateway": services[gateways[latencies[0], modes[0]]].proc.pid,
+                                               "client": os.getpid()})
         for addr in set(gateways.values()):
             run(addr, prompts, 2, args.k, 8, method=args.method)  # warm up
         combos = [(latency, mode) for latency in latencies for mode in modes]
@@ -290,7 +347,8 @@ def main() -> None:
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
     print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k}, {args.requests_per_stream} x "
           f"{args.max_tokens} tokens per stream, median of {args.repeats} (ratios: median of the repeats' own)"
-          f"\nCPU: {cpu}")
+          f"\nCPU: {cpu}" + (f"; the scorer alone on CPUs {sorted(scorer_cpus)}, the others on {sorted(other_cpus)}"
+                              if args.scorer_cpus is not None else ""))
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"
           f"{'vs off@0ms':>11}{'propose ms':>11}{'verify ms':>10}{'acc len':>8}{'drafts':>7}{'acc/draft':>10}"
           f"{'identical':>10}{'overlapped':>11}{'ahead':>6}{'vs base':>8}{'CPU ms s/p/g':>20}")
