@@ -31,7 +31,8 @@ repeat; "vs base" is the median of a mode's ratios to its baseline row
 within each repeat. "ahead" counts the rounds that drafted ahead (``--overlap ahead``,
 or ``on`` choosing to). "CPU ms s/p/g" is the CPU time (user + system,
 every thread, from /proc) the scorer, the proposer and the gateway spent
-per round during a run: on two cores, work beside a Verify slows it.
+during a run per sequence-round (a round, at one stream): on two cores,
+work beside a Verify slows it.
 
 ``--scorer-cpus 0`` runs the scorer alone on those CPUs (its engine threads
 one per CPU) and the proposers, the gateways and this client on the others
@@ -174,8 +175,8 @@ def cpu_readings(pids: dict[str, int]) -> dict[str, float | None]:
 
 
 def cpu_ms_per_round(before: dict[str, float | None], after: dict[str, float | None], rounds: int) -> dict:
-    """Each process's CPU ms per round between two cpu_readings (None where
-    /proc could not be read)."""
+    """Each process's CPU ms per round (rounds: the streams' sequence-rounds)
+    between two cpu_readings (None where /proc could not be read)."""
     return {part: (None if before[part] is None or after[part] is None or not rounds
                    else 1e3 * (after[part] - before[part]) / rounds) for part in before}  # type: ignore[operator]
 
