@@ -190,7 +190,10 @@ def parse_cpus(text: str) -> set[int]:
     cpus: set[int] = set()
     for part in text.split(","):
         first, _, last = part.strip().partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"{part!r}: a range runs from low to high")
+        cpus.update(range(low, high + 1))
     return cpus
 
 

@@ -40,7 +40,8 @@ def test_scorer_cpus_split_the_cpus_or_name_the_flag():
 
     assert split_cpus("0", {0, 1}) == ({0}, {1})
     assert split_cpus("0-1,4", {0, 1, 2, 3, 4, 5}) == ({0, 1, 4}, {2, 3, 5})
-    for text, why in [("x", "not a CPU list"), ("7", "may not run on"), ("0-1", "leaves no CPU")]:
+    for text, why in [("x", "not a CPU list"), ("1-0", "not a CPU list"), ("7", "may not run on"),
+                      ("0-1", "leaves no CPU")]:
         with pytest.raises(ValueError, match=why) as err:
             split_cpus(text, {0, 1})
         assert "--scorer-cpus" in str(err.value)
