@@ -46,12 +46,14 @@ def smollm_path() -> str:
 
 @functools.lru_cache(maxsize=4)
 def hf_model(path: str):
-    """A transformers model + tokenizer, float32, loaded once per process."""
+    """A transformers model + tokenizer, float32, loaded once per process; a
+    GGUF model from the file itself, not its dequantised copy (the reference
+    must not depend on the code under test)."""
     from transformers import AutoModelForCausalLM
 
     from specdec.models import load_tokenizer, resolve_model
 
-    src = resolve_model(path)
+    src = resolve_model(path, cached=False)
     model = AutoModelForCausalLM.from_pretrained(src.path, dtype="float32", **src.hf_kwargs()).eval()
     return model, load_tokenizer(src)
 

@@ -441,6 +441,8 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_loaded():
     assert minimal["spec"]["template"]["spec"]["volumes"] == [{"name": "tmp", "emptyDir": {}},
                                                               {"name": "hf-cache", "emptyDir": {}}]
     assert {"name": "HF_HOME", "value": "/cache/huggingface"} in container(minimal)["env"]
+    # the dequantised copy of a GGUF model goes to the same volume (the root filesystem is read-only)
+    assert {"name": "SPECDEC_GGUF_CACHE_DIR", "value": "/cache/specdec-gguf"} in container(minimal)["env"]
 
 
 def test_extra_args_and_env_are_appended():

@@ -175,7 +175,8 @@ A component's Deployment. Context keys besides root/component/values:
   container           the container name
   args                the specdec sub-command and its flags (strings); values.extraArgs follow
   gpu                 true for model runners (scorer, draft proposer): GPU and "-cuda" image when gpu.enabled
-  mountModel          mount the model volume and the Hugging Face cache, set HF_HOME
+  mountModel          mount the model volume and the Hugging Face cache, set HF_HOME and
+                      SPECDEC_GGUF_CACHE_DIR (dequantised GGUF copies) into it
   serviceAccountName  set for pods that call the Kubernetes API; others get no token
 */}}
 {{- define "specdec.deployment" -}}
@@ -187,6 +188,7 @@ A component's Deployment. Context keys besides root/component/values:
 {{- $env := list -}}
 {{- if .mountModel -}}
 {{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $root.Values.model.cache.mountPath)) -}}
+{{- $env = append $env (dict "name" "SPECDEC_GGUF_CACHE_DIR" "value" (printf "%s/specdec-gguf" $root.Values.model.cache.mountPath)) -}}
 {{- end -}}
 {{- $env = concat $env $v.extraEnv -}}
 {{- $nodeSelector := deepCopy (default (dict) $v.nodeSelector) -}}
