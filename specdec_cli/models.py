@@ -93,7 +93,7 @@ def gguf_cache_entry(gguf: Path) -> Path | None:
     if root is None:
         return None
     st = gguf.stat()
-    versions = []
+    versions: list[str | None] = []
     for dist in ("transformers", "gguf"):
         try:
             versions.append(metadata.version(dist))
