@@ -70,6 +70,8 @@ def write_gguf_copy(src: ModelSource) -> Path | None:
 
     assert src.gguf_file and src.gguf_cache
     gguf, entry = Path(src.path) / src.gguf_file, Path(src.gguf_cache)
+    if (entry / "model.safetensors").is_file():  # another process wrote it since ``src`` was resolved
+        return entry
     estimate = gguf.stat().st_size * GGUF_EXPANSION
     if estimate > gguf_cache_max_bytes():
         log.info("%s: not keeping a dequantised copy (up to ~%.1f GB, over $SPECDEC_GGUF_CACHE_MAX_GB)",

@@ -31,7 +31,8 @@ def fake(tmp_path, stories_path, monkeypatch):
     """A directory holding a .gguf file (whose bytes nobody reads) and
     stories260K's tokenizer files; transformers' load of that file gives
     stories260K's model. The cache goes to tmp_path / "cache". ``dir``: the
-    directory; ``loads``: the dtype of each GGUF load."""
+    directory; ``loads``: the dtype of each GGUF load; ``while_loading``:
+    callables run during each GGUF load."""
     from transformers import AutoModelForCausalLM
 
     d = tmp_path / "model"
@@ -40,18 +41,20 @@ def fake(tmp_path, stories_path, monkeypatch):
     for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"):
         shutil.copy(Path(stories_path) / name, d / name)
     real = AutoModelForCausalLM.from_pretrained
-    loads = []
+    loads, while_loading = [], []
 
     def from_pretrained(path, *args, **kwargs):
         if kwargs.pop("gguf_file", None):
             loads.append(kwargs.get("dtype"))
             path = stories_path
+            for hook in while_loading:
+                hook()
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
     monkeypatch.setenv("SPECDEC_GGUF_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("SPECDEC_GGUF_CACHE_MAX_GB", raising=False)
-    return SimpleNamespace(dir=d, loads=loads)
+    return SimpleNamespace(dir=d, loads=loads, while_loading=while_loading)
 
 
 def _same_weights(a, b) -> None:
@@ -135,12 +138,19 @@ def test_a_copy_another_process_finished_first_is_kept_and_stale_halves_are_remo
         d.mkdir()
         (d / "model.safetensors").write_bytes(b"half")
     os.utime(stale, (time.time() - 2 * checkpoint.GGUF_STALE_TMP_S,) * 2)
-    shutil.copytree(fake.dir, entry)  # "another process": a finished copy appears while this one writes
-    (entry / "model.safetensors").write_bytes(b"theirs")
+
+    def theirs():  # "another process": its finished copy appears while this one dequantises
+        shutil.copytree(fake.dir, entry)
+        (entry / "model.safetensors").write_bytes(b"theirs")
+
+    fake.while_loading.append(theirs)
     assert write_gguf_copy(src) == entry
+    assert fake.loads == [torch.float32]
     assert (entry / "model.safetensors").read_bytes() == b"theirs"
     assert not stale.exists() and fresh.exists()  # a writer that may still be running keeps its half
     assert not entry.with_name(f"{entry.name}.tmp-{os.getpid()}").exists()
+    fake.while_loading.clear()
+    assert write_gguf_copy(src) == entry and fake.loads == [torch.float32]  # there now: not dequantised again
 
 
 def test_an_unwritable_cache_loads_the_gguf_and_says_why(fake, monkeypatch, tmp_path, caplog):
