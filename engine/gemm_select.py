@@ -22,7 +22,16 @@ only if it passes the check, else the engine refuses to start
 path in ``GEMM_PATHS``, times the invariant ones on the model's own weights
 (every projection of a forward pass at 1, k + 1 and a batch of rows,
 ``TIMED_ROWS``, weighted toward batch-1 decoding by ``TIME_WEIGHTS``) and
-keeps the fastest. Verdicts, and timings taken while the machine was not
+keeps the fastest. A caller that runs faster around some kinds of path
+than the GEMM timings show names them (``prefer_kinds``), and the fastest
+of those is kept while one is invariant: the Llama runner on CPU runs its
+small steps in numpy between numba or simd GEMMs (``LlamaEngine.fused``:
+no torch op in a layer) and through torch around the others. On 2 cores of
+an AMD EPYC oneDNN's bfloat16 GEMMs once scored 3 % under simd-dpbf16's;
+the engine then took 13.3 ms a SmolLM2 decode step against 10.1 and 20.7
+against 11.9 for a 6-row verification (``python benchmarks/bench_forward.py
+--configs bfloat16:onednn,bfloat16:simd-dpbf16 --batches 1 --queries 1,6
+--reps 3 --no-stack``, same run). Verdicts, and timings taken while the machine was not
 busy (``machine_busy``), are cached as JSON under
 ``cache_dir()`` (``$SPECDEC_GEMM_CACHE_DIR``, default
 ``~/.cache/specdec/gemm``), keyed by CPU model, torch version, dtype, thread
@@ -64,7 +73,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 #: Environment variables that cap the instruction sets the GEMM paths' code
 #: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
 #: same CPU then runs other kernels, so those that are set join the cache key
@@ -130,11 +139,16 @@ class GemmPath:
 #: the activations rounded to bfloat16 and every step one ``vdpbf16ps`` (32
 #: products), half the instructions, so a verification's rows cost little
 #: more than a decode step's; the check refuses it elsewhere (UNSUPPORTED).
+#: "simd-l1" is "simd" prefetching the weight into L1, a shorter way ahead,
+#: instead of L2 (``gemm_simd.PREFETCH_AHEAD_L1``): the same instructions
+#: otherwise, so the same bits; which streams faster depends on the CPU
+#: (module doc of gemm_simd), and the timing decides.
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
                                    GemmPath("simd", "simd", gemm_simd.GROUP),
-                                   GemmPath("simd-dpbf16", "simd", gemm_simd.GROUP))}
+                                   GemmPath("simd-dpbf16", "simd", gemm_simd.GROUP),
+                                   GemmPath("simd-l1", "simd", gemm_simd.GROUP))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 
 
@@ -159,6 +173,8 @@ class Linear:
         self.numba = path.kind in ("numba", "simd")
         #: simd-dpbf16: bfloat16 activations times bfloat16 weights in AVX512-BF16 dot products
         self.pairs = path.name == "simd-dpbf16"
+        #: simd-l1: the weight prefetched into L1 instead of L2
+        self.l1 = path.name == "simd-l1"
         if self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
             dtypes = ((torch.bfloat16,) if self.pairs else (torch.float32, torch.bfloat16)) if path.kind == "simd" \
@@ -211,7 +227,7 @@ class Linear:
         """x @ W^T through the numba/simd kernel, float32 [T, out] (a view
         when the padded weight has more outputs), bias not added."""
         if self.path.kind == "simd":
-            y = gemm_simd.gemm(x, self._padded, self.threads, self.pairs)
+            y = gemm_simd.gemm(x, self._padded, self.threads, self.pairs, self.l1)
         else:
             y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
@@ -452,10 +468,13 @@ def _save(report: dict) -> None:
 
 
 def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "auto",
-           max_rows: int = 512) -> Selection:
+           max_rows: int = 512, prefer_kinds: tuple[str, ...] = ()) -> Selection:
     """The GEMM path for these weights on this machine (module doc): gemm is
     "auto" or a name in GEMM_PATHS. Raises GemmRefused when the forced path,
-    or every path, breaks row-count invariance."""
+    or every path, breaks row-count invariance. prefer_kinds: "auto" keeps
+    the fastest path of these kinds while one is invariant (the caller runs
+    faster around them than the GEMM timings show), the fastest of all
+    otherwise."""
     if gemm != "auto" and gemm not in GEMM_PATHS:
         raise ValueError(f"gemm must be 'auto' or one of {', '.join(GEMM_PATHS)}, got {gemm!r}")
     row_counts = check_row_counts(max_rows)
@@ -490,7 +509,8 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         if not ok:
             raise GemmRefused("no GEMM path keeps row-count invariance on this CPU (" + cpu_model() + "): "
                               + "; ".join(f"{n}: {verdicts[n]['failure']}" for n in names))
-        chosen = min(ok, key=lambda n: verdicts[n]["score_ms"])
+        preferred = [n for n in ok if GEMM_PATHS[n].kind in prefer_kinds]
+        chosen = min(preferred or ok, key=lambda n: verdicts[n]["score_ms"])
         report["choice"] = chosen
     if dirty:
         report["select_s"] = round(time.perf_counter() - t0, 3)
@@ -498,7 +518,8 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     linears = [Linear(w, b, GEMM_PATHS[chosen]) for _, w, b in weights]
     log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
              dtype, report["key"]["cpu"], num_threads, summary(report))
-    return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto"})
+    return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto",
+                                                   "prefer_kinds": list(prefer_kinds)})
 
 
 def _without_busy_timings(report: dict) -> dict:

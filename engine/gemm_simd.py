@@ -26,7 +26,15 @@ values ahead into L2 (not L1) keeps enough lines in flight: SmolLM2's
 projections at 6 rows went from ~26 ms (numba6, prefetching into L1) to
 ~17 ms, and at 1 row from ~19 ms (numba1) to ~16 ms, so verifying 5 drafts
 costs about one decode step (``python benchmarks/bench_forward.py`` prints
-the selector's timings on the machine it runs on).
+the selector's timings on the machine it runs on). Where the prefetches
+should put the weight depends on the CPU: on a newer AMD EPYC (CPU family
+26) prefetching PREFETCH_AHEAD_L1 values ahead into L1 (``l1``, the
+"simd-l1" path) streamed SmolLM2's float32 projections faster, at 1 / 6
+rows a median 11.0 / 12.2 ms against 12.4 / 14.5 into L2 (15 turns, a
+throwaway microbenchmark of both in one process; another run 12.5 / 14.6
+against 13.3 / 16.0), and bfloat16 weights alike within 4 %. A prefetch
+changes no value, so both compute the same bits and the selector times
+both.
 
 bfloat16 weights (uint16 bit patterns) are read as such and widened to
 float32 in registers (a shift: exact), so a step reads half the bytes; the
@@ -58,10 +66,12 @@ import numba
 import numpy as np
 
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
-from specdec.engine.simd import LANES, mac, operand, prefetch_l2, total, width, zeros
+from specdec.engine.simd import LANES, mac, operand, prefetch_l1, prefetch_l2, total, width, zeros
 
-#: How far ahead of the step (in weight values, flat) the weight is prefetched into L2.
+#: How far ahead of the step (in weight values, flat) the weight is prefetched into L2 ("simd").
 PREFETCH_AHEAD = 4096
+#: The same into L1 ("simd-l1", ``l1``): a shorter way, as L1 holds less.
+PREFETCH_AHEAD_L1 = 2048
 #: Rows of a full group (``_rows6``).
 GROUP = 6
 #: Outputs per kernel call (both kernels).
@@ -77,30 +87,38 @@ def _store4(out, r, o, a0, a1, a2, a3):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _prefetch4(w, i0, i1, i2, i3, step):
+def _prefetch4(w, i0, i1, i2, i3, step, l1):
     """Prefetch the four weight rows' values PREFETCH_AHEAD past i0..i3 into
-    L2, one prefetch per LANES values of a step: twice per cache line when a
-    step reads whole lines (pairs). Once per line, a one-row pass over
-    bfloat16 pairs streamed ~40 % slower on an AMD EPYC (its prefetches are
-    hints, and apparently dropped when the core is out of fill buffers)."""
-    for p in range(0, step, LANES):
-        prefetch_l2(w, i0 + p + PREFETCH_AHEAD)
-        prefetch_l2(w, i1 + p + PREFETCH_AHEAD)
-        prefetch_l2(w, i2 + p + PREFETCH_AHEAD)
-        prefetch_l2(w, i3 + p + PREFETCH_AHEAD)
+    L2 (``l1``: PREFETCH_AHEAD_L1 past them into L1), one prefetch per LANES
+    values of a step: twice per cache line when a step reads whole lines
+    (pairs). Once per line, a one-row pass over bfloat16 pairs streamed ~40 %
+    slower on an AMD EPYC (its prefetches are hints, and apparently dropped
+    when the core is out of fill buffers)."""
+    if l1:
+        for p in range(0, step, LANES):
+            prefetch_l1(w, i0 + p + PREFETCH_AHEAD_L1)
+            prefetch_l1(w, i1 + p + PREFETCH_AHEAD_L1)
+            prefetch_l1(w, i2 + p + PREFETCH_AHEAD_L1)
+            prefetch_l1(w, i3 + p + PREFETCH_AHEAD_L1)
+    else:
+        for p in range(0, step, LANES):
+            prefetch_l2(w, i0 + p + PREFETCH_AHEAD)
+            prefetch_l2(w, i1 + p + PREFETCH_AHEAD)
+            prefetch_l2(w, i2 + p + PREFETCH_AHEAD)
+            prefetch_l2(w, i3 + p + PREFETCH_AHEAD)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3):
+def _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3, l1):
     """One step of ``_rows1``: the four accumulators after the values k .. k + width(x)."""
-    _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x))
+    _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x), l1)
     u = operand(x, xr + k, x)
     return (mac(a0, u, operand(w, w0 + k, x)), mac(a1, u, operand(w, w1 + k, x)),
             mac(a2, u, operand(w, w2 + k, x)), mac(a3, u, operand(w, w3 + k, x)))
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _rows1(x, w, out, o, r):
+def _rows1(x, w, out, o, r, l1):
     """out[r, o:o+4] = x[r] @ w[o:o+4].T (x, w C-contiguous, in a multiple of
     width(x)); two steps per loop turn (more loads in flight: the pair
     steps stream closer to the float32 ones' speed), the order unchanged."""
@@ -111,16 +129,16 @@ def _rows1(x, w, out, o, r):
     step = width(x)
     k = 0
     while k + step < n:
-        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3)
-        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k + step, a0, a1, a2, a3)
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3, l1)
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k + step, a0, a1, a2, a3, l1)
         k += 2 * step
     if k < n:
-        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3)
+        a0, a1, a2, a3 = _step1(x, w, xr, w0, w1, w2, w3, k, a0, a1, a2, a3, l1)
     _store4(out, r, o, a0, a1, a2, a3)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _rows6(x, w, out, o, r):
+def _rows6(x, w, out, o, r, l1):
     """out[r:r+6, o:o+4] = x[r:r+6] @ w[o:o+4].T, each output summed as ``_rows1`` sums it."""
     n = x.shape[1]
     x0, x1, x2, x3, x4, x5 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n, (r + 5) * n
@@ -128,7 +146,7 @@ def _rows6(x, w, out, o, r):
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = zeros()
     a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = zeros()
     for k in range(0, n, width(x)):
-        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x))
+        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x), l1)
         v0 = operand(w, w0 + k, x)
         v1 = operand(w, w1 + k, x)
         v2 = operand(w, w2 + k, x)
@@ -154,7 +172,7 @@ def _rows6(x, w, out, o, r):
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
-def _gemm(x, w, out, chunks):
+def _gemm(x, w, out, chunks, l1):
     """out = x @ w.T for x [R, in], w [out, in] (out a multiple of OUT_BLOCK,
     in of LANES), out [R, out]; the output blocks split into `chunks` ranges
     run in parallel. Rows six at a time; one left-over row alone, more in a
@@ -172,11 +190,11 @@ def _gemm(x, w, out, chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
                 for r in range(0, whole, GROUP):
-                    _rows6(x, w, out, o, r)
+                    _rows6(x, w, out, o, r, l1)
                 if left == 1:
-                    _rows1(x, w, out, o, whole)
+                    _rows1(x, w, out, o, whole, l1)
                 elif left > 1:
-                    _rows6(group, w, group_out, o, 0)
+                    _rows6(group, w, group_out, o, 0, l1)
                     for j in range(left):
                         for i in range(o, o + OUTS):
                             out[whole + j, i] = group_out[j, i]
@@ -226,7 +244,7 @@ def pad_weight(weight: np.ndarray, pairs: bool = False) -> np.ndarray:
     return padded
 
 
-def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False) -> np.ndarray:
+def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False, l1: bool = False) -> np.ndarray:
     """x float32 [R, in] @ the padded weight's transpose -> float32 [R, padded
     out]. weight: float32, or uint16 holding bfloat16 bit patterns (half the
     bytes to read; each value widened to float32 exactly, then summed as a
@@ -236,7 +254,9 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False) ->
     rounded to bfloat16 first and every step is AVX512-BF16's dot product of
     2 LANES bfloat16 values (``simd.mac`` on pairs): half the instructions of
     the float32 arithmetic, bfloat16 activations (as a bfloat16 model runs in
-    transformers), and again one fixed order per output, whatever the rows."""
+    transformers), and again one fixed order per output, whatever the rows.
+
+    l1: prefetch the weight into L1 instead of L2 (the same bits)."""
     if pairs:
         assert weight.dtype == np.uint16 and weight.shape[1] % step(True) == 0
         x = round_bf16(x, weight.shape[1])
@@ -249,5 +269,5 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False) ->
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
         set_team(chunks)
-        _gemm(x, weight, out, chunks)
+        _gemm(x, weight, out, chunks, l1)
     return out

@@ -413,7 +413,10 @@ class LlamaEngine(Engine):
             self.gemm = "triton"
         elif on_cpu:
             set_torch_threads(num_threads)
-            selection = select(projections, self.dtype, num_threads, gemm)
+            # the fused CPU path (below) runs around numba/simd GEMMs only: worth more than their timings show
+            fusable = fuse_small_steps and attention == "paged"
+            prefer = (("numba", "simd") if self.dtype == torch.float32 else ("simd",)) if fusable else ()
+            selection = select(projections, self.dtype, num_threads, gemm, prefer_kinds=prefer)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
             if self.dtype == torch.bfloat16 and not native_bf16() and selection.path.kind != "simd":
                 log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "

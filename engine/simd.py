@@ -202,19 +202,26 @@ def total(typingctx, v):
     return types.float32(lanes), codegen
 
 
-@intrinsic
-def prefetch_l2(typingctx, array, index):
-    """Hint the CPU to bring the float32 array's flat element `index` into L2
-    (a read, changes no value, never faults, beyond the end too)."""
-    def codegen(context, builder, signature, args):
-        address = builder.bitcast(_element(context, builder, signature.args[0], args[0], args[1]),
-                                  ir.IntType(8).as_pointer())
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32]), "llvm.prefetch.p0")
-        builder.call(fn, [address, _I32(0), _I32(2), _I32(1)])  # read, locality 2 (prefetcht1), data
-        return context.get_dummy_value()
-    return types.void(array, index), codegen
+def _prefetch(locality: int):
+    """An intrinsic: hint the CPU to bring the array's flat element `index`
+    into cache (a read, changes no value, never faults, beyond the end too);
+    LLVM's locality 2 is x86's prefetcht1 (into L2), 3 prefetcht0 (into L1)."""
+    def typer(typingctx, array, index):
+        def codegen(context, builder, signature, args):
+            address = builder.bitcast(_element(context, builder, signature.args[0], args[0], args[1]),
+                                      ir.IntType(8).as_pointer())
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [address.type, _I32, _I32, _I32]), "llvm.prefetch.p0")
+            builder.call(fn, [address, _I32(0), _I32(locality), _I32(1)])  # read, locality, data
+            return context.get_dummy_value()
+        return types.void(array, index), codegen
+    typer.__name__ = typer.__qualname__ = f"prefetch_l{4 - locality}"  # the intrinsic's name
+    return typer
 
+
+#: prefetch into L2 / into L1 (``_prefetch``)
+prefetch_l2 = intrinsic(_prefetch(2))
+prefetch_l1 = intrinsic(_prefetch(3))
 
 
 @intrinsic

@@ -115,6 +115,23 @@ def test_simd_gemm_matches_torch_and_keeps_rows_invariant_by_construction(out_fe
         torch.set_num_threads(2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features", [(13, 37), (96, 576), (8, 1536)])
+def test_simd_l1_prefetches_elsewhere_and_computes_the_same_bits(out_features, in_features, dtype):
+    """"simd-l1" differs from "simd" only in where its prefetches put the
+    weight: every row count, both weight dtypes, bit for bit the same (so
+    the selector may take whichever streams faster)."""
+    gen = torch.Generator().manual_seed(in_features)
+    w = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen)
+    x = torch.randn(13, in_features, generator=gen)
+    l1, l2 = Linear(w, b, GEMM_PATHS["simd-l1"]), Linear(w, b, GEMM_PATHS["simd"])
+    assert l1.l1 and not l2.l1
+    for rows in (1, 2, 6, 7, 13):
+        assert torch.equal(l1(x[:rows]), l2(x[:rows]))
+    rows_alone_equal_rows_together(l1, x)
+
+
 def _fma32(acc: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """float32 a * b + acc rounded once: the product is exact in float64 and
     the sum in 80-bit long double, then one rounding to float32."""

@@ -12,8 +12,10 @@ import sys
 import pytest
 import torch
 
-from specdec.engine import gemm_select
+from specdec.engine import gemm_select, llama
+from specdec.engine.checkpoint import Checkpoint
 from specdec.engine.gemm_select import GemmRefused, check_row_counts, invariance_failure, select
+from specdec.engine.llama import LlamaEngine
 
 
 def weights(dtype=torch.float32):
@@ -274,3 +276,39 @@ def test_a_verdict_cached_without_an_isa_cap_is_not_used_under_it(cache, monkeyp
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) != "simd-dpbf16"
     assert len(list(cache.glob("*.json"))) == 2  # the capped process's own entry beside the uncapped one
+
+
+def test_preferred_kinds_win_while_one_is_invariant_and_the_engine_prefers_its_fused_ones(cache, monkeypatch,
+                                                                                          stories_path):
+    """A cache where oneDNN scores best: "auto" takes it, but a caller that
+    runs faster around simd and numba GEMMs (the Llama runner's fused CPU
+    steps) gets the fastest of those; with none of them invariant, the
+    fastest of all again. A forced path is never overridden."""
+    w = weights()
+    key = gemm_select.cache_key(w, torch.float32, 1, check_row_counts(32))
+    scores = {"onednn": 1.0, "aten": 1.5, "numba1": 3.0, "simd": 2.5, "simd-l1": 2.0}
+    paths = {name: {"failure": None if name in scores else "no", "ms": {"1": scores.get(name, 9.0)},
+                    "score_ms": scores.get(name, 9.0)} for name in gemm_select.GEMM_PATHS}
+    gemm_select._save({"key": key, "paths": paths})
+    assert gemm_select.select(w, torch.float32, 1, max_rows=32).path.name == "onednn"
+    chosen = gemm_select.select(w, torch.float32, 1, max_rows=32, prefer_kinds=("numba", "simd"))
+    assert chosen.path.name == "simd-l1" and chosen.report["prefer_kinds"] == ["numba", "simd"]
+    assert gemm_select.select(w, torch.float32, 1, max_rows=32, prefer_kinds=("numba",)).path.name == "numba1"
+    assert gemm_select.select(w, torch.float32, 1, "aten", max_rows=32, prefer_kinds=("simd",)).path.name == "aten"
+    for name in ("numba1", "simd", "simd-l1"):
+        paths[name]["failure"] = "row 3 differs"
+    gemm_select._save({"key": key, "paths": paths})
+    assert gemm_select.select(w, torch.float32, 1, max_rows=32, prefer_kinds=("numba", "simd")).path.name == "onednn"
+    # the Llama runner asks for its fused kinds on CPU with paged attention, none otherwise
+    asked = []
+    real = gemm_select.select
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("prefer_kinds"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "select", spy)
+    stories = Checkpoint.load(stories_path)
+    for dtype, attention in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "sdpa")):
+        LlamaEngine(stories, dtype, kv_capacity_tokens=256, num_threads=1, attention=attention)
+    assert asked == [("numba", "simd"), ("simd",), ()]

@@ -227,7 +227,9 @@ def test_bfloat16_kv_cache_keeps_row_invariance_and_stays_close(stories, dtype):
     check_invariance(engine, prompt)
     exact = feed(engine_of(model, dtype, kv_dtype="float32"), [("s", prompt, len(prompt))])[0]
     got = feed(engine, [("s", prompt, len(prompt))])[0]
-    assert (got - exact).abs().max() < 0.15
+    # whichever path the selector takes: the largest difference on this prompt was 0.126 (simd-dpbf16),
+    # 0.160 (simd, simd-l1) and 0.219 (onednn), logits spanning about -12 .. 9 (AMD EPYC)
+    assert (got - exact).abs().max() < 0.25
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
