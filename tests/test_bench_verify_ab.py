@@ -1,0 +1,27 @@
+"""benchmarks/bench_verify_ab.py on stories260K: every path timed each round,
+the table printed, the JSON written with per-round times."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_verify_ab.py"
+
+
+def test_bench_verify_ab_times_every_path_in_turns_and_writes_json(stories_path, tmp_path):
+    out = tmp_path / "verify_ab.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--paths", "auto,simd,simd-l1",
+                           "--rounds", "2", "--steps", "3", "--context", "20", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert list(result["paths"]) == ["auto", "simd", "simd-l1"]
+    for name, row in result["paths"].items():
+        assert row["gemm"] == name or name == "auto"
+        assert len(row["rounds"]) == 2 and row["decode_ms"] > 0 and row["verify6_ms"] > 0
+        assert row["verify6_over_decode"] > 0
+    assert "verify6/decode" in proc.stdout and "CPU:" in proc.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr
