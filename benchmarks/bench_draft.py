@@ -38,6 +38,7 @@ from pathlib import Path
 from bench_e2e import PROMPTS as OVERLAP_PROMPTS
 from bench_e2e import chat_ids, run_concurrent, run_single
 
+from specdec.engine.config import GEMM_CHOICES
 from specdec.launcher import Stack
 from specdec.limits import COLOCATED_DRAFT_THREADS
 from specdec.models import default_model, load_tokenizer, resolve_model
@@ -192,6 +193,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
                                                         "draft-model speculation (target given as --vllm-target)")
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
+    ap.add_argument("--scorer-gemm", default="auto", choices=list(GEMM_CHOICES),
+                    help="the scorer's --gemm (auto: the selector's choice), e.g. to compare a path as before")
     ap.add_argument("--repeats", type=int, default=1,
                     help="single-stream rows: runs of all methods in turns; each row reports its median run")
     ap.add_argument("--out", default="bench_results/draft.json")
@@ -210,18 +213,18 @@ def main() -> None:
     workloads = {"chat": {n: encode(t) for n, t in CHAT_PROMPTS.items()},
                  "overlap": {n: encode(t) for n, t in OVERLAP_PROMPTS.items()}}
     results: dict = {"cpu": cpu_model(), "model": args.model, "draft": args.draft, "eagle3": args.eagle3, "k": args.k,
-                     "decode_ahead": args.decode_ahead, "overlap": args.overlap,
+                     "decode_ahead": args.decode_ahead, "overlap": args.overlap, "scorer_gemm": args.scorer_gemm,
                      "draft_dtype": args.draft_dtype or "float32", "draft_threads": args.draft_threads,
                      "max_tokens": args.max_tokens, "streams": args.streams, "single": {}, "concurrent": {}}
     print(f"CPU: {results['cpu']}\ntarget {args.model}, draft {args.draft}, eagle3 {args.eagle3}, k={args.k}, "
-          f"{args.max_tokens} tokens", flush=True)
+          f"{args.max_tokens} tokens, scorer gemm {args.scorer_gemm}", flush=True)
     methods = ",".join(dict.fromkeys(m for m, _ in single if m != "none"))
     # no global cache of finished outputs: every variant runs the same prompts, and the suffix-family ones after
     # the first would copy its identical outputs
     with Stack(model=args.model, methods=methods, draft_model=args.draft, eagle3=args.eagle3,
                draft_dtype=args.draft_dtype, draft_threads=args.draft_threads,
                extra_proposer_args=["--max-cached-requests", "0"],
-               extra_scorer_args=["--decode-ahead", args.decode_ahead],
+               extra_scorer_args=["--decode-ahead", args.decode_ahead, "--gemm", args.scorer_gemm],
                extra_gateway_args=["--overlap", args.overlap], metrics=True,
                log_dir=tempfile.mkdtemp(prefix="bench-draft-")) as stack:
         runs: dict[str, list[dict]] = {}
