@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from bench_kv_dtype import VERIFY_ROWS, time_context
 
+from specdec.engine.config import DTYPE_NAMES, GEMM_CHOICES
 from specdec.engine.gemm_select import cpu_model
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
@@ -33,7 +34,7 @@ from specdec.models import default_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=default_model())
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES))
     ap.add_argument("--paths", default="auto,numba1,simd,simd-l1", help="GEMM paths (auto: the selector's)")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
@@ -44,6 +45,8 @@ def main() -> None:
     if min(args.rounds, args.steps, args.context) < 1:
         ap.error("--rounds, --steps and --context: positive")
     paths = args.paths.split(",")
+    if unknown := [p for p in paths if p not in GEMM_CHOICES]:
+        ap.error(f"--paths: {', '.join(unknown)} not among {', '.join(GEMM_CHOICES)}")
     checkpoint = Checkpoint.load(args.model, args.dtype)
     capacity = args.context + args.steps + VERIFY_ROWS + 64
     engines = {p: LlamaEngine(checkpoint, args.dtype, gemm=p, kv_capacity_tokens=capacity, num_threads=args.threads)

@@ -87,25 +87,32 @@ def _store4(out, r, o, a0, a1, a2, a3):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _into_l2(w, i):
+    """Prefetch w's value PREFETCH_AHEAD past flat index i into L2 ("simd")."""
+    prefetch_l2(w, i + PREFETCH_AHEAD)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _into_l1(w, i):
+    """Prefetch w's value PREFETCH_AHEAD_L1 past flat index i into L1 ("simd-l1")."""
+    prefetch_l1(w, i + PREFETCH_AHEAD_L1)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _prefetch4(w, i0, i1, i2, i3, step, l1):
-    """Prefetch the four weight rows' values PREFETCH_AHEAD past i0..i3 into
-    L2 (``l1``: PREFETCH_AHEAD_L1 past them into L1), one prefetch per LANES
+    """Prefetch the four weight rows' values ahead of i0..i3 with ``l1``
+    (``_into_l2`` or ``_into_l1``: a function argument, so each kernel is
+    compiled for one of them; a boolean tested at every step cost ~8 % of a
+    one-row pass in a throwaway microbenchmark), one prefetch per LANES
     values of a step: twice per cache line when a step reads whole lines
     (pairs). Once per line, a one-row pass over bfloat16 pairs streamed ~40 %
     slower on an AMD EPYC (its prefetches are hints, and apparently dropped
     when the core is out of fill buffers)."""
-    if l1:
-        for p in range(0, step, LANES):
-            prefetch_l1(w, i0 + p + PREFETCH_AHEAD_L1)
-            prefetch_l1(w, i1 + p + PREFETCH_AHEAD_L1)
-            prefetch_l1(w, i2 + p + PREFETCH_AHEAD_L1)
-            prefetch_l1(w, i3 + p + PREFETCH_AHEAD_L1)
-    else:
-        for p in range(0, step, LANES):
-            prefetch_l2(w, i0 + p + PREFETCH_AHEAD)
-            prefetch_l2(w, i1 + p + PREFETCH_AHEAD)
-            prefetch_l2(w, i2 + p + PREFETCH_AHEAD)
-            prefetch_l2(w, i3 + p + PREFETCH_AHEAD)
+    for p in range(0, step, LANES):
+        l1(w, i0 + p)
+        l1(w, i1 + p)
+        l1(w, i2 + p)
+        l1(w, i3 + p)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -269,5 +276,5 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False, l1
     out = np.empty((x.shape[0], weight.shape[0]), np.float32)
     with LAUNCH_LOCK:
         set_team(chunks)
-        _gemm(x, weight, out, chunks, l1)
+        _gemm(x, weight, out, chunks, _into_l1 if l1 else _into_l2)
     return out

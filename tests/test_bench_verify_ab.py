@@ -25,3 +25,6 @@ def test_bench_verify_ab_times_every_path_in_turns_and_writes_json(stories_path,
     assert "verify6/decode" in proc.stdout and "CPU:" in proc.stdout
     bad = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--rounds" in bad.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--paths", "simd,fast"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--paths: fast" in bad.stderr
