@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,13 +42,15 @@ from specdec.models import default_model
 VERIFY_ROWS = 6  # a k = 5 verification
 
 
-def time_context(engine: LlamaEngine, context: np.ndarray, steps: int, batch: int) -> tuple[float, float]:
-    """(ms per decode step, ms of one 6-row verification) of `batch`
-    sequences together, each after `context` (prefilled, not timed); the
-    sequences are released after."""
+def time_context(engine: LlamaEngine, context: np.ndarray, steps: int, batch: int,
+                 verify_rows: Sequence[int] = (VERIFY_ROWS,)) -> tuple[float, ...]:
+    """(ms per decode step, then the ms of one verification of each row
+    count in verify_rows) of `batch` sequences together, each after `context`
+    (prefilled, not timed); each verification appends its rows after the
+    one before (a few tokens more context); the sequences are released after."""
     seqs = [f"bench{i}" for i in range(batch)]
     for seq in seqs:
-        engine.ensure_capacity(seq, len(context) + steps + VERIFY_ROWS)
+        engine.ensure_capacity(seq, len(context) + steps + sum(verify_rows))
         engine.forward([ForwardItem(seq, context, 0)])
     tokens = np.resize(context, batch).astype(np.int32)  # [batch]: each sequence's next token
     start = time.perf_counter()
@@ -55,13 +58,15 @@ def time_context(engine: LlamaEngine, context: np.ndarray, steps: int, batch: in
         logits = engine.forward([ForwardItem(seq, tokens[i:i + 1], 1) for i, seq in enumerate(seqs)]).logits
         tokens = logits.argmax(-1).numpy().astype(np.int32)
     decode_ms = (time.perf_counter() - start) / steps * 1e3
-    rows = np.resize(context, VERIFY_ROWS).astype(np.int32)
-    start = time.perf_counter()
-    engine.forward([ForwardItem(seq, rows, VERIFY_ROWS) for seq in seqs])
-    verify_ms = (time.perf_counter() - start) * 1e3
+    verify_ms = []
+    for n in verify_rows:
+        rows = np.resize(context, n).astype(np.int32)
+        start = time.perf_counter()
+        engine.forward([ForwardItem(seq, rows, n) for seq in seqs])
+        verify_ms.append((time.perf_counter() - start) * 1e3)
     for seq in seqs:
         engine.release(seq)
-    return decode_ms, verify_ms
+    return (decode_ms, *verify_ms)
 
 
 def main() -> None:

@@ -55,8 +55,14 @@ activations' (transformers' bfloat16), not float32's.
 
 Layout: weights [out, in] float32 or bfloat16 bits, out padded to OUT_BLOCK
 and in to LANES (2 LANES for pairs: ``pad_weight``). Rows go six at a time (``_rows6``: 6 rows x 4 outputs, 24
-accumulators); one left-over row takes ``_rows1`` (1 x 4), more left-over
-rows a zero-padded group of six. Threads (numba ``prange``) split the output
+accumulators); the 1-5 rows left over take ``_rows3``, ``_rows2`` and
+``_rows1`` (one row; 1 x 4, two steps per loop turn), so a short
+verification (adaptive draft lengths, a model draft's confidence cut) does
+the arithmetic of its own rows: against a zero-padded group of six, 2-4
+rows ran 5-10 % faster (float32 weights) and 2-5 % (bfloat16 pairs) over
+SmolLM2's shapes on an AMD EPYC (family 26; a throwaway microbenchmark of
+both in turns; ``python benchmarks/bench_verify_ab.py --rows 2,3,4,6``
+times it through the engine). Threads (numba ``prange``) split the output
 blocks, never a dot product; within a block the weight rows stay in cache
 across the groups of rows.
 """
@@ -145,6 +151,51 @@ def _rows1(x, w, out, o, r, l1):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows2(x, w, out, o, r, l1):
+    """out[r:r+2, o:o+4] = x[r:r+2] @ w[o:o+4].T, each output summed as ``_rows1`` sums it."""
+    n = x.shape[1]
+    x0, x1 = r * n, (r + 1) * n
+    w0, w1, w2, w3 = o * n, (o + 1) * n, (o + 2) * n, (o + 3) * n
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = zeros()
+    for k in range(0, n, width(x)):
+        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x), l1)
+        v0 = operand(w, w0 + k, x)
+        v1 = operand(w, w1 + k, x)
+        v2 = operand(w, w2 + k, x)
+        v3 = operand(w, w3 + k, x)
+        u = operand(x, x0 + k, x)
+        a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+        u = operand(x, x1 + k, x)
+        a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+    _store4(out, r, o, a00, a01, a02, a03)
+    _store4(out, r + 1, o, a10, a11, a12, a13)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows3(x, w, out, o, r, l1):
+    """out[r:r+3, o:o+4] = x[r:r+3] @ w[o:o+4].T, each output summed as ``_rows1`` sums it."""
+    n = x.shape[1]
+    x0, x1, x2 = r * n, (r + 1) * n, (r + 2) * n
+    w0, w1, w2, w3 = o * n, (o + 1) * n, (o + 2) * n, (o + 3) * n
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = zeros()
+    for k in range(0, n, width(x)):
+        _prefetch4(w, w0 + k, w1 + k, w2 + k, w3 + k, width(x), l1)
+        v0 = operand(w, w0 + k, x)
+        v1 = operand(w, w1 + k, x)
+        v2 = operand(w, w2 + k, x)
+        v3 = operand(w, w3 + k, x)
+        u = operand(x, x0 + k, x)
+        a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+        u = operand(x, x1 + k, x)
+        a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+        u = operand(x, x2 + k, x)
+        a20, a21, a22, a23 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2), mac(a23, u, v3)
+    _store4(out, r, o, a00, a01, a02, a03)
+    _store4(out, r + 1, o, a10, a11, a12, a13)
+    _store4(out, r + 2, o, a20, a21, a22, a23)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows6(x, w, out, o, r, l1):
     """out[r:r+6, o:o+4] = x[r:r+6] @ w[o:o+4].T, each output summed as ``_rows1`` sums it."""
     n = x.shape[1]
@@ -178,33 +229,37 @@ def _rows6(x, w, out, o, r, l1):
     _store4(out, r + 5, o, a50, a51, a52, a53)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows_left(x, w, out, o, r, left, l1):
+    """out[r:r+left, o:o+4] for the 1..5 rows left after the groups of six:
+    ``_rows3``, ``_rows2`` and ``_rows1`` passes (the weight rows come from
+    cache after the first), so a short verification does the arithmetic of
+    its own rows, not of a zero-padded six."""
+    if left >= 3:
+        _rows3(x, w, out, o, r, l1)
+        r += 3
+        left -= 3
+    if left == 2:
+        _rows2(x, w, out, o, r, l1)
+    elif left == 1:
+        _rows1(x, w, out, o, r, l1)
+
+
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm(x, w, out, chunks, l1):
     """out = x @ w.T for x [R, in], w [out, in] (out a multiple of OUT_BLOCK,
     in of LANES), out [R, out]; the output blocks split into `chunks` ranges
-    run in parallel. Rows six at a time; one left-over row alone, more in a
-    zero-padded scratch group of six."""
+    run in parallel. Rows six at a time, the rest by ``_rows_left``."""
     rows = x.shape[0]
     whole = rows - rows % GROUP
-    left = rows - whole
     blocks = w.shape[0] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
-        group = np.zeros((GROUP, x.shape[1]), x.dtype)
-        group_out = np.empty((GROUP, w.shape[0]), np.float32)
-        for j in range(left):
-            group[j] = x[whole + j]
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
                 for r in range(0, whole, GROUP):
                     _rows6(x, w, out, o, r, l1)
-                if left == 1:
-                    _rows1(x, w, out, o, whole, l1)
-                elif left > 1:
-                    _rows6(group, w, group_out, o, 0, l1)
-                    for j in range(left):
-                        for i in range(o, o + OUTS):
-                            out[whole + j, i] = group_out[j, i]
+                _rows_left(x, w, out, o, whole, rows - whole, l1)
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy")

@@ -97,7 +97,7 @@ def test_numba_linear_keeps_one_copy_of_a_weight_that_needs_no_padding():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_simd_gemm_matches_torch_and_keeps_rows_invariant_by_construction(out_features, in_features, threads):
     """13 rows: two groups of six and a lone row, and every prefix (left-overs
-    of 1 to 5 rows: the one-row kernel and the zero-padded group); in = 37,
+    of 1 to 5 rows: the one-, two- and three-row kernels); in = 37,
     5, 200 are padded to LANES. Invariant on every CPU: asserted, never
     left to the selector."""
     gen = torch.Generator().manual_seed(out_features)
@@ -127,7 +127,7 @@ def test_simd_l1_prefetches_elsewhere_and_computes_the_same_bits(out_features, i
     x = torch.randn(13, in_features, generator=gen)
     l1, l2 = Linear(w, b, GEMM_PATHS["simd-l1"]), Linear(w, b, GEMM_PATHS["simd"])
     assert l1.l1 and not l2.l1
-    for rows in (1, 2, 6, 7, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13):
         assert torch.equal(l1(x[:rows]), l2(x[:rows]))
     rows_alone_equal_rows_together(l1, x)
 
@@ -157,7 +157,7 @@ def stated_order(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return acc[..., 0]
 
 
-@pytest.mark.parametrize("rows", [1, 6, 7, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 11])
 def test_simd_gemm_sums_in_the_order_its_doc_states(rows):
     """The summation order is the kernel's contract (what makes it row-count
     invariant on every CPU): bitwise equal to the order written with numpy."""
@@ -361,7 +361,7 @@ def test_activations_round_to_bfloat16_as_torch_rounds_them():
 
 
 @needs_dpbf16
-@pytest.mark.parametrize("rows", [1, 6, 7, 13])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13])
 def test_dpbf16_gemm_sums_in_the_order_its_doc_states(rows):
     """The pair order is the instruction's architectural definition, so the
     result is bitwise the numpy statement of it; and it is not the float32
