@@ -169,6 +169,22 @@ def test_simd_gemm_sums_in_the_order_its_doc_states(rows):
     assert not np.array_equal(got, (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))  # an order shows
 
 
+def test_simd_kernels_are_entered_with_arrays_and_integers_only():
+    """Each prefetch variant has its own compiled entry: a function passed
+    from Python to choose one costs ~6.5 us a call to unbox (6-9 % of a
+    one-row SmolLM2 pass, ~200 GEMMs), a cost no timing test would catch."""
+    from numba.core import types
+
+    w = gemm_simd.pad_weight(np.ones((16, 16), np.float32))
+    for l1 in (False, True):
+        gemm_simd.gemm(np.ones((1, 16), np.float32), w, 1, l1=l1)
+    entries = [gemm_simd._gemm_l1, gemm_simd._gemm_l2]
+    assert all(kernel.signatures for kernel in entries)
+    for kernel in entries:
+        for signature in kernel.signatures:
+            assert all(isinstance(t, (types.Array, types.Integer)) for t in signature), signature
+
+
 def test_simd_gemm_splits_outputs_not_dot_products():
     w = gemm_simd.pad_weight(np.random.default_rng(0).standard_normal((50, 300)).astype(np.float32))
     x = np.random.default_rng(1).standard_normal((8, 300)).astype(np.float32)
