@@ -55,6 +55,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -104,6 +105,9 @@ SLICE_OUT_FEATURES = 4096
 TIMED_ROWS = (1, DEFAULT_NUM_SPECULATIVE_TOKENS + 1, 32)
 #: Weight of each timed row count in a path's score (ms): batch-1 decoding first.
 TIME_WEIGHTS = (0.6, 0.3, 0.1)
+#: The serving workload ``select`` scores paths for unless told another
+#: (``timed_rows``): row count -> weight.
+SERVING_ROWS = dict(zip(TIMED_ROWS, TIME_WEIGHTS))
 
 
 @dataclass(frozen=True)
@@ -382,18 +386,19 @@ def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], 
 
 
 @torch.inference_mode()
-def time_paths(paths: list[GemmPath], weights: Weights, dtype: torch.dtype,
+def time_paths(paths: list[GemmPath], weights: Weights, dtype: torch.dtype, rows: Iterable[int] = TIMED_ROWS,
                reps: int = 2) -> dict[str, dict[int, float]]:
     """ms for all of a forward pass's projections (every weight given, in
-    order), per path and row count in TIMED_ROWS: the fastest of reps runs
-    after a warm-up, the paths taking turns within each rep so that load from
-    other processes falls on all of them alike (it only ever adds time)."""
+    order), per path and row count in rows: the fastest of reps runs after a
+    warm-up, the paths taking turns within each rep so that load from other
+    processes falls on all of them alike (it only ever adds time)."""
+    rows = tuple(rows)
     built = {p.name: [Linear(w, b, p) for _, w, b in weights] for p in paths}
-    xs = {n: {d: torch.randn(n, d).to(dtype) for d in {w.shape[1] for _, w, _ in weights}} for n in TIMED_ROWS}
-    best = {p.name: {n: float("inf") for n in TIMED_ROWS} for p in paths}
+    xs = {n: {d: torch.randn(n, d).to(dtype) for d in {w.shape[1] for _, w, _ in weights}} for n in rows}
+    best = {p.name: {n: float("inf") for n in rows} for p in paths}
     for _ in range(reps + 1):
         for name, linears in built.items():
-            for n in TIMED_ROWS:
+            for n in rows:
                 t0 = time.perf_counter()
                 for linear in linears:
                     linear(xs[n][linear.in_features])
@@ -407,9 +412,10 @@ def machine_busy() -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1)
 
 
-def score_ms(timings: dict[int, float]) -> float:
-    """One number per path: the timed rows' ms weighted by TIME_WEIGHTS."""
-    return sum(w * timings[n] for w, n in zip(TIME_WEIGHTS, TIMED_ROWS))
+def score_ms(timings: Mapping[str, float], timed_rows: Mapping[int, float] = SERVING_ROWS) -> float:
+    """One number per path: its ms per row count (keys as cached: "1", "6",
+    ...) weighted as timed_rows weighs the row counts."""
+    return sum(weight * timings[str(n)] for n, weight in timed_rows.items())
 
 
 # ---- selection ---------------------------------------------------------------------
@@ -468,15 +474,22 @@ def _save(report: dict) -> None:
 
 
 def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "auto",
-           max_rows: int = 512, prefer_kinds: tuple[str, ...] = ()) -> Selection:
+           max_rows: int = 512, prefer_kinds: tuple[str, ...] = (),
+           timed_rows: Mapping[int, float] = SERVING_ROWS) -> Selection:
     """The GEMM path for these weights on this machine (module doc): gemm is
     "auto" or a name in GEMM_PATHS. Raises GemmRefused when the forced path,
     or every path, breaks row-count invariance. prefer_kinds: "auto" keeps
     the fastest path of these kinds while one is invariant (the caller runs
     faster around them than the GEMM timings show), the fastest of all
-    otherwise."""
+    otherwise. timed_rows: the workload "fastest" means (row count ->
+    weight; serving's by default, where batch-1 decoding weighs most; a
+    batch job such as distill's teacher passes its own: at 128 rows another
+    path can be ~1.5x faster); row counts not yet timed are timed and cached
+    beside the others."""
     if gemm != "auto" and gemm not in GEMM_PATHS:
         raise ValueError(f"gemm must be 'auto' or one of {', '.join(GEMM_PATHS)}, got {gemm!r}")
+    if not timed_rows or any(n < 1 or w <= 0 for n, w in timed_rows.items()):
+        raise ValueError(f"timed_rows: positive row counts with positive weights, got {dict(timed_rows)!r}")
     row_counts = check_row_counts(max_rows)
     report = _load(cache_key(weights, dtype, num_threads, row_counts))
     verdicts, dirty = report["paths"], False
@@ -489,13 +502,17 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
             entry["failure"] = path_failure(GEMM_PATHS[name], weights, row_counts, dtype)
             entry["check_s"] = round(time.perf_counter() - t, 3)
             dirty = True
-    untimed = [GEMM_PATHS[n] for n in names if verdicts[n]["failure"] is None and "ms" not in verdicts[n]]
+    missing = sorted({n for name in names if verdicts[name]["failure"] is None
+                      for n in timed_rows if str(n) not in verdicts[name].get("ms", {})})
+    untimed = [GEMM_PATHS[name] for name in names if verdicts[name]["failure"] is None
+               and any(str(n) not in verdicts[name].get("ms", {}) for n in timed_rows)]
     if gemm == "auto" and untimed:
         t = time.perf_counter()
         busy = machine_busy()
-        for name, ms in time_paths(untimed, weights, dtype).items():
-            verdicts[name].update(ms={str(n): round(v, 3) for n, v in ms.items()}, score_ms=round(score_ms(ms), 3),
-                                  busy=busy)
+        for name, ms in time_paths(untimed, weights, dtype, missing).items():
+            entry = verdicts[name]
+            entry["ms"] = {**entry.get("ms", {}), **{str(n): round(v, 3) for n, v in ms.items()}}
+            entry["busy"] = entry.get("busy", False) or busy
         report["time_s"] = round(time.perf_counter() - t, 3)
         dirty = True
     if gemm != "auto":
@@ -509,9 +526,11 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         if not ok:
             raise GemmRefused("no GEMM path keeps row-count invariance on this CPU (" + cpu_model() + "): "
                               + "; ".join(f"{n}: {verdicts[n]['failure']}" for n in names))
+        scores = {n: round(score_ms(verdicts[n]["ms"], timed_rows), 3) for n in ok}
         preferred = [n for n in ok if GEMM_PATHS[n].kind in prefer_kinds]
-        chosen = min(preferred or ok, key=lambda n: verdicts[n]["score_ms"])
-        report["choice"] = chosen
+        chosen = min(preferred or ok, key=scores.__getitem__)
+        if timed_rows == SERVING_ROWS:
+            report["choice"] = chosen  # cached for the record: what serving takes here
     if dirty:
         report["select_s"] = round(time.perf_counter() - t0, 3)
         _save(_without_busy_timings(report))
@@ -519,15 +538,18 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
              dtype, report["key"]["cpu"], num_threads, summary(report))
     return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto",
-                                                   "prefer_kinds": list(prefer_kinds)})
+                                                   "prefer_kinds": list(prefer_kinds),
+                                                   "timed_rows": {str(n): w for n, w in timed_rows.items()},
+                                                   **({"scores": scores} if gemm == "auto" else {})})
 
 
 def _without_busy_timings(report: dict) -> dict:
     """The report to cache: timings taken on a busy machine are dropped (the
     next start times again), verdicts kept (they do not depend on load)."""
-    paths = {n: {k: v for k, v in e.items() if not e.get("busy") or k not in ("ms", "score_ms", "busy")}
+    paths = {n: {k: v for k, v in e.items() if not e.get("busy") or k not in ("ms", "busy")}
              for n, e in report["paths"].items()}
-    choice = {} if any(e.get("busy") for e in report["paths"].values()) else {"choice": report.get("choice")}
+    busy = any(e.get("busy") for e in report["paths"].values())
+    choice = {} if busy or report.get("choice") is None else {"choice": report["choice"]}
     return {**{k: v for k, v in report.items() if k != "choice"}, "paths": paths, **choice}
 
 

@@ -66,6 +66,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -79,6 +80,7 @@ from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
 from specdec.engine.cuda_graph import MAX_ROWS, ForwardGraphs
 from specdec.engine.gemm_select import (
     GEMM_PATHS,
+    SERVING_ROWS,
     GemmPath,
     GemmRefused,
     Linear,
@@ -350,14 +352,19 @@ class LlamaEngine(Engine):
       read, half the bytes a decode step's attention reads and twice the
       tokens per byte of pool, with the same row invariance (SmolLM2 in
       bfloat16 on 2 cores of an AMD EPYC: a decode step after 2000 tokens
-      took 0.76-0.80x the float32 cache's time; benchmarks/bench_kv_dtype.py)."""
+      took 0.76-0.80x the float32 cache's time; benchmarks/bench_kv_dtype.py).
+    gemm_rows: the rows per forward "auto" is fastest for on CPU (row count
+      -> weight, gemm_select.select's timed_rows): serving's by default
+      (batch-1 decoding first); a batch job passes its own (distill's
+      teacher: its answers in flight)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
                  device: str = "cpu", gemm: str = "auto", attention: str = "auto",
                  num_threads: int | None = None, block_size: int = 16,
                  head_token_ids: tuple[int, ...] | None = None, fuse_small_steps: bool = True,
-                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True, kv_dtype: str = "auto") -> None:
+                 cuda_graphs: bool = True, fuse_gpu_steps: bool = True, kv_dtype: str = "auto",
+                 gemm_rows: Mapping[int, float] = SERVING_ROWS) -> None:
         if kv_capacity_tokens is not None and kv_memory_fraction is not None:
             raise ValueError("give kv_capacity_tokens or kv_memory_fraction, not both")
         self.device = torch.device(device)
@@ -416,7 +423,7 @@ class LlamaEngine(Engine):
             # the fused CPU path (below) runs around numba/simd GEMMs only: worth more than their timings show
             fusable = fuse_small_steps and attention == "paged"
             prefer = (("numba", "simd") if self.dtype == torch.float32 else ("simd",)) if fusable else ()
-            selection = select(projections, self.dtype, num_threads, gemm, prefer_kinds=prefer)
+            selection = select(projections, self.dtype, num_threads, gemm, prefer_kinds=prefer, timed_rows=gemm_rows)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
             if self.dtype == torch.bfloat16 and not native_bf16() and selection.path.kind != "simd":
                 log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "

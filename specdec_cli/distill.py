@@ -71,6 +71,10 @@ TEACHER_TOP_K = 32  # target probabilities kept per position
 #: memory). The 30-minute eagle3 distill answered at ~910 tokens/s in
 #: bfloat16 at 128, against ~585 in float32 at 32 in an earlier session
 TEACHER_BATCH = 128
+#: the rows a forward the teacher's GEMM path is chosen for (``teacher_engine``):
+#: fixed, not the number in flight, so that no run (resumed, or with fewer
+#: answers to make) answers through another path, and so with other bits
+TEACHER_GEMM_ROWS = {TEACHER_BATCH: 1.0}
 CHECKPOINT_EVERY_S = 60.0
 CHECKPOINT_FILE = "distill-checkpoint.pt"
 #: the finished data, written once beside the checkpoint, which then holds
@@ -397,8 +401,11 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def teacher_engine(target, name: str, dtype: str, kv_capacity_tokens: int, threads: int):
     """An engine over the already loaded target (no second load): the Llama
-    runner in ``dtype`` where it runs the model, else the transformers
-    engine (the model's own dtype: ``teacher_dtype``)."""
+    runner in ``dtype`` where it runs the model, its GEMM path the fastest
+    for ``TEACHER_GEMM_ROWS``, not serving's batch-1 choice (SmolLM2
+    in bfloat16, 128 rows a forward on an AMD EPYC, family 26: 168 ms
+    through simd-l1, serving's choice there, 115 through simd-dpbf16), else
+    the transformers engine (the model's own dtype: ``teacher_dtype``)."""
     from specdec.engine.checkpoint import Checkpoint
     from specdec.engine.hf_engine import HFEngine
     from specdec.engine.llama import LlamaEngine, unsupported_reason
@@ -406,7 +413,7 @@ def teacher_engine(target, name: str, dtype: str, kv_capacity_tokens: int, threa
     if unsupported_reason(target.config):
         return HFEngine(target, name, dtype, kv_capacity_tokens)
     return LlamaEngine(Checkpoint.of_model(target, name), dtype, kv_capacity_tokens=kv_capacity_tokens,
-                       num_threads=threads)
+                       num_threads=threads, gemm_rows=TEACHER_GEMM_ROWS)
 
 
 def head_targets(top_ids: torch.Tensor,  # int [m, K]: the teacher's top-K target ids

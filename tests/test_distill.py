@@ -223,6 +223,26 @@ def test_each_teacher_answer_is_the_same_whatever_else_is_in_flight(stories_path
     assert other["tokens"] != wide["tokens"]
 
 
+def test_the_teachers_gemm_path_is_chosen_for_its_batch_whatever_is_in_flight(stories_path, monkeypatch):
+    """The teacher's engine picks the GEMM path fastest for TEACHER_GEMM_ROWS
+    (a batch of answers, not serving's batch-1 decoding), and the same path
+    however many answers are in flight (a resumed run answers as the
+    uninterrupted one did)."""
+    import specdec.distill as mod
+    from specdec.engine.checkpoint import load_hf_model
+
+    target = load_hf_model(stories_path)
+    engines = [mod.teacher_engine(target, stories_path, "float32", 2048, 1)]
+    monkeypatch.setattr(mod, "TEACHER_BATCH", 3)
+    engines.append(mod.teacher_engine(target, stories_path, "float32", 2048, 1))
+    for engine in engines:
+        assert engine.gemm_report["timed_rows"] == {"128": 1.0} == {str(n): w for n, w in mod.TEACHER_GEMM_ROWS.items()}
+        scores = engine.gemm_report["scores"]
+        preferred = [n for n in scores if n.startswith(("numba", "simd"))]  # the runner's fused kinds (float32)
+        assert engine.gemm == min(preferred or scores, key=scores.__getitem__)
+        assert all(str(128) in engine.gemm_report["paths"][n]["ms"] for n in scores)
+
+
 @pytest.mark.parametrize("kind", ["draft", "eagle3"])
 def test_resume_keeps_the_answers_of_a_run_interrupted_while_making_its_data(stories_path, tmp_path, monkeypatch,
                                                                              kind):

@@ -99,6 +99,11 @@ def test_wide_weights_are_checked_whole_up_to_batches_and_on_a_slice_beyond(monk
     assert invariance_failure(rowwise, head, check_row_counts(512), torch.float32) is None
 
 
+def serving_ms(ms: float) -> dict[str, float]:
+    """A cached path's timings: ms at every row count serving scores (its score: ms)."""
+    return {str(n): ms for n in gemm_select.TIMED_ROWS}
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """An empty cache directory, on a machine taken as idle (timings cached)."""
@@ -136,7 +141,9 @@ def test_auto_never_selects_a_rejected_path_and_caches_its_choice(cache, aten_br
     report = chosen.report
     assert report["paths"]["aten"]["failure"] and "ms" not in report["paths"]["aten"]
     timed = [n for n, e in report["paths"].items() if e["failure"] is None]
-    assert chosen.path.name == min(timed, key=lambda n: report["paths"][n]["score_ms"])
+    assert chosen.path.name == min(timed, key=lambda n: report["scores"][n])
+    assert report["scores"][chosen.path.name] == pytest.approx(
+        sum(w * report["paths"][chosen.path.name]["ms"][str(n)] for n, w in gemm_select.SERVING_ROWS.items()), abs=2e-3)
     assert all(set(report["paths"][n]["ms"]) == {str(r) for r in gemm_select.TIMED_ROWS} for n in timed)
     (file,) = cache.glob("*.json")
     stored = json.loads(file.read_text())
@@ -267,7 +274,7 @@ def test_a_verdict_cached_without_an_isa_cap_is_not_used_under_it(cache, monkeyp
     gen = torch.Generator().manual_seed(3)
     w = [("qkv", torch.randn(48, 64, generator=gen).to(torch.bfloat16), None)]
     key = gemm_select.cache_key(w, torch.bfloat16, 1, check_row_counts(32))
-    paths = {name: {"failure": None, "ms": {"1": 1.0}, "score_ms": 0.5 if name == "simd-dpbf16" else 1.0}
+    paths = {name: {"failure": None, "ms": serving_ms(0.5 if name == "simd-dpbf16" else 1.0)}
              for name in gemm_select.GEMM_PATHS}
     gemm_select._save({"key": key, "paths": paths})
     env = {**os.environ, "NUMBA_CPU_NAME": "cascadelake", gemm_select.CACHE_ENV: str(cache)}
@@ -287,8 +294,8 @@ def test_preferred_kinds_win_while_one_is_invariant_and_the_engine_prefers_its_f
     w = weights()
     key = gemm_select.cache_key(w, torch.float32, 1, check_row_counts(32))
     scores = {"onednn": 1.0, "aten": 1.5, "numba1": 3.0, "simd": 2.5, "simd-l1": 2.0}
-    paths = {name: {"failure": None if name in scores else "no", "ms": {"1": scores.get(name, 9.0)},
-                    "score_ms": scores.get(name, 9.0)} for name in gemm_select.GEMM_PATHS}
+    paths = {name: {"failure": None if name in scores else "no", "ms": serving_ms(scores.get(name, 9.0))}
+             for name in gemm_select.GEMM_PATHS}
     gemm_select._save({"key": key, "paths": paths})
     assert gemm_select.select(w, torch.float32, 1, max_rows=32).path.name == "onednn"
     chosen = gemm_select.select(w, torch.float32, 1, max_rows=32, prefer_kinds=("numba", "simd"))
@@ -312,3 +319,34 @@ def test_preferred_kinds_win_while_one_is_invariant_and_the_engine_prefers_its_f
     for dtype, attention in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "sdpa")):
         LlamaEngine(stories, dtype, kv_capacity_tokens=256, num_threads=1, attention=attention)
     assert asked == [("numba", "simd"), ("simd",), ()]
+
+
+def test_a_batch_workload_scores_paths_at_its_own_rows_and_times_only_the_rows_missing(cache, monkeypatch):
+    """Serving weighs batch-1 decoding most; a batch job (distill's teacher,
+    128 answers in flight) passes its own rows: the path fastest there wins
+    for it, serving's cached choice stays, and a row count not yet timed is
+    timed (that count only) and cached beside the others."""
+    w = weights()
+    key = gemm_select.cache_key(w, torch.float32, 1, check_row_counts(256))
+    fast_alone = {**serving_ms(1.0), "128": 40.0}  # fastest for few rows, slow in a batch
+    fast_batched = {**serving_ms(2.0), "128": 20.0}
+    paths = {name: {"failure": None if name in ("simd-l1", "onednn") else "no"} for name in gemm_select.GEMM_PATHS}
+    paths["simd-l1"]["ms"], paths["onednn"]["ms"] = fast_alone, fast_batched
+    gemm_select._save({"key": key, "paths": paths, "choice": "simd-l1"})  # as a serving start wrote it
+    timed = []
+    monkeypatch.setattr(gemm_select, "time_paths",
+                        lambda ps, ws, dtype, rows: timed.append(list(rows)) or {p.name: {n: 5.0 for n in rows}
+                                                                                   for p in ps})
+    assert select(w, torch.float32, 1, max_rows=256).path.name == "simd-l1"
+    batch = select(w, torch.float32, 1, max_rows=256, timed_rows={128: 1.0})
+    assert batch.path.name == "onednn" and batch.report["scores"] == {"simd-l1": 40.0, "onednn": 20.0}
+    assert batch.report["timed_rows"] == {"128": 1.0} and timed == []  # all cached: nothing timed
+    mixed = select(w, torch.float32, 1, max_rows=256, timed_rows={1: 0.5, 64: 0.5})
+    assert timed == [[64]] and mixed.report["scores"] == {"simd-l1": 3.0, "onednn": 3.5}
+    (file,) = cache.glob("*.json")
+    stored = json.loads(file.read_text())
+    assert stored["paths"]["onednn"]["ms"] == {**fast_batched, "64": 5.0}  # merged, none lost
+    assert stored["choice"] == "simd-l1"  # serving's, whatever a batch job chose since
+    for bad in ({}, {0: 1.0}, {4: 0.0}, {4: -1.0}):
+        with pytest.raises(ValueError, match="timed_rows"):
+            select(w, torch.float32, 1, max_rows=256, timed_rows=bad)

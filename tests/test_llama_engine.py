@@ -233,7 +233,11 @@ def test_bfloat16_kv_cache_keeps_row_invariance_and_stays_close(stories, dtype):
     assert (got.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
 
 
-def test_kv_dtype_is_checked_and_named(stories):
+def test_kv_dtype_is_checked_and_named(stories, monkeypatch):
+    import types
+
+    import psutil
+
     model, _ = stories
     with pytest.raises(ValueError, match="kv_dtype 'float16': one of auto, float32, bfloat16"):
         engine_of(model, kv_dtype="float16")
@@ -243,6 +247,8 @@ def test_kv_dtype_is_checked_and_named(stories):
     assert {d: e.facts.kv_dtype for d, e in auto.items()} == {"float32": "float32", "bfloat16": "bfloat16"}
     with pytest.raises(ValueError, match="kv_dtype 'bfloat16': the CPU attention kernels only"):
         engine_of(model, kv_dtype="bfloat16", attention="triton")
+    # the same available memory for both pools (it moves between two reads by more than a tolerance would allow)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=16 * 2**30))
     per_token = {kv: engine_of(model, kv_dtype=kv, kv_capacity_tokens=None, kv_memory_fraction=0.001)
                  .pool.capacity_tokens for kv in ("float32", "bfloat16")}
     assert abs(per_token["bfloat16"] - 2 * per_token["float32"]) <= 2 * 16  # whole blocks of 16
