@@ -81,6 +81,23 @@ def copy_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
+def with_bandwidth(decode_rows: list[dict], bandwidth_gbs: float) -> None:
+    """Sets the bandwidth limit of each engine row (tok/s: bandwidth_gbs over
+    the weight bytes one decode step reads, its ``weight_bytes``) and each
+    engine's and transformers' share of it (transformers reads the same
+    weights: the limit of the first engine row of its dtype)."""
+    limits: dict[str, float] = {}
+    for r in decode_rows:
+        if "weight_bytes" in r:
+            r["bandwidth_limit_tok_s"] = bandwidth_gbs * 1e9 / r["weight_bytes"]
+            limits.setdefault(r["dtype"], r["bandwidth_limit_tok_s"])
+    for r in decode_rows:
+        limit = r.get("bandwidth_limit_tok_s") or (limits.get(r["dtype"]) if r["engine"] == "transformers generate"
+                                                   else None)
+        if limit:
+            r["pct_of_bandwidth_limit"] = 100 * r["tokens_per_s"] / limit
+
+
 def decode_weight_bytes(engine: LlamaEngine) -> int:
     """Bytes of every projection weight one decode step reads (layers + LM head)."""
     linears = [engine.lm_head] + [lin for layer in engine.layers
@@ -245,7 +262,7 @@ def print_forward(label: str, rows: list[dict]) -> None:
 
 
 def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: list[int],
-                 hf_tokens: list[int], hf_rate: float, bandwidth: float,
+                 hf_tokens: list[int], hf_rate: float,
                  torch_ops: bool = False) -> tuple[dict, list[dict], Callable[[], list[int]] | None]:
     """(the decode row, the forward rows, the decode run as a callable) of
     one dtype / GEMM path; a path this machine refuses gives a decode row
@@ -270,15 +287,14 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
           f"selection {report.get('select_s', 0.0):.1f} s (0: cached)\n   {summary(report)}")
     rate, tokens, cpu_ms = best_run(lambda: engine_greedy(engine, prompt, len(hf_tokens)), args.decode_reps)
     agree = next((i for i, (a, b) in enumerate(zip(tokens, hf_tokens)) if a != b), len(tokens))
-    limit = bandwidth * 1e9 / decode_weight_bytes(engine)
     rows = [r for b in batches for r in bench_forward(engine, b, queries, args.reps, seed=b)]
     for r in rows:
         r.update(dtype=dtype, gemm=engine.gemm)
     verify6 = next(r["vs_q1"] for r in rows if r["batch"] == 1 and r["q"] == 6) if 1 in batches else None
     label = f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm
     decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), kv_dtype=engine.kv_dtype, tokens=len(tokens),
-                  tokens_per_s=rate, vs_transformers=rate / hf_rate, bandwidth_limit_tok_s=limit,
-                  pct_of_bandwidth_limit=100 * rate / limit, verify6_vs_decode=verify6, agree_with_hf=agree,
+                  tokens_per_s=rate, vs_transformers=rate / hf_rate, weight_bytes=decode_weight_bytes(engine),
+                  verify6_vs_decode=verify6, agree_with_hf=agree,
                   gemm_report=report, engine_tokens=tokens, cpu_ms_per_token=cpu_ms)
     return decode, rows, lambda: engine_greedy(engine, prompt, len(hf_tokens))
 
@@ -353,13 +369,15 @@ def main() -> None:
     checkpoint = Checkpoint.of_model(hf["float32"], args.model)  # engines cast it to their dtype
     print(f"loaded {args.model} in {time.perf_counter() - t0:.1f} s; {args.threads} threads")
     prompt = list(load_tokenizer(src)(PROMPT)["input_ids"])
-    bandwidth = copy_bandwidth_gbs()
+    # this VM's copy bandwidth has read 35 and 67 GB/s minutes apart: measured at the start, after each
+    # dtype's rows and at the end, the median taken
+    bandwidths = [copy_bandwidth_gbs()]
     load = os.getloadavg()
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, native bfloat16: {native_bf16()}); "
-          f"copy bandwidth {bandwidth:.1f} GB/s (read + write); load average {load[0]:.1f}")
+          f"copy bandwidth {bandwidths[0]:.1f} GB/s (read + write; measured again later); load average {load[0]:.1f}")
 
     results = {"model": args.model, "threads": args.threads, "cpu": cpu_model(), "machine": platform.machine(),
-               "cpu_count": os.cpu_count(), "torch": torch.__version__, "bandwidth_gbs": bandwidth,
+               "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "load_average_start": load, "forward": [], "decode": []}
     for dtype in sorted({d for d, _, _ in configs}):
         hf_rate, hf_tokens = best_rate(lambda: hf_greedy(hf[dtype], prompt, args.decode_tokens), args.decode_reps)
@@ -368,11 +386,9 @@ def main() -> None:
         results["decode"].append(hf_row)
         for gemm, extra in [(g, e) for d, g, e in configs if d == dtype]:
             decode, rows, engine_run = bench_config(checkpoint, dtype, gemm, args, prompt, hf_tokens, hf_rate,
-                                                    bandwidth, torch_ops=extra == "torch-ops")
+                                                    torch_ops=extra == "torch-ops")
             results["decode"].append(decode)
             results["forward"] += rows
-            if "bandwidth_limit_tok_s" in decode:  # the same weights transformers reads
-                hf_row.setdefault("pct_of_bandwidth_limit", 100 * hf_rate / decode["bandwidth_limit_tok_s"])
             if rows:
                 print_forward(f"{dtype} / {decode['gemm']}", rows)
             if gemm == "auto" and not extra and engine_run is not None and args.stack:  # not refused
@@ -382,9 +398,13 @@ def main() -> None:
                         results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
                                                            args.decode_reps, decode, engine_run, args.threads,
                                                            ahead, env, steps))
+        bandwidths.append(copy_bandwidth_gbs())
     results["load_average_end"] = os.getloadavg()
-    print(f"\nCPU: {cpu_model()}; copy bandwidth {bandwidth:.1f} GB/s; load average {load[0]:.1f} at start, "
-          f"{results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
+    results["bandwidth_gbs"], results["bandwidth_measurements_gbs"] = statistics.median(bandwidths), bandwidths
+    with_bandwidth(results["decode"], results["bandwidth_gbs"])
+    print(f"\nCPU: {cpu_model()}; copy bandwidth {results['bandwidth_gbs']:.1f} GB/s, the median of "
+          f"{', '.join(f'{b:.1f}' for b in bandwidths)} (start, after each dtype); load average {load[0]:.1f} at "
+          f"start, {results['load_average_end'][0]:.1f} at end ({os.cpu_count()} cores)")
     print_decode(results["decode"], args.decode_tokens, args.decode_reps)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

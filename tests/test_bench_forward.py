@@ -1,0 +1,27 @@
+"""benchmarks/bench_forward.py's share of the bandwidth limit, computed once
+the run's bandwidth measurements are in (the script itself loads SmolLM2
+and transformers: run by hand, see its docstring)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench_forward import with_bandwidth  # noqa: E402
+
+
+def test_every_engine_and_transformers_row_gets_its_share_of_the_measured_limit():
+    rows = [{"engine": "transformers generate", "dtype": "float32", "tokens_per_s": 20.0},
+            {"engine": "LlamaEngine", "dtype": "float32", "tokens_per_s": 50.0, "weight_bytes": 500_000_000},
+            {"engine": "LlamaEngine", "dtype": "float32", "gemm": "aten", "refused": "breaks invariance"},
+            {"engine": "stack, ahead on, steps 4", "dtype": "float32", "tokens_per_s": 45.0},
+            {"engine": "transformers generate", "dtype": "bfloat16", "tokens_per_s": 30.0},
+            {"engine": "LlamaEngine", "dtype": "bfloat16", "tokens_per_s": 100.0, "weight_bytes": 250_000_000}]
+    with_bandwidth(rows, 40.0)  # GB/s: 80 tok/s over 500 MB, 160 over 250 MB
+    assert rows[1]["bandwidth_limit_tok_s"] == pytest.approx(80.0)
+    assert [r.get("pct_of_bandwidth_limit") for r in rows] == pytest.approx([25.0, 62.5, None, None, 18.75, 62.5])
+    with_bandwidth(rows, 80.0)  # measured again: every share follows
+    assert rows[1]["pct_of_bandwidth_limit"] == pytest.approx(31.25) and rows[0]["pct_of_bandwidth_limit"] == 12.5
