@@ -93,7 +93,9 @@ ACCEPTANCE_K = 5  # draft length of the final acceptance measurement
 #: spends a machine-dependent share: 2600 SmolLM2 answers took 17.2 minutes
 #: on one 2-core AMD EPYC and 8.6 on a newer one (CPU family 26). There a
 #: 30-minute eagle3 head reached held-out 2.13 with half (4758 answers, 1800
-#: steps) against 2.02 with the 2600 (2489 steps)
+#: steps) against 2.02 with the 2600 (2489 steps); with the teacher faster
+#: since, 0.6 gave 1.98 (7083 answers, 1219 steps) against 0.5's 2.06 (6150,
+#: 1810) on the same machine kind a day apart (fortieth session)
 AUTO_DATA_SHARE = 0.5
 #: --samples 0 with sampled answers: at most this many times the recipe's
 #: prompts (each prompt answered anew with its own seed); greedy answers
