@@ -14,7 +14,9 @@ configuration and with transformers ``generate`` in float32 and bfloat16
 bfloat16 instructions; oneDNN emulates them where the CPU lacks them); tokens/s, the ratio to
 transformers in the same dtype, the share of the memory-bandwidth limit (a
 decode step reads every projection weight once: limit = measured copy
-bandwidth / weight bytes), the cost of verifying 5 drafts (6 rows) relative
+bandwidth / weight bytes; the bandwidth is the median of measurements at
+the start, after each dtype's rows and at the end, as it moves within a
+run), the cost of verifying 5 drafts (6 rows) relative
 to one decode step, and whether the tokens are the same.
 
 Stack: the same greedy decoding through the whole local stack (scorer,

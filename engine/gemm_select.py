@@ -502,10 +502,10 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
             entry["failure"] = path_failure(GEMM_PATHS[name], weights, row_counts, dtype)
             entry["check_s"] = round(time.perf_counter() - t, 3)
             dirty = True
-    missing = sorted({n for name in names if verdicts[name]["failure"] is None
-                      for n in timed_rows if str(n) not in verdicts[name].get("ms", {})})
-    untimed = [GEMM_PATHS[name] for name in names if verdicts[name]["failure"] is None
-               and any(str(n) not in verdicts[name].get("ms", {}) for n in timed_rows)]
+    missing_rows = {name: [n for n in timed_rows if str(n) not in verdicts[name].get("ms", {})]
+                    for name in names if verdicts[name]["failure"] is None}  # row counts each invariant path lacks
+    untimed = [GEMM_PATHS[name] for name, rows in missing_rows.items() if rows]
+    missing = sorted({n for rows in missing_rows.values() for n in rows})
     if gemm == "auto" and untimed:
         t = time.perf_counter()
         busy = machine_busy()

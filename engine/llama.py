@@ -356,7 +356,7 @@ class LlamaEngine(Engine):
     gemm_rows: the rows per forward "auto" is fastest for on CPU (row count
       -> weight, gemm_select.select's timed_rows): serving's by default
       (batch-1 decoding first); a batch job passes its own (distill's
-      teacher: its answers in flight)."""
+      teacher: distill.TEACHER_GEMM_ROWS, 128 rows a forward)."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,

@@ -404,10 +404,12 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 def teacher_engine(target, name: str, dtype: str, kv_capacity_tokens: int, threads: int):
     """An engine over the already loaded target (no second load): the Llama
     runner in ``dtype`` where it runs the model, its GEMM path the fastest
-    for ``TEACHER_GEMM_ROWS``, not serving's batch-1 choice (SmolLM2
-    in bfloat16, 128 rows a forward on an AMD EPYC, family 26: 168 ms
-    through simd-l1, serving's choice there, 115 through simd-dpbf16), else
-    the transformers engine (the model's own dtype: ``teacher_dtype``)."""
+    for ``TEACHER_GEMM_ROWS``, not serving's batch-1 choice (SmolLM2 in
+    bfloat16 on an AMD EPYC, family 26, where serving had picked simd-l1:
+    ``python benchmarks/bench_teacher.py --answers 384 --widths 128
+    --dtypes bfloat16`` answered at 776-791 tokens/s against 560 with
+    serving's pick, in turns), else the transformers engine (the model's
+    own dtype: ``teacher_dtype``)."""
     from specdec.engine.checkpoint import Checkpoint
     from specdec.engine.hf_engine import HFEngine
     from specdec.engine.llama import LlamaEngine, unsupported_reason
