@@ -22,7 +22,9 @@ only if it passes the check, else the engine refuses to start
 path in ``GEMM_PATHS``, times the invariant ones on the model's own weights
 (every projection of a forward pass at 1, k + 1 and a batch of rows,
 ``TIMED_ROWS``, weighted toward batch-1 decoding by ``TIME_WEIGHTS``) and
-keeps the fastest. A caller that runs faster around some kinds of path
+keeps the fastest; paths within ``TIE_MARGIN`` of it are a tie, broken by a
+fixed order (``fastest``), so that noise does not decide between paths that
+compute different bits. A caller that runs faster around some kinds of path
 than the GEMM timings show names them (``prefer_kinds``), and the fastest
 of those is kept while one is invariant: the Llama runner on CPU runs its
 small steps in numpy between numba or simd GEMMs (``LlamaEngine.fused``:
@@ -108,6 +110,23 @@ TIME_WEIGHTS = (0.6, 0.3, 0.1)
 #: The serving workload ``select`` scores paths for unless told another
 #: (``timed_rows``): row count -> weight.
 SERVING_ROWS = dict(zip(TIMED_ROWS, TIME_WEIGHTS))
+#: Scores within this fraction of the fastest are a tie (``fastest``): the
+#: timings of two paths a few per cent apart change order between starts on
+#: one machine (SmolLM2 float32 on 2 cores of an AMD EPYC: simd-l1 17.42 ms,
+#: numba1 17.50 in one cache; 18.21 and 21.12 in another), and paths of
+#: different arithmetic give different bits, so without it two replicas on
+#: machines of one kind could serve different greedy text.
+TIE_MARGIN = 0.05
+#: Paths that compute the same bits: the same instructions in the same order
+#: (simd-l1 prefetches the weight into L1 instead of L2), or a lone row
+#: through a loop the check has proved sums as the pairs do (numba1).
+SAME_BITS = (("simd", "simd-l1"), ("numba", "numba1"))
+#: How a tie between paths of different arithmetic is broken, first wins:
+#: our own kernels, whose order of summation is written out (simd), then
+#: those a compiler vectorises (numba), then the libraries'; bfloat16
+#: activations (simd-dpbf16) last, the least precise. Among paths of the same
+#: bits the fastest is kept.
+TIE_ORDER = ("simd", "simd-l1", "numba", "numba1", "numba6", "onednn", "onednn-unpadded", "aten", "simd-dpbf16")
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,7 @@ GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("ate
                                    GemmPath("simd-dpbf16", "simd", gemm_simd.GROUP),
                                    GemmPath("simd-l1", "simd", gemm_simd.GROUP))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
+assert sorted(TIE_ORDER) == sorted(GEMM_PATHS) and all(set(g) <= set(GEMM_PATHS) for g in SAME_BITS)
 
 
 class GemmRefused(ValueError):
@@ -418,6 +438,19 @@ def score_ms(timings: Mapping[str, float], timed_rows: Mapping[int, float] = SER
     return sum(weight * timings[str(n)] for n, weight in timed_rows.items())
 
 
+def fastest(scores: Mapping[str, float], margin: float = TIE_MARGIN) -> str:
+    """The path to take given each candidate's score (ms): among those within
+    margin of the lowest score, the first in TIE_ORDER, or a faster path of
+    the same bits (SAME_BITS). A near-tie between paths of different
+    arithmetic is then decided by a fixed rule, not by which timing the
+    machine's noise favoured."""
+    best = min(scores.values())
+    tied = [name for name, ms in scores.items() if ms <= best * (1 + margin)]
+    first = min(tied, key=TIE_ORDER.index)
+    same = next((group for group in SAME_BITS if first in group), (first,))
+    return min((name for name in same if name in scores), key=scores.__getitem__)
+
+
 # ---- selection ---------------------------------------------------------------------
 
 
@@ -528,7 +561,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
                               + "; ".join(f"{n}: {verdicts[n]['failure']}" for n in names))
         scores = {n: round(score_ms(verdicts[n]["ms"], timed_rows), 3) for n in ok}
         preferred = [n for n in ok if GEMM_PATHS[n].kind in prefer_kinds]
-        chosen = min(preferred or ok, key=scores.__getitem__)
+        chosen = fastest({n: scores[n] for n in preferred or ok})
         if timed_rows == SERVING_ROWS:
             report["choice"] = chosen  # cached for the record: what serving takes here
     if dirty:

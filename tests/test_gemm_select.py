@@ -141,7 +141,7 @@ def test_auto_never_selects_a_rejected_path_and_caches_its_choice(cache, aten_br
     report = chosen.report
     assert report["paths"]["aten"]["failure"] and "ms" not in report["paths"]["aten"]
     timed = [n for n, e in report["paths"].items() if e["failure"] is None]
-    assert chosen.path.name == min(timed, key=lambda n: report["scores"][n])
+    assert chosen.path.name == gemm_select.fastest({n: report["scores"][n] for n in timed})
     assert report["scores"][chosen.path.name] == pytest.approx(
         sum(w * report["paths"][chosen.path.name]["ms"][str(n)] for n, w in gemm_select.SERVING_ROWS.items()), abs=2e-3)
     assert all(set(report["paths"][n]["ms"]) == {str(r) for r in gemm_select.TIMED_ROWS} for n in timed)
@@ -158,6 +158,25 @@ def test_auto_never_selects_a_rejected_path_and_caches_its_choice(cache, aten_br
         select(weights(), torch.float32, 1, "aten", max_rows=64)
     select(weights(), torch.float32, 2, "auto", max_rows=64)  # another thread count: checked anew
     assert len(aten_breaks) > checks and len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_near_tie_between_paths_of_different_bits_is_broken_by_a_fixed_order():
+    fastest = gemm_select.fastest
+    margin = gemm_select.TIE_MARGIN
+    # numba1 1 % ahead of simd-l1 (different bits): the order decides, whichever the noise favoured
+    assert fastest({"numba1": 17.3, "simd-l1": 17.5, "onednn": 18.7}) == "simd-l1"
+    assert fastest({"numba1": 17.5, "simd-l1": 17.3, "onednn": 18.7}) == "simd-l1"
+    # beyond the margin speed decides
+    assert fastest({"numba1": 15.0, "simd-l1": 15.0 * (1 + 2 * margin)}) == "numba1"
+    assert fastest({"simd-dpbf16": 10.0, "simd-l1": 10.0 * (1 + 2 * margin)}) == "simd-dpbf16"
+    # a tie with bfloat16 activations goes to float32 ones
+    assert fastest({"simd-dpbf16": 10.0, "simd-l1": 10.0 * (1 + margin / 2)}) == "simd-l1"
+    # among paths of the same bits the fastest: simd comes first in the order, simd-l1 is faster
+    assert fastest({"simd": 10.3, "simd-l1": 10.0, "numba": 10.1}) == "simd-l1"
+    assert fastest({"simd": 10.0, "simd-l1": 10.3, "numba": 10.1}) == "simd"
+    # a same-bits sibling is kept only where it is a candidate
+    assert fastest({"numba1": 10.0, "onednn": 10.2}) == "numba1"
+    assert fastest({"aten": 10.0}) == "aten"
 
 
 def test_timings_taken_on_a_busy_machine_are_not_cached(cache, monkeypatch):
