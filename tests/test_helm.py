@@ -15,6 +15,7 @@ import functools
 import importlib.metadata
 import inspect
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -195,6 +196,8 @@ def test_schema_rejects_bad_values(bad):
     (("tls.enabled=true", "tls.secretName=s"), "tls.enabled needs tls.serverName"),
     (("apiKeys.enabled=true",), "apiKeys.enabled needs apiKeys.secretName"),
     (("scorer.kvDtype=bfloat16", "gpu.enabled=true"), "scorer.kvDtype bfloat16 runs on CPU only"),
+    (("scorer.gemm=simd", "gpu.enabled=true"), "scorer.gemm simd is a CPU path: with gpu.enabled use auto"),
+    (("scorer.gemm=triton",), "scorer.gemm triton runs on a GPU only"),
     (("gateway.drainGraceSeconds=60", "gateway.terminationGracePeriodSeconds=60"),
      "gateway.terminationGracePeriodSeconds (60) must exceed gateway.drainGraceSeconds (60)"),
 ])
@@ -237,6 +240,23 @@ def test_scorer_kv_dtype_reaches_its_arguments_and_the_parser():
     assert engine_config(build_parser().parse_args(args)).kv_dtype == "bfloat16"
     result = helm(*template_args("minimal-cpu.yaml", sets=("scorer.kvDtype=float16",)))
     assert result.returncode != 0 and "kvDtype" in result.stderr
+
+
+def test_scorer_gemm_reaches_its_arguments_and_the_parser_and_the_schema_knows_every_choice():
+    from specdec.cli import build_parser
+    from specdec.engine.config import GEMM_CHOICES
+    from specdec.scorer_svc.server import engine_config
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["definitions"]["scorer"]["properties"]["gemm"]["enum"] == list(GEMM_CHOICES)
+    for sets, want in (((), "auto"), (("scorer.gemm=simd",), "simd")):
+        args = container(docs_of(render("minimal-cpu.yaml", sets=sets), "Deployment")["scorer"])["args"]
+        assert flag(args, "--gemm") == [want]
+        assert engine_config(build_parser().parse_args(args)).gemm == want
+    gpu_args = container(docs_of(render("gpu.yaml", sets=("scorer.gemm=aten",)), "Deployment")["scorer"])["args"]
+    assert flag(gpu_args, "--gemm") == ["aten"]
+    result = helm(*template_args("minimal-cpu.yaml", sets=("scorer.gemm=mkl",)))
+    assert result.returncode != 0 and "gemm" in result.stderr
 
 
 def test_cpu_values_request_no_gpu():
