@@ -119,6 +119,7 @@ class Checkpoint:
     config: object  # transformers PretrainedConfig
     generation_config: object | None
     state_dict: dict[str, torch.Tensor]  # HF names: model.layers.{i}.self_attn.q_proj.weight, ...
+    gguf: str | None = None  # the GGUF file the weights were dequantised from, if any (gemm "simd-gguf")
 
     @classmethod
     def load(cls, model: str, dtype: str = "float32") -> "Checkpoint":
@@ -126,10 +127,20 @@ class Checkpoint:
         return cls.of_model(load_hf_model(model, dtype), model)
 
     @classmethod
-    def of_model(cls, hf_model, name: str) -> "Checkpoint":
-        """Takes (shares, does not copy) the tensors of a loaded transformers model."""
+    def of_model(cls, hf_model, name: str, gguf: str | None = None) -> "Checkpoint":
+        """Takes (shares, does not copy) the tensors of a loaded transformers
+        model; gguf: the file they came from (default: the one ``name``
+        resolves to, if any; the engine checks each weight against it bit for
+        bit before reading its blocks)."""
         return cls(name, hf_model.config, getattr(hf_model, "generation_config", None),
-                   dict(hf_model.state_dict()))
+                   dict(hf_model.state_dict()), gguf if gguf is not None else gguf_file_of(name))
+
+
+def gguf_file_of(model: str) -> str | None:
+    """The GGUF file a model name resolves to (a .gguf path, or a directory
+    or shared-models name holding one and no other weights), else None."""
+    src = resolve_model(model, cached=False)
+    return str(Path(src.path) / src.gguf_file) if src.gguf_file else None
 
 
 def eos_token_ids(config, generation_config) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ ENGINE_KINDS = ("auto", "llama", "hf")
 DEVICES = ("cpu", "cuda")
 #: CPU GEMM paths ``gemm`` may force (gemm_select.GEMM_PATHS); "auto" measures.
 GEMM_PATH_NAMES = ("onednn", "aten", "onednn-unpadded", "numba", "numba1", "numba6", "simd", "simd-dpbf16",
-                   "simd-l1")
+                   "simd-l1", "simd-gguf")
 #: The GPU's GEMM path (engine.gpu_ops: "auto" on CUDA); "aten" runs there too.
 GPU_GEMM_PATH_NAMES = ("triton",)
 GEMM_CHOICES = ("auto", *GEMM_PATH_NAMES, *GPU_GEMM_PATH_NAMES)

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import gemm_numba, gemm_simd
+from specdec.engine import gemm_gguf, gemm_numba, gemm_simd
 from specdec.engine.config import GEMM_PATH_NAMES
 from specdec.engine.simd import has_dpbf16
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 8
+CACHE_VERSION = 9
 #: Environment variables that cap the instruction sets the GEMM paths' code
 #: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
 #: same CPU then runs other kernels, so those that are set join the cache key
@@ -118,15 +118,18 @@ SERVING_ROWS = dict(zip(TIMED_ROWS, TIME_WEIGHTS))
 #: machines of one kind could serve different greedy text.
 TIE_MARGIN = 0.05
 #: Paths that compute the same bits: the same instructions in the same order
-#: (simd-l1 prefetches the weight into L1 instead of L2), or a lone row
-#: through a loop the check has proved sums as the pairs do (numba1).
-SAME_BITS = (("simd", "simd-l1"), ("numba", "numba1"))
+#: (simd-l1 prefetches the weight into L1 instead of L2; simd-gguf
+#: dequantises a GGUF model's blocks in registers to the float32 weights
+#: simd reads), or a lone row through a loop the check has proved sums as
+#: the pairs do (numba1).
+SAME_BITS = (("simd", "simd-l1", "simd-gguf"), ("numba", "numba1"))
 #: How a tie between paths of different arithmetic is broken, first wins:
 #: our own kernels, whose order of summation is written out (simd), then
 #: those a compiler vectorises (numba), then the libraries'; bfloat16
 #: activations (simd-dpbf16) last, the least precise. Among paths of the same
 #: bits the fastest is kept.
-TIE_ORDER = ("simd", "simd-l1", "numba", "numba1", "numba6", "onednn", "onednn-unpadded", "aten", "simd-dpbf16")
+TIE_ORDER = ("simd", "simd-l1", "simd-gguf", "numba", "numba1", "numba6", "onednn", "onednn-unpadded", "aten",
+             "simd-dpbf16")
 
 
 @dataclass(frozen=True)
@@ -165,13 +168,20 @@ class GemmPath:
 #: "simd-l1" is "simd" prefetching the weight into L1, a shorter way ahead,
 #: instead of L2 (``gemm_simd.PREFETCH_AHEAD_L1``): the same instructions
 #: otherwise, so the same bits; which streams faster depends on the CPU
-#: (module doc of gemm_simd), and the timing decides.
+#: (module doc of gemm_simd), and the timing decides. "simd-gguf"
+#: (engine.gemm_gguf) is "simd" reading a GGUF model's Q4_1 / Q8_0 blocks
+#: as they are in the file (4.5 / 8.5 bits a weight instead of 32) and
+#: dequantising them in registers to exactly the float32 weights the model
+#: loaded with: the same bits as "simd", a fraction of the bytes; only for
+#: float32 engines of a GGUF model (``select``'s ``quantized``), unavailable
+#: (UNAVAILABLE) for other weights.
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
                                    GemmPath("simd", "simd", gemm_simd.GROUP),
                                    GemmPath("simd-dpbf16", "simd", gemm_simd.GROUP),
-                                   GemmPath("simd-l1", "simd", gemm_simd.GROUP))}
+                                   GemmPath("simd-l1", "simd", gemm_simd.GROUP),
+                                   GemmPath("simd-gguf", "gguf", gemm_gguf.GROUP))}
 assert tuple(GEMM_PATHS) == GEMM_PATH_NAMES
 assert sorted(TIE_ORDER) == sorted(GEMM_PATHS) and all(set(g) <= set(GEMM_PATHS) for g in SAME_BITS)
 
@@ -187,19 +197,28 @@ class Linear:
     weight: [out, in]; bias: [out] or None. Its rows are independent of the
     row count when ``invariance_failure`` accepted the path on this machine."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: GemmPath) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: GemmPath,
+                 quantized: gemm_gguf.GgufBlocks | None = None) -> None:
         self.path = path
         self.min_rows = path.min_rows
         self.bias = bias
         self._bias_array = None if bias is None or bias.device.type != "cpu" else bias.float().contiguous().numpy()
         self.out_features, self.in_features = weight.shape
         self.onednn = path.kind == "onednn"
-        self.numba = path.kind in ("numba", "simd")
+        self.numba = path.kind in ("numba", "simd", "gguf")
         #: simd-dpbf16: bfloat16 activations times bfloat16 weights in AVX512-BF16 dot products
         self.pairs = path.name == "simd-dpbf16"
         #: simd-l1: the weight prefetched into L1 instead of L2
         self.l1 = path.name == "simd-l1"
-        if self.numba:
+        self._quant: gemm_gguf.QuantWeight | None = None
+        if path.kind == "gguf":  # the weight's GGUF blocks, or NoBlocks (a RuntimeError)
+            if quantized is None:
+                raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_1 / Q8_0 blocks; "
+                                         "these weights come from none")
+            self._quant = quantized.find(weight)
+            self.threads = torch.get_num_threads()
+            self.weight = weight
+        elif self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
             dtypes = ((torch.bfloat16,) if self.pairs else (torch.float32, torch.bfloat16)) if path.kind == "simd" \
                 else (torch.float32,)
@@ -250,7 +269,9 @@ class Linear:
     def _numba_product(self, x: np.ndarray) -> np.ndarray:
         """x @ W^T through the numba/simd kernel, float32 [T, out] (a view
         when the padded weight has more outputs), bias not added."""
-        if self.path.kind == "simd":
+        if self._quant is not None:
+            y = gemm_gguf.gemm(x, self._quant, self.threads)
+        elif self.path.kind == "simd":
             y = gemm_simd.gemm(x, self._padded, self.threads, self.pairs, self.l1)
         else:
             y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
@@ -389,14 +410,22 @@ def invariance_failure(make_linear: MakeLinear, weights: Weights, row_counts: tu
 
 #: How a path's verdict starts when the CPU cannot run it at all.
 UNSUPPORTED = "not supported by this CPU"
+#: How a path's verdict starts when the weights cannot take it (simd-gguf: not a GGUF model's blocks).
+UNAVAILABLE = "not available for these weights"
 
 
-def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], dtype: torch.dtype) -> str | None:
+def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], dtype: torch.dtype,
+                 quantized: gemm_gguf.GgufBlocks | None = None) -> str | None:
     """invariance_failure for one path; a path the CPU cannot run (oneDNN's
     bfloat16 kernels need AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AMD EPYC
-    with AVX2 only has neither) fails with UNSUPPORTED and torch's reason."""
+    with AVX2 only has neither) fails with UNSUPPORTED and torch's reason;
+    simd-gguf without a GGUF model's blocks for every weight with
+    UNAVAILABLE and what is missing."""
     try:
-        return invariance_failure(functools.partial(Linear, path=path), weights, row_counts, dtype)
+        return invariance_failure(functools.partial(Linear, path=path, quantized=quantized), weights, row_counts,
+                                  dtype)
+    except gemm_gguf.NoBlocks as e:
+        return f"{UNAVAILABLE} ({dtype}): {e}"
     except RuntimeError as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"{UNSUPPORTED} ({dtype}): {reason}"
@@ -407,13 +436,13 @@ def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], 
 
 @torch.inference_mode()
 def time_paths(paths: list[GemmPath], weights: Weights, dtype: torch.dtype, rows: Iterable[int] = TIMED_ROWS,
-               reps: int = 2) -> dict[str, dict[int, float]]:
+               reps: int = 2, quantized: gemm_gguf.GgufBlocks | None = None) -> dict[str, dict[int, float]]:
     """ms for all of a forward pass's projections (every weight given, in
     order), per path and row count in rows: the fastest of reps runs after a
     warm-up, the paths taking turns within each rep so that load from other
     processes falls on all of them alike (it only ever adds time)."""
     rows = tuple(rows)
-    built = {p.name: [Linear(w, b, p) for _, w, b in weights] for p in paths}
+    built = {p.name: [Linear(w, b, p, quantized) for _, w, b in weights] for p in paths}
     xs = {n: {d: torch.randn(n, d).to(dtype) for d in {w.shape[1] for _, w, _ in weights}} for n in rows}
     best = {p.name: {n: float("inf") for n in rows} for p in paths}
     for _ in range(reps + 1):
@@ -464,7 +493,8 @@ class Selection:
     report: dict
 
 
-def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts: tuple[int, ...]) -> dict:
+def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts: tuple[int, ...],
+              quantized: gemm_gguf.GgufBlocks | None = None) -> dict:
     shapes: dict[str, int] = {}
     for role, w, b in weights:
         name = f"{role}:{w.shape[0]}x{w.shape[1]}{'+b' if b is not None else ''}"
@@ -475,6 +505,8 @@ def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts
     key = {"version": CACHE_VERSION, "cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__,
            "numba": numba.__version__, "dtype": str(dtype), "threads": num_threads, "shapes": shapes,
            "row_counts": list(row_counts)}
+    if quantized is not None:  # whether simd-gguf finds the weights' blocks depends on the file
+        key["gguf"] = quantized.identity()
     caps = isa_caps()
     return {**key, "isa_caps": caps} if caps else key
 
@@ -508,7 +540,8 @@ def _save(report: dict) -> None:
 
 def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "auto",
            max_rows: int = 512, prefer_kinds: tuple[str, ...] = (),
-           timed_rows: Mapping[int, float] = SERVING_ROWS) -> Selection:
+           timed_rows: Mapping[int, float] = SERVING_ROWS,
+           quantized: gemm_gguf.GgufBlocks | None = None) -> Selection:
     """The GEMM path for these weights on this machine (module doc): gemm is
     "auto" or a name in GEMM_PATHS. Raises GemmRefused when the forced path,
     or every path, breaks row-count invariance. prefer_kinds: "auto" keeps
@@ -524,7 +557,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     if not timed_rows or any(n < 1 or w <= 0 for n, w in timed_rows.items()):
         raise ValueError(f"timed_rows: positive row counts with positive weights, got {dict(timed_rows)!r}")
     row_counts = check_row_counts(max_rows)
-    report = _load(cache_key(weights, dtype, num_threads, row_counts))
+    report = _load(cache_key(weights, dtype, num_threads, row_counts, quantized))
     verdicts, dirty = report["paths"], False
     names = list(GEMM_PATHS) if gemm == "auto" else [gemm]
     t0 = time.perf_counter()
@@ -532,7 +565,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         entry = verdicts.setdefault(name, {})
         if "failure" not in entry:
             t = time.perf_counter()
-            entry["failure"] = path_failure(GEMM_PATHS[name], weights, row_counts, dtype)
+            entry["failure"] = path_failure(GEMM_PATHS[name], weights, row_counts, dtype, quantized)
             entry["check_s"] = round(time.perf_counter() - t, 3)
             dirty = True
     missing_rows = {name: [n for n in timed_rows if str(n) not in verdicts[name].get("ms", {})]
@@ -542,7 +575,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     if gemm == "auto" and untimed:
         t = time.perf_counter()
         busy = machine_busy()
-        for name, ms in time_paths(untimed, weights, dtype, missing).items():
+        for name, ms in time_paths(untimed, weights, dtype, missing, quantized=quantized).items():
             entry = verdicts[name]
             entry["ms"] = {**entry.get("ms", {}), **{str(n): round(v, 3) for n, v in ms.items()}}
             entry["busy"] = entry.get("busy", False) or busy
@@ -551,6 +584,8 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     if gemm != "auto":
         failure = verdicts[gemm]["failure"]
         if failure is not None:
+            if failure.startswith(UNAVAILABLE):
+                raise GemmRefused(f"gemm={gemm!r} cannot run for this model: {failure}; use gemm='auto'")
             what = "cannot run" if failure.startswith(UNSUPPORTED) else "breaks row-count invariance"
             raise GemmRefused(f"gemm={gemm!r} {what} on this CPU ({cpu_model()}): {failure}; use gemm='auto'")
         chosen = gemm
@@ -567,7 +602,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
     if dirty:
         report["select_s"] = round(time.perf_counter() - t0, 3)
         _save(_without_busy_timings(report))
-    linears = [Linear(w, b, GEMM_PATHS[chosen]) for _, w, b in weights]
+    linears = [Linear(w, b, GEMM_PATHS[chosen], quantized) for _, w, b in weights]
     log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
              dtype, report["key"]["cpu"], num_threads, summary(report))
     return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto",

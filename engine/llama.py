@@ -78,6 +78,7 @@ from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, 
 from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
 from specdec.engine.cuda_graph import MAX_ROWS, ForwardGraphs
+from specdec.engine.gemm_gguf import GgufBlocks
 from specdec.engine.gemm_select import (
     GEMM_PATHS,
     SERVING_ROWS,
@@ -422,8 +423,12 @@ class LlamaEngine(Engine):
             set_torch_threads(num_threads)
             # the fused CPU path (below) runs around numba/simd GEMMs only: worth more than their timings show
             fusable = fuse_small_steps and attention == "paged"
-            prefer = (("numba", "simd") if self.dtype == torch.float32 else ("simd",)) if fusable else ()
-            selection = select(projections, self.dtype, num_threads, gemm, prefer_kinds=prefer, timed_rows=gemm_rows)
+            prefer = (("numba", "simd", "gguf") if self.dtype == torch.float32 else ("simd",)) if fusable else ()
+            # a float32 model dequantised from GGUF blocks: simd-gguf reads the blocks (the same bits, fewer bytes)
+            quantized = GgufBlocks(checkpoint.gguf) if checkpoint.gguf and (
+                gemm == "simd-gguf" or (gemm == "auto" and self.dtype == torch.float32)) else None
+            selection = select(projections, self.dtype, num_threads, gemm, prefer_kinds=prefer, timed_rows=gemm_rows,
+                               quantized=quantized)
             linears, self.gemm, self.gemm_report = selection.linears, selection.path.name, selection.report
             if self.dtype == torch.bfloat16 and not native_bf16() and selection.path.kind != "simd":
                 log.warning("LlamaEngine: bfloat16 through %s on a CPU without native bfloat16 (no avx512_bf16 / "

@@ -295,6 +295,37 @@ def element(typingctx, array, index):
     return types.float32(array, index), codegen
 
 
+_BYTES = ir.VectorType(ir.IntType(8), LANES)
+
+
+def _small_ints(high: bool | None):
+    """An intrinsic: LANES bytes of a C-contiguous array from flat element
+    `index` as float32 lanes (exact): for a uint8 array their low (high is
+    False) or high (True) 4 bits, 0..15; for an int8 array (high None) the
+    signed values. GGUF's Q4_1 and Q8_0 quants (``gemm_gguf``)."""
+    def typer(typingctx, array, index):
+        if array.dtype != (types.int8 if high is None else types.uint8):
+            return None
+
+        def codegen(context, builder, signature, args):
+            pointer = _element(context, builder, signature.args[0], args[0], args[1])
+            b = builder.load(builder.bitcast(pointer, _BYTES.as_pointer()), align=1)
+            if high is None:
+                return builder.sitofp(builder.sext(b, _WIDE_BITS), _VECTOR)
+            b = builder.lshr(b, ir.Constant(_BYTES, [4] * LANES)) if high else \
+                builder.and_(b, ir.Constant(_BYTES, [15] * LANES))
+            return builder.uitofp(builder.zext(b, _WIDE_BITS), _VECTOR)
+        return lanes(array, index), codegen
+    typer.__name__ = typer.__qualname__ = {None: "signed_bytes", False: "low_nibbles", True: "high_nibbles"}[high]
+    return typer
+
+
+#: uint8 bytes' low / high 4 bits, int8 bytes, as float32 lanes (``_small_ints``)
+low_nibbles = intrinsic(_small_ints(False))
+high_nibbles = intrinsic(_small_ints(True))
+signed_bytes = intrinsic(_small_ints(None))
+
+
 @intrinsic
 def bits(typingctx, x):
     """A float32's bit pattern as uint32 (no conversion)."""

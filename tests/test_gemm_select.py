@@ -226,10 +226,10 @@ def test_a_path_the_cpu_cannot_run_is_refused_by_name_and_skipped_by_auto(cache,
     covers CPUs with and without AVX-512)."""
     real_init = gemm_select.Linear.__init__
 
-    def init(self, weight, bias, path):
+    def init(self, weight, bias, path, quantized=None):
         if path.kind == "onednn":
             raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw\nmore")
-        real_init(self, weight, bias, path)
+        real_init(self, weight, bias, path, quantized)
 
     monkeypatch.setattr(gemm_select.Linear, "__init__", init)
     with pytest.raises(GemmRefused, match=r"gemm='onednn' cannot run on this CPU .*not supported by this CPU "
@@ -354,8 +354,8 @@ def test_a_batch_workload_scores_paths_at_its_own_rows_and_times_only_the_rows_m
     gemm_select._save({"key": key, "paths": paths, "choice": "simd-l1"})  # as a serving start wrote it
     timed = []
     monkeypatch.setattr(gemm_select, "time_paths",
-                        lambda ps, ws, dtype, rows: timed.append(list(rows)) or {p.name: {n: 5.0 for n in rows}
-                                                                                   for p in ps})
+                        lambda ps, ws, dtype, rows, quantized=None:
+                        timed.append(list(rows)) or {p.name: {n: 5.0 for n in rows} for p in ps})
     assert select(w, torch.float32, 1, max_rows=256).path.name == "simd-l1"
     batch = select(w, torch.float32, 1, max_rows=256, timed_rows={128: 1.0})
     assert batch.path.name == "onednn" and batch.report["scores"] == {"simd-l1": 40.0, "onednn": 20.0}

@@ -13,9 +13,10 @@ import torch
 from conftest import hf_greedy, hf_layer_states, hf_model, random_model
 
 from specdec.engine.base import ForwardItem, PoolExhausted
+from specdec.engine.checkpoint import gguf_file_of
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
-from specdec.engine.gemm_select import GEMM_PATHS, UNSUPPORTED, GemmRefused
+from specdec.engine.gemm_select import GEMM_PATHS, UNAVAILABLE, UNSUPPORTED, GemmRefused
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine, unsupported_reason
 
@@ -52,9 +53,10 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0].float()
 
 
-def engine_of(model, dtype: str = "float32", **kwargs) -> LlamaEngine:
+def engine_of(model, dtype: str = "float32", gguf: str | None = None, **kwargs) -> LlamaEngine:
+    """gguf: the GGUF file the model was loaded from (gemm "simd-gguf" reads its blocks)."""
     kwargs.setdefault("kv_capacity_tokens", 2048)
-    return LlamaEngine(Checkpoint.of_model(model, "test-model"), dtype, **kwargs)
+    return LlamaEngine(Checkpoint.of_model(model, "test-model", gguf=gguf), dtype, **kwargs)
 
 
 def check_invariance(engine, prompt: list[int]):
@@ -72,16 +74,22 @@ def check_invariance(engine, prompt: list[int]):
     assert torch.equal(mixed, plain[:6])
 
 
-def engine_or_refusal(model, dtype: str, gemm: str, auto: Callable[[], LlamaEngine]) -> LlamaEngine | None:
+def engine_or_refusal(model, dtype: str, gemm: str, auto: Callable[[], LlamaEngine],
+                      gguf: str | None = None) -> LlamaEngine | None:
     """The engine on a forced GEMM path, or None when this machine's check
     rejects the path: then the refusal names the shape and row count that
-    broke invariance, and auto() (the "auto" engine of the same model)
-    records the same verdict and never chose the path."""
+    broke invariance (or why the CPU or the weights cannot take the path),
+    and auto() (the "auto" engine of the same model) records the same
+    verdict and never chose the path."""
     try:
-        return engine_of(model, dtype, gemm=gemm)
+        return engine_of(model, dtype, gguf=gguf, gemm=gemm)
     except GemmRefused as e:
         assert gemm != "auto", f"no GEMM path keeps row-count invariance on this machine: {e}"
         unsupported = f"gemm={gemm!r} cannot run on this CPU" in str(e) and UNSUPPORTED in str(e)
+        unavailable = f"gemm={gemm!r} cannot run for this model" in str(e) and UNAVAILABLE in str(e)
+        if unavailable:  # only simd-gguf, for weights that are not a GGUF file's blocks (or not float32)
+            assert gemm == "simd-gguf" and (gguf is None or dtype != "float32"), str(e)
+            return None
         assert unsupported or (f"gemm={gemm!r} breaks row-count invariance" in str(e)
                                and "-row input differs" in str(e))
         chosen = auto()
@@ -530,11 +538,12 @@ def smollm(smollm_path):
     None where this machine refuses the path), engines built once."""
     model, tok = hf_model(smollm_path)
     prompt = list(tok(CHAT)["input_ids"])
+    gguf = gguf_file_of(smollm_path)  # the file hf_model loaded: simd-gguf reads its blocks
     engines: dict[tuple[str, str], LlamaEngine | None] = {}
 
     def engine(dtype: str, gemm: str = "auto") -> LlamaEngine | None:
         if (dtype, gemm) not in engines:
-            engines[dtype, gemm] = engine_or_refusal(model, dtype, gemm, lambda: engine(dtype))
+            engines[dtype, gemm] = engine_or_refusal(model, dtype, gemm, lambda: engine(dtype), gguf=gguf)
         return engines[dtype, gemm]
 
     return model, prompt, engine

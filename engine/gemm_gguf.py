@@ -1,0 +1,321 @@
+"""A GEMM that reads a GGUF model's quantised weights as they are in the
+file (Q4_1: 4.5 bits a weight, Q8_0: 8.5) and computes, bit for bit, what
+``gemm_simd`` computes on the float32 weights the GGUF load dequantises.
+
+Why the same bits. transformers dequantises a GGUF tensor with gguf-py:
+Q4_1 ``d * q + m`` (d, m float16 widened to float32, q in 0..15; the
+product and then the sum rounded in float32), Q8_0 ``q * d`` (q an int8).
+A float16 has an 11-bit significand, so ``d * q`` is exact in float32, and
+``fma(d, q, m)`` rounds the same exact sum once, as the separate add does:
+the kernels dequantise each weight in registers to the very float32 value
+of the loaded model and then multiply-add it in ``gemm_simd``'s order (one
+LANES-lane fused multiply-add per step, lanes reduced by ``simd.total``).
+A block of 32 weights is two steps: Q4_1 keeps weights 0..15 in the low 4
+bits of its 16 bytes and 16..31 in the high 4 bits, Q8_0 its 32 bytes in
+order. So every output of every row is ``gemm_simd``'s on the dequantised
+weight, whatever the rows beside it (tested against it bitwise), and the
+model served is exactly the one transformers loads: only fewer bytes
+stream through memory, which bounds a decode step on a CPU.
+
+Which weights. ``GgufBlocks`` reads a GGUF file's Q4_1 and Q8_0 tensors and
+finds a weight's rows among their dequantised rows (the engine fuses
+projections, pads some with zero rows, and transformers permutes the rows
+of q and k: rows move whole), then checks the blocks found dequantise to
+the weight bit for bit; a weight whose rows it cannot find, or that is not
+float32, has none (the selector then refuses the path for the model).
+
+Speed (2 cores of an AMD EPYC, CPU family 26; the throwaway
+``/work/exp/s41/q/mb_q.py``: SmolLM2's 30 layers' Q4_1 projections and its
+Q8_0 LM head, 115 MB against 538 MB of float32): a one-row pass 4.8 ms
+against ``simd-l1``'s 13.1 on the float32 weights, six rows 7.8 against
+14.7 (medians of 9, in turns).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+
+from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
+from specdec.engine.simd import fma as fma_lanes
+from specdec.engine.simd import (
+    high_nibbles,
+    load,
+    low_nibbles,
+    mac,
+    mul,
+    prefetch_l1,
+    signed_bytes,
+    splat,
+    total,
+    zeros,
+)
+
+#: Weights per GGUF block (Q4_1 and Q8_0).
+BLOCK = 32
+#: Rows of a full group (``_rows6``); 2-5 rows left over run as a zero-padded group, one alone as ``_rows1``.
+GROUP = 6
+#: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
+PREFETCH_AHEAD = 1024
+#: Rows keyed at a time (``_row_keys``).
+KEY_ROWS = 2048
+#: GGUF tensor types read (gguf.GGMLQuantizationType names) -> bytes per block.
+KINDS = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A weight [out, in] as GGUF blocks, out padded to OUT_BLOCK with zero
+    blocks: Q4_1 ``qs`` uint8 [out, in / 2] (16 bytes a block), Q8_0 int8
+    [out, in]; ``d`` (and Q4_1's ``m``) float32 [out, in / 32]."""
+
+    kind: str
+    qs: np.ndarray
+    d: np.ndarray
+    m: np.ndarray  # Q8_0: [1, 1] zeros (unused)
+    out_features: int  # before padding
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.kind == "Q4_1" else 0)
+
+    def dequantized(self) -> np.ndarray:
+        """float32 [out, in] as gguf-py dequantises (unpadded)."""
+        n = self.out_features
+        d = np.repeat(self.d[:n], BLOCK, axis=1)
+        if self.kind == "Q8_0":
+            return self.qs[:n].astype(np.float32) * d
+        b = self.qs[:n].reshape(n, -1, 16)
+        q = np.concatenate([b & 15, b >> 4], axis=2).reshape(n, -1).astype(np.float32)
+        return d * q + np.repeat(self.m[:n], BLOCK, axis=1)
+
+
+# ---- kernels ----------------------------------------------------------------------
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _q4_1(qs, d, m, o, b):
+    """Output o's weights of block b, dequantised: (values 0..15, 16..31)."""
+    i = (o * d.shape[1] + b) * 16
+    scale, low = splat(d[o, b]), splat(m[o, b])
+    prefetch_l1(qs, i + PREFETCH_AHEAD)
+    return fma_lanes(low, scale, low_nibbles(qs, i)), fma_lanes(low, scale, high_nibbles(qs, i))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _q8_0(qs, d, m, o, b):
+    """Output o's weights of block b, dequantised: (values 0..15, 16..31)."""
+    i = (o * d.shape[1] + b) * 32
+    scale = splat(d[o, b])
+    prefetch_l1(qs, i + PREFETCH_AHEAD)
+    return mul(signed_bytes(qs, i), scale), mul(signed_bytes(qs, i + 16), scale)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows1(x, qs, d, m, out, o, r, block):
+    """out[r, o:o+4] = x[r] @ the four outputs' weights, summed as gemm_simd sums."""
+    n = x.shape[1]
+    xr = r * n
+    a0 = a1 = a2 = a3 = zeros()
+    for b in range(d.shape[1]):
+        k = xr + b * 32
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        l3, h3 = block(qs, d, m, o + 3, b)
+        u = load(x, k)
+        a0, a1, a2, a3 = mac(a0, u, l0), mac(a1, u, l1), mac(a2, u, l2), mac(a3, u, l3)
+        u = load(x, k + 16)
+        a0, a1, a2, a3 = mac(a0, u, h0), mac(a1, u, h1), mac(a2, u, h2), mac(a3, u, h3)
+    out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = total(a0), total(a1), total(a2), total(a3)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows6(x, qs, d, m, out, o, r, block):
+    """out[r:r+6, o:o+4], each output summed as ``_rows1`` sums it; the
+    blocks dequantised once for the six rows."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4, x5 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n, (r + 5) * n
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = zeros()
+    a30 = a31 = a32 = a33 = a40 = a41 = a42 = a43 = a50 = a51 = a52 = a53 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        l3, h3 = block(qs, d, m, o + 3, b)
+        for k, v0, v1, v2, v3 in ((b * 32, l0, l1, l2, l3), (b * 32 + 16, h0, h1, h2, h3)):
+            u = load(x, x0 + k)
+            a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+            u = load(x, x1 + k)
+            a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+            u = load(x, x2 + k)
+            a20, a21, a22, a23 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2), mac(a23, u, v3)
+            u = load(x, x3 + k)
+            a30, a31, a32, a33 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2), mac(a33, u, v3)
+            u = load(x, x4 + k)
+            a40, a41, a42, a43 = mac(a40, u, v0), mac(a41, u, v1), mac(a42, u, v2), mac(a43, u, v3)
+            u = load(x, x5 + k)
+            a50, a51, a52, a53 = mac(a50, u, v0), mac(a51, u, v1), mac(a52, u, v2), mac(a53, u, v3)
+    out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = total(a00), total(a01), total(a02), total(a03)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2], out[r + 1, o + 3] = \
+        total(a10), total(a11), total(a12), total(a13)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2], out[r + 2, o + 3] = \
+        total(a20), total(a21), total(a22), total(a23)
+    out[r + 3, o], out[r + 3, o + 1], out[r + 3, o + 2], out[r + 3, o + 3] = \
+        total(a30), total(a31), total(a32), total(a33)
+    out[r + 4, o], out[r + 4, o + 1], out[r + 4, o + 2], out[r + 4, o + 3] = \
+        total(a40), total(a41), total(a42), total(a43)
+    out[r + 5, o], out[r + 5, o + 1], out[r + 5, o + 2], out[r + 5, o + 3] = \
+        total(a50), total(a51), total(a52), total(a53)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _gemm(x, qs, d, m, out, chunks, block):
+    """out = x @ W.T for x [R, in] (R a multiple of GROUP, or 1), W the blocks'
+    weights [out, in] (out a multiple of OUT_BLOCK); output blocks split
+    into `chunks` ranges run in parallel, never a dot product."""
+    rows = x.shape[0]
+    blocks = out.shape[1] // OUT_BLOCK
+    per = (blocks + chunks - 1) // chunks
+    for c in numba.prange(chunks):
+        for blk in range(c * per, min(blocks, (c + 1) * per)):
+            for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 4):
+                if rows == 1:
+                    _rows1(x, qs, d, m, out, o, 0, block)
+                else:
+                    for r in range(0, rows, GROUP):
+                        _rows6(x, qs, d, m, out, o, r, block)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q4_1(x, qs, d, m, out, chunks):
+    """``_gemm`` over Q4_1 blocks."""
+    _gemm(x, qs, d, m, out, chunks, _q4_1)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q8_0(x, qs, d, m, out, chunks):
+    """``_gemm`` over Q8_0 blocks."""
+    _gemm(x, qs, d, m, out, chunks, _q8_0)
+
+
+def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
+    """x float32 [R, in] @ w's dequantised weight, transposed -> float32 [R,
+    padded out]: rows six at a time, one alone, 2-5 left over beside zero
+    rows (a row's outputs never depend on the rows beside it)."""
+    rows = x.shape[0]
+    left = rows % GROUP if rows > 1 else 0
+    if left:
+        x = np.concatenate([x, np.zeros((GROUP - left, x.shape[1]), np.float32)])
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    assert x.shape[1] == w.d.shape[1] * BLOCK
+    out = np.empty((x.shape[0], w.d.shape[0]), np.float32)
+    with LAUNCH_LOCK:
+        set_team(chunks)
+        (_gemm_q4_1 if w.kind == "Q4_1" else _gemm_q8_0)(x, w.qs, w.d, w.m, out, chunks)
+    return out[:rows] if left else out
+
+
+# ---- finding a weight's blocks ------------------------------------------------------------
+
+
+class NoBlocks(RuntimeError):
+    """A weight whose rows are not a GGUF file's Q4_1 or Q8_0 rows (the message says why)."""
+
+
+def _row_keys(rows: np.ndarray, salt: np.ndarray) -> np.ndarray:
+    """A 128-bit key per float32 row (bit patterns; two salted sums mod 2^64):
+    the index's keys. A match is then checked bit for bit."""
+    keys = np.empty((len(rows), 2), np.uint64)
+    for start in range(0, len(rows), KEY_ROWS):  # a slice at a time: the uint64 copies of a large head are big
+        bits = np.ascontiguousarray(rows[start:start + KEY_ROWS], dtype=np.float32).view(np.uint32).astype(np.uint64)
+        keys[start:start + len(bits)] = (bits[:, None, :] * salt[None, :, :bits.shape[1]]).sum(axis=2)
+    return keys
+
+
+class GgufBlocks:
+    """A GGUF file's Q4_1 and Q8_0 tensors, indexed by their dequantised rows
+    (module doc). ``find`` gives a weight's QuantWeight or raises NoBlocks."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        #: (kind, raw blocks uint8 [out, blocks * bytes]) of each quantised 2-D tensor (read on the first lookup)
+        self.tensors: list[tuple[str, np.ndarray]] = []
+        self._index: dict[tuple[int, int], tuple[int, int]] | None = None
+        self._salt = np.random.default_rng(0).integers(1, 2**63, size=(2, 1 << 16), dtype=np.uint64) | np.uint64(1)
+        self._lock = threading.Lock()
+
+    def identity(self) -> str:
+        """The file as the GEMM cache keys it: name, size, modification time."""
+        st = self.path.stat()
+        return f"{self.path.name}:{st.st_size}:{st.st_mtime_ns}"
+
+    def _rows(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """key -> (tensor, row), built on the first lookup (reading the file's
+        metadata and indexing ~200k rows take ~4 s for SmolLM2)."""
+        with self._lock:
+            if self._index is None:
+                from gguf import GGUFReader
+
+                reader = GGUFReader(str(self.path))
+                self.tensors = [(t.tensor_type.name, np.asarray(t.data)) for t in reader.tensors
+                                if t.tensor_type.name in KINDS and len(t.shape) == 2]
+                index: dict[tuple[int, int], tuple[int, int]] = {}
+                for t, (kind, raw) in enumerate(self.tensors):
+                    rows = self._weight(kind, raw, np.arange(raw.shape[0])).dequantized()
+                    for r, key in enumerate(map(tuple, _row_keys(rows, self._salt).tolist())):
+                        index.setdefault(key, (t, r))
+                self._index = index
+            return self._index
+
+    @staticmethod
+    def _weight(kind: str, raw: np.ndarray, rows: np.ndarray) -> QuantWeight:
+        """The QuantWeight of a tensor's rows (unpadded)."""
+        blocks = raw[rows].reshape(len(rows), -1, KINDS[kind])
+        d = np.ascontiguousarray(blocks[:, :, 0:2]).view(np.float16)[..., 0].astype(np.float32)
+        if kind == "Q4_1":
+            m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
+            qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(len(rows), -1)
+        else:
+            m = np.zeros((1, 1), np.float32)
+            qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(len(rows), -1)
+        return QuantWeight(kind, qs, d, m, len(rows))
+
+    def find(self, weight: torch.Tensor) -> QuantWeight:
+        """weight's rows as blocks, out padded to OUT_BLOCK; NoBlocks if
+        weight is not float32, or a row is not a quantised tensor's row
+        (an all-zero row is a zero block), or the blocks found do not
+        dequantise to weight bit for bit."""
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
+            raise NoBlocks(f"GGUF blocks hold float32 weights of whole {BLOCK}-value blocks, not a "
+                           f"{weight.dtype} weight {tuple(weight.shape)}")
+        w = weight.detach().cpu().numpy()
+        index = self._rows()
+        zero = ~w.any(axis=1)
+        found = [index.get(key) for key in map(tuple, _row_keys(w, self._salt).tolist())]
+        missing = [r for r, (f, z) in enumerate(zip(found, zero)) if f is None and not z]
+        if missing:
+            raise NoBlocks(f"row {missing[0]} of a weight {tuple(w.shape)} is not a Q4_1 or Q8_0 row of "
+                           f"{self.path.name}")
+        kinds = {self.tensors[t][0] for t, _ in filter(None, found)} or {"Q4_1"}  # all zero: zero blocks
+        if len(kinds) != 1:
+            raise NoBlocks(f"a weight {tuple(w.shape)} mixes quantisations ({', '.join(sorted(kinds))})")
+        kind = kinds.pop()
+        out = -(-len(w) // OUT_BLOCK) * OUT_BLOCK
+        nb, per = w.shape[1] // BLOCK, KINDS[kind]
+        raw = np.zeros((out, nb * per), np.uint8)  # zero blocks: d = m = 0, every value +0
+        for r, f in enumerate(found):
+            if f is not None:
+                tensor = self.tensors[f[0]][1]
+                if tensor.shape[1] != nb * per:
+                    raise NoBlocks(f"row {r} of a weight {tuple(w.shape)} matched a row of another width")
+                raw[r] = tensor[f[1]]
+        q = self._weight(kind, raw, np.arange(out))
+        q = QuantWeight(kind, q.qs, q.d, q.m, len(w))
+        if not np.array_equal(q.dequantized().view(np.uint32), w.view(np.uint32)):
+            raise NoBlocks(f"the blocks found for a weight {tuple(w.shape)} do not dequantise to it bit for bit")
+        return q

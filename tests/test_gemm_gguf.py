@@ -1,0 +1,122 @@
+"""engine.gemm_gguf: GGUF Q4_1 / Q8_0 blocks read as they are, dequantised in
+registers to exactly the float32 weights gguf-py (and so transformers)
+gives, summed as engine.gemm_simd sums: the same bits as simd on the
+dequantised weights at every row count; a weight's blocks found again
+through fusion, permuted and zero rows, and refused when they are not there."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from specdec.engine import gemm_gguf, gemm_simd
+from specdec.engine.gemm_gguf import GgufBlocks, NoBlocks
+
+ROWS = (1, 2, 3, 4, 5, 6, 7, 13)
+
+
+def values(out: int, width: int, seed: int) -> np.ndarray:
+    """Weights with outliers and a negative block minimum (Q4_1's m < 0)."""
+    w = np.random.default_rng(seed).standard_normal((out, width)).astype(np.float32)
+    w[0, :32] *= 40.0
+    w[1, 32:64] -= 3.0
+    return w
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A GGUF file with a Q4_1 and a Q8_0 tensor, and an F32 one (not read)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", quantize(values(40, 96, 0), QT.Q4_1), raw_dtype=QT.Q4_1)
+    writer.add_tensor("token_embd.weight", quantize(values(24, 96, 1), QT.Q8_0), raw_dtype=QT.Q8_0)
+    writer.add_tensor("output_norm.weight", np.ones(96, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def dequantized(blocks: GgufBlocks, index: int) -> np.ndarray:
+    """What transformers loads for a tensor of the file: gguf-py's dequantisation."""
+    blocks.find(torch.zeros(8, 96))  # reads the file
+    kind, raw = blocks.tensors[index]
+    return dequantize(raw, QT[kind]).astype(np.float32)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["q4_1", "q8_0"])
+def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gguf_file, index):
+    blocks = GgufBlocks(gguf_file)
+    w = dequantized(blocks, index)
+    quant = blocks.find(torch.from_numpy(w))
+    assert quant.kind == ("Q4_1", "Q8_0")[index] and quant.nbytes < w.nbytes / 3
+    assert np.array_equal(quant.dequantized(), w)
+    padded = gemm_simd.pad_weight(w)
+    rng = np.random.default_rng(2)
+    for rows in ROWS:
+        x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+        got = gemm_gguf.gemm(x, quant, 2)[:, :len(w)]
+        assert np.array_equal(got, gemm_simd.gemm(x, padded, 2)[:, :len(w)]), rows
+        assert np.allclose(got, x @ w.T, rtol=1e-4, atol=1e-3)
+    one = gemm_gguf.gemm(x[:1], quant, 1)  # one thread, one row: the same bits as the batch's first row
+    assert np.array_equal(one, gemm_gguf.gemm(x, quant, 2)[:1])
+
+
+def test_fused_permuted_sliced_and_zero_padded_rows_are_found(gguf_file):
+    blocks = GgufBlocks(gguf_file)
+    up, embd = dequantized(blocks, 0), dequantized(blocks, 1)
+    # transformers permutes q/k rows; the engine fuses projections and pads with zero rows
+    fused = np.concatenate([up[::-1], up[:5], np.zeros((3, 96), np.float32)])
+    quant = blocks.find(torch.from_numpy(fused))
+    assert quant.out_features == len(fused) and quant.d.shape[0] % gemm_gguf.OUT_BLOCK == 0
+    assert np.array_equal(quant.dequantized(), fused)
+    x = np.random.default_rng(3).standard_normal((6, 96)).astype(np.float32)
+    assert np.array_equal(gemm_gguf.gemm(x, quant, 2)[:, :len(fused)],
+                          gemm_simd.gemm(x, gemm_simd.pad_weight(fused), 2)[:, :len(fused)])
+    assert np.array_equal(blocks.find(torch.from_numpy(embd[3:11])).dequantized(), embd[3:11])  # a slice
+
+
+def test_weights_that_are_not_the_file_s_blocks_are_refused_with_the_reason(gguf_file):
+    blocks = GgufBlocks(gguf_file)
+    up, embd = dequantized(blocks, 0), dequantized(blocks, 1)
+    changed = up.copy()
+    changed[7, 50] = np.nextafter(changed[7, 50], np.float32(np.inf))  # one bit off
+    with pytest.raises(NoBlocks, match=r"row 7 of a weight \(40, 96\) is not a Q4_1 or Q8_0 row of tiny.gguf"):
+        blocks.find(torch.from_numpy(changed))
+    with pytest.raises(NoBlocks, match="mixes quantisations"):
+        blocks.find(torch.from_numpy(np.concatenate([up[:2], embd[:2]])))
+    with pytest.raises(NoBlocks, match="float32 weights"):
+        blocks.find(torch.from_numpy(up).to(torch.bfloat16))
+    with pytest.raises(NoBlocks, match="whole 32-value blocks"):
+        blocks.find(torch.zeros(4, 40))
+
+
+def test_simd_gguf_is_refused_by_name_for_weights_from_no_gguf_file(tmp_path, monkeypatch):
+    from specdec.engine import gemm_select
+
+    monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
+    w = [("up", torch.randn(16, 64), None)]
+    with pytest.raises(gemm_select.GemmRefused, match=r"gemm='simd-gguf' cannot run for this model: "
+                                                      r"not available for these weights"):
+        gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=32)
+    chosen = gemm_select.select(w, torch.float32, 1, "auto", max_rows=32)
+    assert chosen.path.name != "simd-gguf"
+    assert chosen.report["paths"]["simd-gguf"]["failure"].startswith(gemm_select.UNAVAILABLE)
+
+
+def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path, monkeypatch):
+    from specdec.engine import gemm_select
+
+    monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
+    blocks = GgufBlocks(gguf_file)
+    w = [("up", torch.from_numpy(dequantized(blocks, 0)), None), ("lm_head", torch.from_numpy(dequantized(blocks, 1)),
+                                                                  None)]
+    forced = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+    assert forced.path.name == "simd-gguf" and forced.report["paths"]["simd-gguf"]["failure"] is None
+    assert forced.report["key"]["gguf"] == blocks.identity()
+    x = torch.randn(3, 96)
+    assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
