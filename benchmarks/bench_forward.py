@@ -85,14 +85,16 @@ def copy_bandwidth_gbs(mib: int = 512, reps: int = 5) -> float:
 
 def with_bandwidth(decode_rows: list[dict], bandwidth_gbs: float) -> None:
     """Sets the bandwidth limit of each engine row (tok/s: bandwidth_gbs over
-    the weight bytes one decode step reads, its ``weight_bytes``) and each
-    engine's and transformers' share of it (transformers reads the same
-    weights: the limit of the first engine row of its dtype)."""
+    the weight bytes one decode step reads, its ``weight_bytes``: fewer than
+    the dtype's where simd-gguf reads a GGUF model's blocks) and each
+    engine's and transformers' share of it (transformers reads the dtype's
+    dense weights: the ``dense_weight_bytes`` of the first engine row of its
+    dtype)."""
     limits: dict[str, float] = {}
     for r in decode_rows:
         if "weight_bytes" in r:
             r["bandwidth_limit_tok_s"] = bandwidth_gbs * 1e9 / r["weight_bytes"]
-            limits.setdefault(r["dtype"], r["bandwidth_limit_tok_s"])
+            limits.setdefault(r["dtype"], bandwidth_gbs * 1e9 / r.get("dense_weight_bytes", r["weight_bytes"]))
     for r in decode_rows:
         limit = r.get("bandwidth_limit_tok_s") or (limits.get(r["dtype"]) if r["engine"] == "transformers generate"
                                                    else None)
@@ -100,11 +102,15 @@ def with_bandwidth(decode_rows: list[dict], bandwidth_gbs: float) -> None:
             r["pct_of_bandwidth_limit"] = 100 * r["tokens_per_s"] / limit
 
 
-def decode_weight_bytes(engine: LlamaEngine) -> int:
-    """Bytes of every projection weight one decode step reads (layers + LM head)."""
+def decode_weight_bytes(engine: LlamaEngine, dense: bool = False) -> int:
+    """Bytes of every projection weight one decode step reads (layers + LM
+    head): a GGUF model's blocks where its GEMM path reads them
+    (``Linear.nbytes``); dense: the engine dtype's, whatever the path."""
     linears = [engine.lm_head] + [lin for layer in engine.layers
                                   for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return sum(lin.out_features * lin.in_features for lin in linears) * engine.dtype.itemsize
+    if dense:
+        return sum(lin.out_features * lin.in_features for lin in linears) * engine.dtype.itemsize
+    return sum(lin.nbytes for lin in linears)
 
 
 def timed(fn) -> tuple[float, float]:
@@ -296,6 +302,7 @@ def bench_config(checkpoint: Checkpoint, dtype: str, gemm: str, args, prompt: li
     label = f"{gemm}->{engine.gemm}" if gemm == "auto" else gemm
     decode.update(gemm=label + ("+torch-ops" if torch_ops else ""), kv_dtype=engine.kv_dtype, tokens=len(tokens),
                   tokens_per_s=rate, vs_transformers=rate / hf_rate, weight_bytes=decode_weight_bytes(engine),
+                  dense_weight_bytes=decode_weight_bytes(engine, dense=True),
                   verify6_vs_decode=verify6, agree_with_hf=agree,
                   gemm_report=report, engine_tokens=tokens, cpu_ms_per_token=cpu_ms)
     return decode, rows, lambda: engine_greedy(engine, prompt, len(hf_tokens))

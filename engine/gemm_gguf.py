@@ -57,8 +57,10 @@ from specdec.engine.simd import (
 
 #: Weights per GGUF block (Q4_1 and Q8_0).
 BLOCK = 32
-#: Rows of a full group (``_rows6``); 2-5 rows left over run as a zero-padded group, one alone as ``_rows1``.
+#: Rows of a full group (``_rows6``).
 GROUP = 6
+#: Rows left after the groups of six -> the rows their kernel takes (``_rows1``, ``_rows3``, ``_rows6``).
+PADDED_TAIL = (0, 1, 3, 3, 6, 6)
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
 PREFETCH_AHEAD = 1024
 #: Rows keyed at a time (``_row_keys``).
@@ -135,6 +137,31 @@ def _rows1(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows3(x, qs, d, m, out, o, r, block):
+    """out[r:r+3, o:o+4], each output summed as ``_rows1`` sums it."""
+    n = x.shape[1]
+    x0, x1, x2 = r * n, (r + 1) * n, (r + 2) * n
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = a20 = a21 = a22 = a23 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        l3, h3 = block(qs, d, m, o + 3, b)
+        for k, v0, v1, v2, v3 in ((b * 32, l0, l1, l2, l3), (b * 32 + 16, h0, h1, h2, h3)):
+            u = load(x, x0 + k)
+            a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+            u = load(x, x1 + k)
+            a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+            u = load(x, x2 + k)
+            a20, a21, a22, a23 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2), mac(a23, u, v3)
+    out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = total(a00), total(a01), total(a02), total(a03)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2], out[r + 1, o + 3] = \
+        total(a10), total(a11), total(a12), total(a13)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2], out[r + 2, o + 3] = \
+        total(a20), total(a21), total(a22), total(a23)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows6(x, qs, d, m, out, o, r, block):
     """out[r:r+6, o:o+4], each output summed as ``_rows1`` sums it; the
     blocks dequantised once for the six rows."""
@@ -175,20 +202,23 @@ def _rows6(x, qs, d, m, out, o, r, block):
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _gemm(x, qs, d, m, out, chunks, block):
-    """out = x @ W.T for x [R, in] (R a multiple of GROUP, or 1), W the blocks'
-    weights [out, in] (out a multiple of OUT_BLOCK); output blocks split
-    into `chunks` ranges run in parallel, never a dot product."""
+    """out = x @ W.T for x [R, in] (R % GROUP in 0, 1, 3), W the blocks'
+    weights [out, in] (out a multiple of OUT_BLOCK): rows six at a time,
+    the rest by ``_rows3`` or ``_rows1``; output blocks split into `chunks`
+    ranges run in parallel, never a dot product."""
     rows = x.shape[0]
+    whole = rows - rows % GROUP
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 4):
-                if rows == 1:
-                    _rows1(x, qs, d, m, out, o, 0, block)
-                else:
-                    for r in range(0, rows, GROUP):
-                        _rows6(x, qs, d, m, out, o, r, block)
+                for r in range(0, whole, GROUP):
+                    _rows6(x, qs, d, m, out, o, r, block)
+                if rows - whole == 3:
+                    _rows3(x, qs, d, m, out, o, whole, block)
+                elif rows - whole == 1:
+                    _rows1(x, qs, d, m, out, o, whole, block)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -205,12 +235,13 @@ def _gemm_q8_0(x, qs, d, m, out, chunks):
 
 def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     """x float32 [R, in] @ w's dequantised weight, transposed -> float32 [R,
-    padded out]: rows six at a time, one alone, 2-5 left over beside zero
-    rows (a row's outputs never depend on the rows beside it)."""
+    padded out]: rows six at a time; of those left over, one alone, two or
+    three as three, four or five as six, beside zero rows (a row's outputs
+    never depend on the rows beside it)."""
     rows = x.shape[0]
-    left = rows % GROUP if rows > 1 else 0
+    left = PADDED_TAIL[rows % GROUP] - rows % GROUP
     if left:
-        x = np.concatenate([x, np.zeros((GROUP - left, x.shape[1]), np.float32)])
+        x = np.concatenate([x, np.zeros((left, x.shape[1]), np.float32)])
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.shape[1] == w.d.shape[1] * BLOCK
     out = np.empty((x.shape[0], w.d.shape[0]), np.float32)

@@ -240,6 +240,14 @@ class Linear:
             # oneDNN keeps the weight in its own blocked layout, packed for `min_rows` rows
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, path.min_rows) if self.onednn else weight
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight one pass reads: the GGUF blocks (simd-gguf), else
+        out x in values of the weight's dtype."""
+        if self._quant is not None:
+            return self._quant.nbytes
+        return self.out_features * self.in_features * self.weight.element_size()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in] -> [T, out]"""
         T = x.shape[0]

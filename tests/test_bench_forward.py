@@ -25,3 +25,12 @@ def test_every_engine_and_transformers_row_gets_its_share_of_the_measured_limit(
     assert [r.get("pct_of_bandwidth_limit") for r in rows] == pytest.approx([25.0, 62.5, None, None, 18.75, 62.5])
     with_bandwidth(rows, 80.0)  # measured again: every share follows
     assert rows[1]["pct_of_bandwidth_limit"] == pytest.approx(31.25) and rows[0]["pct_of_bandwidth_limit"] == 12.5
+
+
+def test_a_path_reading_gguf_blocks_is_held_to_its_own_bytes_and_transformers_to_the_dense_ones():
+    rows = [{"engine": "LlamaEngine", "dtype": "float32", "tokens_per_s": 200.0, "weight_bytes": 100_000_000,
+             "dense_weight_bytes": 500_000_000},  # simd-gguf: blocks of a 500 MB float32 model
+            {"engine": "transformers generate", "dtype": "float32", "tokens_per_s": 20.0}]
+    with_bandwidth(rows, 40.0)  # 400 tok/s over the blocks, 80 over the dense weights
+    assert rows[0]["bandwidth_limit_tok_s"] == pytest.approx(400.0)
+    assert [r["pct_of_bandwidth_limit"] for r in rows] == pytest.approx([50.0, 25.0])

@@ -118,5 +118,6 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     forced = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
     assert forced.path.name == "simd-gguf" and forced.report["paths"]["simd-gguf"]["failure"] is None
     assert forced.report["key"]["gguf"] == blocks.identity()
+    assert forced.linears[0].nbytes == blocks.find(w[0][1]).nbytes < w[0][1].nbytes / 3  # what a pass reads
     x = torch.randn(3, 96)
     assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
