@@ -217,7 +217,8 @@ class Linear:
                                          "these weights come from none")
             self._quant = quantized.find(weight)
             self.threads = torch.get_num_threads()
-            self.weight = weight
+            # the float32 weight is not kept: a pass reads the blocks (an engine then holds ~5x fewer weight bytes)
+            self.weight = weight.new_empty(0)
         elif self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
             dtypes = ((torch.bfloat16,) if self.pairs else (torch.float32, torch.bfloat16)) if path.kind == "simd" \

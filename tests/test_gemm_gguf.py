@@ -31,6 +31,10 @@ def gguf_file(tmp_path_factory):
     """A GGUF file with a Q4_1 and a Q8_0 tensor, and an F32 one (not read)."""
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "a", "héllo"])  # strings in an array: skipped
+    writer.add_array("tokenizer.ggml.scores", [0.5, 1.0, 2.0])
+    writer.add_uint32("llama.block_count", 1)
     writer.add_tensor("blk.0.ffn_up.weight", quantize(values(40, 96, 0), QT.Q4_1), raw_dtype=QT.Q4_1)
     writer.add_tensor("token_embd.weight", quantize(values(24, 96, 1), QT.Q8_0), raw_dtype=QT.Q8_0)
     writer.add_tensor("output_norm.weight", np.ones(96, np.float32))
@@ -78,6 +82,21 @@ def test_fused_permuted_sliced_and_zero_padded_rows_are_found(gguf_file):
     assert np.array_equal(gemm_gguf.gemm(x, quant, 2)[:, :len(fused)],
                           gemm_simd.gemm(x, gemm_simd.pad_weight(fused), 2)[:, :len(fused)])
     assert np.array_equal(blocks.find(torch.from_numpy(embd[3:11])).dequantized(), embd[3:11])  # a slice
+
+
+def test_the_tensor_table_is_read_as_gguf_reads_it(gguf_file, smollm_path):
+    from gguf import GGUFReader
+
+    from specdec.engine.checkpoint import gguf_file_of
+
+    for path in (gguf_file, gguf_file_of(smollm_path)):
+        theirs = [(t.name, t.tensor_type.name, np.asarray(t.data)) for t in GGUFReader(str(path)).tensors
+                  if t.tensor_type.name in gemm_gguf.KINDS]
+        mine = gemm_gguf.quantized_tensors(path)
+        assert [(n, k) for n, k, _ in mine] == [(n, k) for n, k, _ in theirs] and len(mine) >= 2
+        assert all(np.array_equal(a, b) for (_, _, a), (_, _, b) in zip(mine, theirs))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        gemm_gguf.quantized_tensors(__file__)
 
 
 def test_weights_that_are_not_the_file_s_blocks_are_refused_with_the_reason(gguf_file):
