@@ -265,7 +265,7 @@ def quantized_tensors(path: str | Path) -> list[tuple[str, str, np.ndarray]]:
     tensor table only, skipping the metadata (gguf's GGUFReader parses all of
     it, the tokenizer's vocabulary too: ~2.5 s for SmolLM2's file, this ~0.1)."""
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    buf = memoryview(data)
+    buf = data.data  # a memoryview of the mapping
     pos = 0
 
     def u(fmt: str, size: int) -> int:
@@ -304,11 +304,11 @@ def quantized_tensors(path: str | Path) -> list[tuple[str, str, np.ndarray]]:
     n_tensors, n_kv = u("u", 8), u("u", 8)
     alignment = 32
     for _ in range(n_kv):
-        key, kind = string(), u("u", 4)
-        if key == "general.alignment" and kind == 4:
+        key, value_type = string(), u("u", 4)
+        if key == "general.alignment" and value_type == 4:
             alignment = u("u", 4)
         else:
-            skip(kind)
+            skip(value_type)
     table = []
     for _ in range(n_tensors):
         name, n_dims = string(), u("u", 4)
@@ -396,7 +396,7 @@ class GgufBlocks:
                            f"{weight.dtype} weight {tuple(weight.shape)}")
         w = weight.detach().cpu().numpy()
         index = self._rows()
-        zero = ~w.any(axis=1)
+        zero: list[bool] = [not row.any() for row in w]
         found = [index.get(key) for key in map(tuple, _row_keys(w, self._salt).tolist())]
         missing = [r for r, (f, z) in enumerate(zip(found, zero)) if f is None and not z]
         if missing:
