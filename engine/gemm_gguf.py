@@ -5,8 +5,10 @@ file (Q4_1: 4.5 bits a weight, Q8_0: 8.5) and computes, bit for bit, what
 Why the same bits. transformers dequantises a GGUF tensor with gguf-py:
 Q4_1 ``d * q + m`` (d, m float16 widened to float32, q in 0..15; the
 product and then the sum rounded in float32), Q8_0 ``q * d`` (q an int8).
-A float16 has an 11-bit significand, so ``d * q`` is exact in float32, and
-``fma(d, q, m)`` rounds the same exact sum once, as the separate add does:
+Q4_0 ``d * (q - 8)``. A float16 has an 11-bit significand, so ``d * q``
+is exact in float32, and ``fma(d, q, m)`` rounds the same exact sum once,
+as the separate add does; Q4_0's and Q8_0's products are exact, computed
+as gguf-py writes them (so a zero keeps its sign):
 the kernels dequantise each weight in registers to the very float32 value
 of the loaded model and then multiply-add it in ``gemm_simd``'s order (one
 LANES-lane fused multiply-add per step, lanes reduced by ``simd.total``).
@@ -17,12 +19,15 @@ weight, whatever the rows beside it (tested against it bitwise), and the
 model served is exactly the one transformers loads: only fewer bytes
 stream through memory, which bounds a decode step on a CPU.
 
-Which weights. ``GgufBlocks`` reads a GGUF file's Q4_1 and Q8_0 tensors and
+Which weights. ``GgufBlocks`` reads a GGUF file's Q4_0, Q4_1 and Q8_0 tensors and
 finds a weight's rows among their dequantised rows (the engine fuses
 projections, pads some with zero rows, and transformers permutes the rows
 of q and k: rows move whole), then checks the blocks found dequantise to
-the weight bit for bit; a weight whose rows it cannot find, or that is not
-float32, has none (the selector then refuses the path for the model).
+the weight bit for bit. A float32 weight the file holds in another type
+(F16, a K-quant: llama.cpp's Q4_0 files keep their output in Q6_K) is read
+as simd-l1 reads it, the same bits; a model none of whose weights the file
+holds as blocks, or a bfloat16 one, cannot take the path (the selector
+refuses it, naming why).
 
 Speed (2 cores of an AMD EPYC, CPU family 26; the throwaway
 ``/work/exp/s41/q/mb_q.py``: SmolLM2's 30 layers' Q4_1 projections and its
@@ -41,8 +46,8 @@ import numpy as np
 import torch
 
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
-from specdec.engine.simd import fma as fma_lanes
 from specdec.engine.simd import (
+    add,
     high_nibbles,
     load,
     low_nibbles,
@@ -54,8 +59,9 @@ from specdec.engine.simd import (
     total,
     zeros,
 )
+from specdec.engine.simd import fma as fma_lanes
 
-#: Weights per GGUF block (Q4_1 and Q8_0).
+#: Weights per GGUF block (Q4_0, Q4_1, Q8_0).
 BLOCK = 32
 #: Rows of a full group (``_rows6``).
 GROUP = 6
@@ -66,7 +72,7 @@ PREFETCH_AHEAD = 1024
 #: Rows keyed at a time (``_row_keys``).
 KEY_ROWS = 2048
 #: GGUF tensor types read (gguf.GGMLQuantizationType names) -> bytes per block.
-KINDS = {"Q4_1": 20, "Q8_0": 34}
+KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ class QuantWeight:
             return self.qs[:n].astype(np.float32) * d
         b = self.qs[:n].reshape(n, -1, 16)
         q = np.concatenate([b & 15, b >> 4], axis=2).reshape(n, -1).astype(np.float32)
+        if self.kind == "Q4_0":
+            return d * (q - np.float32(8))
         return d * q + np.repeat(self.m[:n], BLOCK, axis=1)
 
 
@@ -106,6 +114,16 @@ def _q4_1(qs, d, m, o, b):
     scale, low = splat(d[o, b]), splat(m[o, b])
     prefetch_l1(qs, i + PREFETCH_AHEAD)
     return fma_lanes(low, scale, low_nibbles(qs, i)), fma_lanes(low, scale, high_nibbles(qs, i))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _q4_0(qs, d, m, o, b):
+    """Output o's weights of block b, dequantised as gguf-py does, ``d * (q -
+    8)`` (exact; a zero keeps the sign d gives it): (values 0..15, 16..31)."""
+    i = (o * d.shape[1] + b) * 16
+    scale, eight = splat(d[o, b]), splat(np.float32(-8.0))
+    prefetch_l1(qs, i + PREFETCH_AHEAD)
+    return mul(add(low_nibbles(qs, i), eight), scale), mul(add(high_nibbles(qs, i), eight), scale)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -228,9 +246,19 @@ def _gemm_q4_1(x, qs, d, m, out, chunks):
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q4_0(x, qs, d, m, out, chunks):
+    """``_gemm`` over Q4_0 blocks."""
+    _gemm(x, qs, d, m, out, chunks, _q4_0)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q8_0(x, qs, d, m, out, chunks):
     """``_gemm`` over Q8_0 blocks."""
     _gemm(x, qs, d, m, out, chunks, _q8_0)
+
+
+#: The compiled entry of each kind.
+KERNELS = {"Q4_0": _gemm_q4_0, "Q4_1": _gemm_q4_1, "Q8_0": _gemm_q8_0}
 
 
 def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
@@ -247,7 +275,7 @@ def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     out = np.empty((x.shape[0], w.d.shape[0]), np.float32)
     with LAUNCH_LOCK:
         set_team(chunks)
-        (_gemm_q4_1 if w.kind == "Q4_1" else _gemm_q8_0)(x, w.qs, w.d, w.m, out, chunks)
+        KERNELS[w.kind](x, w.qs, w.d, w.m, out, chunks)
     return out[:rows] if left else out
 
 
@@ -256,7 +284,7 @@ def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
 #: GGUF metadata value types -> their fixed size in bytes (8: string, 9: array are read apart).
 _GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 #: GGML type ids of the quantisations read (gguf.GGMLQuantizationType values).
-_GGML_TYPES = {3: "Q4_1", 8: "Q8_0"}
+_GGML_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 
 def quantized_tensors(path: str | Path) -> list[tuple[str, str, np.ndarray]]:
@@ -353,6 +381,7 @@ class GgufBlocks:
         self._index: dict[tuple[int, int], tuple[int, int]] | None = None
         self._salt = np.random.default_rng(0).integers(1, 2**63, size=(2, 1 << 16), dtype=np.uint64) | np.uint64(1)
         self._lock = threading.Lock()
+        self._found: dict[tuple, QuantWeight | NoBlocks] = {}  # find's answers by weight
 
     def identity(self) -> str:
         """The file as the GEMM cache keys it: name, size, modification time."""
@@ -381,6 +410,9 @@ class GgufBlocks:
         if kind == "Q4_1":
             m = np.ascontiguousarray(blocks[:, :, 2:4]).view(np.float16)[..., 0].astype(np.float32)
             qs = np.ascontiguousarray(blocks[:, :, 4:]).reshape(len(rows), -1)
+        elif kind == "Q4_0":
+            m = np.zeros((1, 1), np.float32)
+            qs = np.ascontiguousarray(blocks[:, :, 2:]).reshape(len(rows), -1)
         else:
             m = np.zeros((1, 1), np.float32)
             qs = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(len(rows), -1)
@@ -390,7 +422,33 @@ class GgufBlocks:
         """weight's rows as blocks, out padded to OUT_BLOCK; NoBlocks if
         weight is not float32, or a row is not a quantised tensor's row
         (an all-zero row is a zero block), or the blocks found do not
-        dequantise to weight bit for bit."""
+        dequantise to weight bit for bit. Remembered per weight (the
+        selector builds a weight's Linear several times)."""
+        key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+        with self._lock:
+            found = self._found.get(key)
+        if found is None:
+            try:
+                found = self._find(weight)
+            except NoBlocks as e:
+                found = e
+            with self._lock:
+                self._found[key] = found
+        if isinstance(found, NoBlocks):
+            raise found
+        return found
+
+    def covers_any(self, weights: list[torch.Tensor]) -> bool:
+        """Whether the file holds the blocks of at least one of weights."""
+        for w in weights:
+            try:
+                self.find(w)
+                return True
+            except NoBlocks:
+                pass
+        return False
+
+    def _find(self, weight: torch.Tensor) -> QuantWeight:
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
             raise NoBlocks(f"GGUF blocks hold float32 weights of whole {BLOCK}-value blocks, not a "
                            f"{weight.dtype} weight {tuple(weight.shape)}")

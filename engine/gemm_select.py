@@ -211,18 +211,24 @@ class Linear:
         #: simd-l1: the weight prefetched into L1 instead of L2
         self.l1 = path.name == "simd-l1"
         self._quant: gemm_gguf.QuantWeight | None = None
-        if path.kind == "gguf":  # the weight's GGUF blocks, or NoBlocks (a RuntimeError)
+        if path.kind == "gguf":  # the weight's GGUF blocks; a weight the file holds otherwise reads as simd-l1
             if quantized is None:
-                raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_1 / Q8_0 blocks; "
+                raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks; "
                                          "these weights come from none")
-            self._quant = quantized.find(weight)
+            try:
+                self._quant = quantized.find(weight)
+            except gemm_gguf.NoBlocks:
+                if weight.dtype != torch.float32:
+                    raise
+                self.l1 = True  # another type in the file (F16, a K-quant): its float32 values, the same bits
+        if self._quant is not None:
             self.threads = torch.get_num_threads()
             # the float32 weight is not kept: a pass reads the blocks (an engine then holds ~5x fewer weight bytes)
             self.weight = weight.new_empty(0)
         elif self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only
             dtypes = ((torch.bfloat16,) if self.pairs else (torch.float32, torch.bfloat16)) if path.kind == "simd" \
-                else (torch.float32,)
+                else (torch.float32,)  # numba, and gguf's weights without blocks
             if weight.dtype not in dtypes or weight.device.type != "cpu":
                 raise RuntimeError(f"the {path.name} GEMM takes {' or '.join(map(str, dtypes))} weights on CPU "
                                    f"only, not {weight.dtype} on {weight.device.type}")
@@ -232,7 +238,7 @@ class Linear:
             bf16 = weight.dtype == torch.bfloat16
             raw = weight.view(torch.int16).numpy().view(np.uint16) if bf16 else weight.numpy()
             # the weight itself unless its shape needs padding
-            self._padded = gemm_simd.pad_weight(raw, self.pairs) if path.kind == "simd" else \
+            self._padded = gemm_simd.pad_weight(raw, self.pairs) if path.kind in ("simd", "gguf") else \
                 gemm_numba.pad_weight(raw)
             padded = torch.from_numpy(self._padded.view(np.int16)).view(torch.bfloat16) if bf16 else \
                 torch.from_numpy(self._padded)
@@ -280,7 +286,7 @@ class Linear:
         when the padded weight has more outputs), bias not added."""
         if self._quant is not None:
             y = gemm_gguf.gemm(x, self._quant, self.threads)
-        elif self.path.kind == "simd":
+        elif self.path.kind in ("simd", "gguf"):
             y = gemm_simd.gemm(x, self._padded, self.threads, self.pairs, self.l1)
         else:
             y = gemm_numba.gemm(x, self._padded, self.threads, self.path.name)
@@ -431,6 +437,10 @@ def path_failure(path: GemmPath, weights: Weights, row_counts: tuple[int, ...], 
     simd-gguf without a GGUF model's blocks for every weight with
     UNAVAILABLE and what is missing."""
     try:
+        if path.kind == "gguf" and (quantized is None or not quantized.covers_any([w for _, w, _ in weights])):
+            raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks; "
+                                     + ("these weights come from none" if quantized is None else
+                                        f"{quantized.path.name} holds none of these weights"))
         return invariance_failure(functools.partial(Linear, path=path, quantized=quantized), weights, row_counts,
                                   dtype)
     except gemm_gguf.NoBlocks as e:

@@ -28,7 +28,7 @@ def values(out: int, width: int, seed: int) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory):
-    """A GGUF file with a Q4_1 and a Q8_0 tensor, and an F32 one (not read)."""
+    """A GGUF file with a Q4_1, a Q8_0 and a Q4_0 tensor, and an F32 one (not read)."""
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
     writer.add_custom_alignment(64)
@@ -37,6 +37,7 @@ def gguf_file(tmp_path_factory):
     writer.add_uint32("llama.block_count", 1)
     writer.add_tensor("blk.0.ffn_up.weight", quantize(values(40, 96, 0), QT.Q4_1), raw_dtype=QT.Q4_1)
     writer.add_tensor("token_embd.weight", quantize(values(24, 96, 1), QT.Q8_0), raw_dtype=QT.Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", quantize(values(16, 64, 2), QT.Q4_0), raw_dtype=QT.Q4_0)
     writer.add_tensor("output_norm.weight", np.ones(96, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -52,12 +53,12 @@ def dequantized(blocks: GgufBlocks, index: int) -> np.ndarray:
     return dequantize(raw, QT[kind]).astype(np.float32)
 
 
-@pytest.mark.parametrize("index", [0, 1], ids=["q4_1", "q8_0"])
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["q4_1", "q8_0", "q4_0"])
 def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gguf_file, index):
     blocks = GgufBlocks(gguf_file)
     w = dequantized(blocks, index)
     quant = blocks.find(torch.from_numpy(w))
-    assert quant.kind == ("Q4_1", "Q8_0")[index] and quant.nbytes < w.nbytes / 3
+    assert quant.kind == ("Q4_1", "Q8_0", "Q4_0")[index] and quant.nbytes < w.nbytes / 3
     assert np.array_equal(quant.dequantized(), w)
     padded = gemm_simd.pad_weight(w)
     rng = np.random.default_rng(2)
@@ -140,3 +141,25 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     assert forced.linears[0].nbytes == blocks.find(w[0][1]).nbytes < w[0][1].nbytes / 3  # what a pass reads
     x = torch.randn(3, 96)
     assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
+
+
+def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_file_holding_none_is_refused(
+        gguf_file, tmp_path, monkeypatch):
+    """A GGUF file often keeps some tensors in a type the path does not read
+    (F16, K-quants: llama.cpp's Q4_0 files keep the output in Q6_K): those
+    weights go through simd-l1 on their float32 values, the same bits, and
+    the others through their blocks."""
+    from specdec.engine import gemm_select
+
+    monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
+    blocks = GgufBlocks(gguf_file)
+    other = torch.randn(24, 96)  # not in the file
+    w = [("up", torch.from_numpy(dequantized(blocks, 0)), None), ("down", other, None)]
+    chosen = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+    assert chosen.linears[0].nbytes < w[0][1].nbytes / 3 and chosen.linears[1].nbytes == other.nbytes
+    x = torch.randn(5, 96)
+    simd = gemm_select.GEMM_PATHS["simd"]
+    for linear, (_, weight, _) in zip(chosen.linears, w):
+        assert torch.equal(linear(x), gemm_select.Linear(weight, None, simd)(x))
+    with pytest.raises(gemm_select.GemmRefused, match="tiny.gguf holds none of these weights"):
+        gemm_select.select([("down", other, None)], torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
