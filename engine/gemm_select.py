@@ -169,12 +169,13 @@ class GemmPath:
 #: instead of L2 (``gemm_simd.PREFETCH_AHEAD_L1``): the same instructions
 #: otherwise, so the same bits; which streams faster depends on the CPU
 #: (module doc of gemm_simd), and the timing decides. "simd-gguf"
-#: (engine.gemm_gguf) is "simd" reading a GGUF model's Q4_1 / Q8_0 blocks
-#: as they are in the file (4.5 / 8.5 bits a weight instead of 32) and
-#: dequantising them in registers to exactly the float32 weights the model
-#: loaded with: the same bits as "simd", a fraction of the bytes; only for
-#: float32 engines of a GGUF model (``select``'s ``quantized``), unavailable
-#: (UNAVAILABLE) for other weights.
+#: (engine.gemm_gguf) is "simd" reading a GGUF model's Q4_0 / Q4_1 / Q8_0
+#: blocks as they are in the file (4.5 to 8.5 bits a weight instead of 32)
+#: and dequantising them in registers to exactly the float32 weights the
+#: model loaded with: the same bits as "simd", a fraction of the bytes (a
+#: weight the file keeps in another type goes through simd-l1's kernel);
+#: only for float32 engines of a GGUF model (``select``'s ``quantized``),
+#: unavailable (UNAVAILABLE) where the file holds none of the weights.
 GEMM_PATHS = {p.name: p for p in (GemmPath("onednn", "onednn", 2), GemmPath("aten", "aten", 12),
                                    GemmPath("onednn-unpadded", "onednn", 1),
                                    *(GemmPath(name, "numba", rows) for name, rows in gemm_numba.GROUP_ROWS.items()),
@@ -223,7 +224,7 @@ class Linear:
                 self.l1 = True  # another type in the file (F16, a K-quant): its float32 values, the same bits
         if self._quant is not None:
             self.threads = torch.get_num_threads()
-            # the float32 weight is not kept: a pass reads the blocks (an engine then holds ~5x fewer weight bytes)
+            # the float32 weight is not kept here: a pass reads the blocks
             self.weight = weight.new_empty(0)
         elif self.numba:
             # simd reads bfloat16 weights too (widened in registers, float32 arithmetic); numba float32 only

@@ -46,8 +46,8 @@ there (six rows ~17-19 ms) against ~45-50 ms through oneDNN (a decode step is a 
 product, bound by memory bandwidth, for which BLAS libraries are not
 tuned); bfloat16 through oneDNN about 28 ms. MKL float32 (``"aten"``)
 needs 12 rows for invariance, so even a decode step costs 90-100 ms. For
-a GGUF model in float32, "simd-gguf" (``gemm_gguf``) reads the file's Q4_1
-/ Q8_0 blocks and computes gemm_simd's bits on the dequantised weights
+a GGUF model in float32, "simd-gguf" (``gemm_gguf``) reads the file's Q4_0
+/ Q4_1 / Q8_0 blocks and computes gemm_simd's bits on the dequantised weights
 (README: 203 tok/s against 62 through simd-l1, one run). All
 float32 paths give logits within ~1.5e-4 of transformers on SmolLM2 (which
 runs MKL): float32 rounding over 30 layers, each path summing in its own

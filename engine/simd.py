@@ -302,7 +302,7 @@ def _small_ints(high: bool | None):
     """An intrinsic: LANES bytes of a C-contiguous array from flat element
     `index` as float32 lanes (exact): for a uint8 array their low (high is
     False) or high (True) 4 bits, 0..15; for an int8 array (high None) the
-    signed values. GGUF's Q4_1 and Q8_0 quants (``gemm_gguf``)."""
+    signed values. GGUF's Q4_0, Q4_1 and Q8_0 quants (``gemm_gguf``)."""
     def typer(typingctx, array, index):
         if array.dtype != (types.int8 if high is None else types.uint8):
             return None
