@@ -45,7 +45,6 @@ import numba
 import numpy as np
 import torch
 
-from specdec.engine import gemm_simd
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
 from specdec.engine.simd import (
     add,
@@ -57,7 +56,6 @@ from specdec.engine.simd import (
     prefetch_l1,
     signed_bytes,
     splat,
-    store,
     total,
     zeros,
 )
@@ -67,10 +65,6 @@ from specdec.engine.simd import fma as fma_lanes
 BLOCK = 32
 #: Rows of a full group (``_rows6``).
 GROUP = 6
-#: From this many rows an output block is dequantised once into a scratch and
-#: gemm_simd's row kernels run over it (``_gemm_scratch``): below, the
-#: blocks are dequantised once per six rows.
-SCRATCH_FROM_ROWS = 12
 #: Rows left after the groups of six -> the rows their kernel takes (``_rows1``, ``_rows3``, ``_rows6``).
 PADDED_TAIL = (0, 1, 3, 3, 6, 6)
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
@@ -235,9 +229,6 @@ def _gemm(x, qs, d, m, out, chunks, block):
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
-        if rows >= SCRATCH_FROM_ROWS:
-            _gemm_scratch(x, qs, d, m, out, c * per, min(blocks, (c + 1) * per), block)
-            continue
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 4):
                 for r in range(0, whole, GROUP):
@@ -246,31 +237,6 @@ def _gemm(x, qs, d, m, out, chunks, block):
                     _rows3(x, qs, d, m, out, o, whole, block)
                 elif rows - whole == 1:
                     _rows1(x, qs, d, m, out, o, whole, block)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _gemm_scratch(x, qs, d, m, out, first, last, block):
-    """Output blocks first .. last - 1 of ``_gemm`` for many rows: each
-    block's weights dequantised once into a scratch (it stays in L1), then
-    gemm_simd's own row kernels over it, every row: gemm_simd's bits on the
-    same float32 values, the dequantisation paid once for all the rows."""
-    n = x.shape[1]
-    rows = x.shape[0]
-    whole = rows - rows % gemm_simd.GROUP
-    scratch = np.empty((OUT_BLOCK, n), np.float32)
-    part = np.empty((rows, OUT_BLOCK), np.float32)
-    for blk in range(first, last):
-        o0 = OUT_BLOCK * blk
-        for j in range(OUT_BLOCK):
-            for b in range(d.shape[1]):
-                low, high = block(qs, d, m, o0 + j, b)
-                store(scratch, j * n + b * 32, low)
-                store(scratch, j * n + b * 32 + 16, high)
-        for o in range(0, OUT_BLOCK, gemm_simd.OUTS):
-            for r in range(0, whole, gemm_simd.GROUP):
-                gemm_simd._rows6(x, scratch, part, o, r, gemm_simd._into_l1)
-            gemm_simd._rows_left(x, scratch, part, o, whole, rows - whole, gemm_simd._into_l1)
-        out[:, o0:o0 + OUT_BLOCK] = part
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -301,7 +267,7 @@ def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     three as three, four or five as six, beside zero rows (a row's outputs
     never depend on the rows beside it)."""
     rows = x.shape[0]
-    left = PADDED_TAIL[rows % GROUP] - rows % GROUP if rows < SCRATCH_FROM_ROWS else 0
+    left = PADDED_TAIL[rows % GROUP] - rows % GROUP
     if left:
         x = np.concatenate([x, np.zeros((left, x.shape[1]), np.float32)])
     x = np.ascontiguousarray(x, dtype=np.float32)
