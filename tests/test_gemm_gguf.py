@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 from specdec.engine import gemm_gguf, gemm_simd
 from specdec.engine.gemm_gguf import GgufBlocks, NoBlocks
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 13)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 13, 19, 32)
 
 
 def values(out: int, width: int, seed: int) -> np.ndarray:
