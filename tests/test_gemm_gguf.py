@@ -163,3 +163,11 @@ def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_f
         assert torch.equal(linear(x), gemm_select.Linear(weight, None, simd)(x))
     with pytest.raises(gemm_select.GemmRefused, match="tiny.gguf holds none of these weights"):
         gemm_select.select([("down", other, None)], torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+
+
+def test_a_checkpoint_knows_the_gguf_file_its_weights_came_from(smollm_path, stories_path):
+    from specdec.engine.checkpoint import gguf_file_of
+
+    gguf = gguf_file_of(smollm_path)
+    assert gguf is not None and gguf.endswith(".gguf") and gguf_file_of(gguf) == gguf  # a directory or the file
+    assert gguf_file_of(stories_path) is None and gguf_file_of("no/such-model") is None  # not a GGUF: none
