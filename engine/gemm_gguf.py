@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
+from specdec.engine.gemm_simd import OUTS
 from specdec.engine.simd import (
     add,
     high_nibbles,
@@ -78,13 +79,13 @@ KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 @dataclass(frozen=True)
 class QuantWeight:
     """A weight [out, in] as GGUF blocks, out padded to OUT_BLOCK with zero
-    blocks: Q4_1 ``qs`` uint8 [out, in / 2] (16 bytes a block), Q8_0 int8
-    [out, in]; ``d`` (and Q4_1's ``m``) float32 [out, in / 32]."""
+    blocks: Q4_0 and Q4_1 ``qs`` uint8 [out, in / 2] (16 bytes a block),
+    Q8_0 int8 [out, in]; ``d`` (and Q4_1's ``m``) float32 [out, in / 32]."""
 
     kind: str
     qs: np.ndarray
     d: np.ndarray
-    m: np.ndarray  # Q8_0: [1, 1] zeros (unused)
+    m: np.ndarray  # Q4_0, Q8_0: [1, 1] zeros (unused)
     out_features: int  # before padding
 
     @property
@@ -230,7 +231,7 @@ def _gemm(x, qs, d, m, out, chunks, block):
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
-            for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 4):
+            for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
                 for r in range(0, whole, GROUP):
                     _rows6(x, qs, d, m, out, o, r, block)
                 if rows - whole == 3:
