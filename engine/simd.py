@@ -326,6 +326,53 @@ high_nibbles = intrinsic(_small_ints(True))
 signed_bytes = intrinsic(_small_ints(None))
 
 
+def has_permute() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 (``pick_low`` /
+    ``pick_high``: a 16-entry table lookup per lane, ``vpermps``): the host's
+    features as LLVM sees them, no other target forced (``has_dpbf16``'s rule)."""
+    from llvmlite import binding
+    from numba.core import config
+    if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None):
+        return False
+    return bool(binding.get_host_cpu_features().get("avx512f"))
+
+
+@intrinsic
+def iota(typingctx):
+    """0, 1, .., LANES - 1 as float32 lanes."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_VECTOR, [float(i) for i in range(LANES)])
+    return lanes(), codegen
+
+
+def _pick(high: bool):
+    """An intrinsic: LANES bytes of a uint8 array from flat element `index`,
+    each byte's low (high False) or high 4 bits choosing a lane of `table`
+    (LANES float32 lanes): lane j = table[nibble j], the table's values as
+    they are (only where ``has_permute``: AVX-512's ``vpermps``, whose
+    index is the low 4 bits of each 32-bit lane)."""
+    def typer(typingctx, table, array, index):
+        if table != lanes or array.dtype != types.uint8:
+            return None
+
+        def codegen(context, builder, signature, args):
+            pointer = _element(context, builder, signature.args[1], args[1], args[2])
+            wide = builder.zext(builder.load(builder.bitcast(pointer, _BYTES.as_pointer()), align=1), _WIDE_BITS)
+            if high:
+                wide = builder.lshr(wide, ir.Constant(_WIDE_BITS, [4] * LANES))
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR, _WIDE_BITS]),
+                                                "llvm.x86.avx512.permvar.sf.512")
+            return builder.call(fn, [args[0], wide])
+        return lanes(table, array, index), codegen
+    typer.__name__ = typer.__qualname__ = "pick_high" if high else "pick_low"
+    return typer
+
+
+#: table[low 4 bits] / table[high 4 bits] of LANES uint8 bytes (``_pick``)
+pick_low = intrinsic(_pick(False))
+pick_high = intrinsic(_pick(True))
+
+
 @intrinsic
 def bits(typingctx, x):
     """A float32's bit pattern as uint32 (no conversion)."""

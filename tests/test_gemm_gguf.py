@@ -14,6 +14,7 @@ from gguf.quants import dequantize, quantize
 
 from specdec.engine import gemm_gguf, gemm_simd
 from specdec.engine.gemm_gguf import GgufBlocks, NoBlocks
+from specdec.engine.simd import has_permute
 
 ROWS = (1, 2, 3, 4, 5, 6, 7, 13, 19, 32)
 
@@ -69,6 +70,29 @@ def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gg
         assert np.allclose(got, x @ w.T, rtol=1e-4, atol=1e-3)
     one = gemm_gguf.gemm(x[:1], quant, 1)  # one thread, one row: the same bits as the batch's first row
     assert np.array_equal(one, gemm_gguf.gemm(x, quant, 2)[:1])
+
+
+@pytest.mark.parametrize("index", [0, 2], ids=["q4_1", "q4_0"])
+def test_4_bit_blocks_by_table_and_by_multiply_add_give_the_same_bits(gguf_file, index):
+    """The entries by table (``pick``: AVX-512 only) and by multiply-add
+    (elsewhere, and at six rows) both compute simd's bits: the one this
+    CPU's gemm takes is tested above, this checks the other too."""
+    blocks = GgufBlocks(gguf_file)
+    w = dequantized(blocks, index)
+    quant = blocks.find(torch.from_numpy(w))
+    kind = quant.kind.lower()
+    entries = [getattr(gemm_gguf, f"_gemm_{kind}")]
+    if has_permute():
+        entries.append(getattr(gemm_gguf, f"_gemm_{kind}_pick"))
+    padded = gemm_simd.pad_weight(w)
+    rng = np.random.default_rng(3)
+    for rows in (1, 3, 6, 7, 9):  # the entries take R % 6 in (0, 1, 3), as gemm pads
+        x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+        want = gemm_simd.gemm(x, padded, 2)[:, :len(w)]
+        for entry in entries:
+            out = np.empty((rows, quant.d.shape[0]), np.float32)
+            entry(x, quant.qs, quant.d, quant.m, out, 2)
+            assert np.array_equal(out[:, :len(w)], want), (entry.__name__, rows)
 
 
 def test_fused_permuted_sliced_and_zero_padded_rows_are_found(gguf_file):
