@@ -1,7 +1,8 @@
 """Model drafts against copy drafts, end to end (real processes, real gRPC):
 plain decoding (none), ngram, suffix, draft and draft_hybrid (fixed length,
-and the model drafts also with the adaptive length that plans by the draft's
-own confidence) on open-ended chat prompts and on bench_e2e's overlap
+and each also with the adaptive length, the gateway's default, that plans
+by the draft's own confidence or, for copies, by their acceptance so far
+and decodes plainly where they do not pay) on open-ended chat prompts and on bench_e2e's overlap
 prompts, single stream and --streams concurrent streams; ms per draft step
 and per verify; transformers assisted generation
 (``generate(assistant_model=<same draft>)``) and, given --vllm-python, vLLM
@@ -53,8 +54,8 @@ CHAT_PROMPTS = {
     "recipe": "How do I make a simple tomato soup?",
 }
 #: single-stream runs: (method, draft length)
-SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("suffix", "fixed"), ("draft", "fixed"), ("draft", "adaptive"),
-          ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
+SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("suffix", "fixed"), ("suffix", "adaptive"),
+          ("draft", "fixed"), ("draft", "adaptive"), ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
 CONCURRENT = ["none", "ngram", "draft", "draft_hybrid"]
 #: with --eagle3
 EAGLE3_SINGLE = [("eagle3", "fixed"), ("eagle3", "adaptive")]

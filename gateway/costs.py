@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from operator import mul
 
-from specdec.drafts import Draft
+from specdec.drafts import ONE_HOT_METHODS, Draft
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import CostModel, plan_draft_lengths, plan_draft_steps
 from specdec.gateway.sequence import Sequence
@@ -275,6 +275,135 @@ class VerifyCosts:
                     pass
 
 
+def copy_drafts_pay(offered: float, gains: list[float], propose_s: float, verify: tuple[float, float],
+                    overhead_s: float, plain_steps: int) -> bool:
+    """Whether asking a copy proposer for a draft this round is expected to
+    beat plain decoding, in output tokens per second.
+
+    Asking costs an exchange (``propose_s``) before a one-pass Verify of the
+    sequence's next token and of the draft tokens worth verifying (the
+    draft comes with chance ``offered``, its j-th token accepted with
+    ``gains[j - 1]``, non-increasing), ``verify`` = (fixed_s, per_token_s)
+    of the scorer's compute per pass and ``overhead_s`` the call's RPC
+    overhead:
+
+        rate(j) = (1 + offered * sum(gains[:j])) / (propose_s + overhead_s + fixed + per_token * (1 + offered * j))
+
+    Not asking, one Verify call decodes ``plain_steps`` tokens, a pass each
+    (``Sequence.decode_steps``):
+
+        plain = plain_steps / (overhead_s + plain_steps * (fixed + per_token))
+
+    Asking pays when some j beats plain. (SmolLM2 on 2 cores of an AMD EPYC,
+    GEMM simd-gguf: a ~5 ms pass, ~1 ms a row more, ~1 ms an exchange; n-gram
+    drafts on chat prompts, offered about half the time and their first
+    token right a fifth of it, do not pay: greedy ngram ran at 0.78x plain
+    decoding there; copy prompts' long matches do, 1.24x.)"""
+    fixed, per_token = verify
+    plain = plain_steps / (overhead_s + plain_steps * (fixed + per_token))
+    expected = rows = 1.0
+    for g in gains:
+        expected += offered * g
+        rows += offered
+        if expected > plain * (propose_s + overhead_s + fixed + per_token * rows):
+            return True
+    return False
+
+
+class CopyGates:
+    """Which adaptive sequences of a copy method (``ONE_HOT_METHODS``) ask
+    their proposer for a draft this round, and which decode plainly
+    (``planned_budget`` 0: no exchange where no other sequence on the
+    replica asks, several tokens a Verify call, no drafting ahead), by
+    ``copy_drafts_pay`` with what the loop measures: the propose phase's
+    wall time, the sequence's scorer replica's Verify fit and RPC overhead,
+    and the sequence's own acceptance and share of rounds its proposer
+    offered a draft. A copy costs its proposer no forward, but every round
+    that asks pays an exchange and verifies one token a call: against a
+    fast scorer, drafts that seldom hold cost more than they bring.
+
+    A sequence decoding plainly learns nothing of its drafts, and a context
+    may start to copy (an answer quoting its prompt): after EXPLORE_EVERY
+    plain rounds it asks once (``exploring``; a round drafting ahead asks
+    beside its plain Verify instead, and the next round verifies what that
+    brings where ``held_draft_pays``). Each exploration that does not open
+    the gate doubles the wait up to EXPLORE_MAX_EVERY rounds (lower than
+    ``DraftBudgets``': exploring costs a copy proposer no forward, and a copy
+    missed is long); one that does starts it over. Until the times are
+    measured, and for a sequence its proposer or scorer does not hold yet,
+    every sequence asks."""
+
+    EXPLORE_EVERY = 4
+    EXPLORE_MAX_EVERY = 8
+
+    def __init__(self) -> None:
+        self._idle: dict[str, int] = {}  # seq_id -> plain rounds since it last asked
+        self._every: dict[str, int] = {}  # seq_id -> plain rounds before its next exploration
+        self.exploring: set[str] = set()  # this round's explorations (planned_budget None)
+
+    def plan(self, seqs: list[Sequence], costs: VerifyCosts, propose_s: float | None, plain_steps: int) -> None:
+        """Sets ``planned_budget`` of the copy methods' sequences of ``seqs``
+        for this round: 0 (decode plainly) or None (ask for the whole budget)."""
+        self.exploring.clear()
+        for seq in seqs:
+            if seq.params.method not in ONE_HOT_METHODS:
+                continue
+            seq.planned_budget = None
+            k = seq.num_speculative_tokens()
+            if (not seq.params.adaptive or k == 0 or seq.features.layers or not seq.scorer_primed
+                    or not seq.proposer_len or propose_s is None or seq.scorer_addr is None):
+                continue
+            verify = costs.estimate(seq.scorer_addr)
+            if verify is None:
+                continue
+            pays = copy_drafts_pay(seq.drafts_offered, seq.acceptance.gains(k), propose_s, verify,
+                                   costs.overhead_s.get(seq.scorer_addr, 0.0), seq.plain_steps(plain_steps))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("copy gate %s: offered %.2f, gains %s, propose %.2f ms, verify %.2f ms + %.2f ms/token, "
+                          "overhead %.2f ms: %s", seq.seq_id, seq.drafts_offered,
+                          [round(g, 2) for g in seq.acceptance.gains(k)], 1e3 * propose_s, 1e3 * verify[0],
+                          1e3 * verify[1], 1e3 * costs.overhead_s.get(seq.scorer_addr, 0.0),
+                          "asks" if pays else "plain")
+            if pays:
+                self._idle[seq.seq_id], self._every[seq.seq_id] = 0, self.EXPLORE_EVERY
+                continue
+            idle, every = self._idle.get(seq.seq_id, 0) + 1, self._every.get(seq.seq_id, self.EXPLORE_EVERY)
+            if idle < every:
+                self._idle[seq.seq_id] = idle
+                seq.planned_budget = 0
+                metrics.PLAIN_ROUNDS.labels(seq.params.method).inc()
+            else:
+                self._idle[seq.seq_id], self._every[seq.seq_id] = 0, min(2 * every, self.EXPLORE_MAX_EVERY)
+                self.exploring.add(seq.seq_id)
+
+    def held_draft_pays(self, seq: Sequence, length: int, costs: VerifyCosts, plain_steps: int,
+                        continues: bool = False) -> bool:
+        """Whether a sequence decoding plainly this round should verify a
+        draft of ``length`` tokens it already holds (drafted ahead beside
+        the Verify before): ``copy_drafts_pay`` with the exchange paid and
+        the draft there. A draft that ``continues`` tokens it got right (a
+        draft ahead still holding after the tokens committed since it was
+        proposed: a copy under way) has its j-th token right with ``cont **
+        j``, not a fresh draft's chance (the overlap prompts, SmolLM2: with
+        a fresh draft's, the gate let copies go by, 2.04 accepted tokens a
+        round against 2.56 never gated). Where it pays, the sequence asks
+        this round (``planned_budget`` None)."""
+        verify = costs.estimate(seq.scorer_addr) if seq.scorer_addr is not None else None
+        if not length or verify is None:
+            return False
+        cont = seq.acceptance.cont
+        gains = [cont ** j for j in range(1, length + 1)] if continues else seq.acceptance.gains(length)
+        if copy_drafts_pay(1.0, gains, 0.0, verify,
+                           costs.overhead_s.get(seq.scorer_addr, 0.0), seq.plain_steps(plain_steps)):
+            seq.planned_budget = None
+            return True
+        return False
+
+    def forget(self, seq_id: str) -> None:
+        self._idle.pop(seq_id, None)
+        self._every.pop(seq_id, None)
+
+
 class DraftBudgets:
     """How many draft tokens to ask a model proposer for (adaptive sequences
     whose drafts carry the model's probabilities: ``Sequence.model_drafts``):
@@ -364,7 +493,9 @@ class DraftBudgets:
         fresh: list[Sequence] = []
         model_methods = self._model_methods.setdefault(addr, set())
         for seq in seqs:
-            seq.planned_budget = seq.planned_model_steps = None
+            seq.planned_model_steps = None
+            if seq.params.method not in ONE_HOT_METHODS:  # (a copy method's: CopyGates, each round)
+                seq.planned_budget = None
             if not seq.params.adaptive or seq.features.layers or seq.num_speculative_tokens() == 0:
                 continue
             if seq.mixes_model_and_copies:

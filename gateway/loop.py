@@ -95,6 +95,7 @@ from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.clients import Connections, closed_under_us
 from specdec.gateway.costs import (
+    CopyGates,
     DecodeAheadHints,
     DraftBudgets,
     VerifyCosts,
@@ -161,6 +162,7 @@ class SpecLoop:
         self.releases = Releases(self.conns)
         self.costs = VerifyCosts()
         self.budgets = DraftBudgets()  # model proposers: draft tokens worth asking for
+        self.gates = CopyGates()  # copy proposers: whether asking pays, or plain decoding
         self.decode_ahead = DecodeAheadHints()  # the scorer's steps ahead worth skipping
         self._acceptance: dict[str, AcceptanceEstimate] = {}  # per method: young sequences' prior
         self._model_acceptance: dict[str, AcceptanceEstimate] = {}  # the same, of model-made drafts alone
@@ -259,6 +261,8 @@ class SpecLoop:
         live = self._retire()
         if not live:
             return
+        self.gates.plan(live, self.costs, self._propose_s if self._propose_measured else None,
+                        self.config.decode_steps)
         if self._drafts_ahead(live):
             metrics.AHEAD_ROUNDS.inc()
             progressed = await self._ahead_round(live)
@@ -308,12 +312,24 @@ class SpecLoop:
         await self._settle_ahead(live)
         drafted = self._take_drafted(live)  # (the cohort an overlapped step before proposed: --overlap on)
         drafts = {seq.seq_id: drafted.get(seq.seq_id) or self._draft_from_ahead(seq) for seq in live}
-        wait = [s for s in live if not drafts[s.seq_id] and not s.may_draft_ahead]
+        # CopyGates: waiting for a draft does not pay this round, nor verifying the draft ahead it may
+        # hold: it decodes plainly, and drafts ahead beside its Verify (an exploration every round, its
+        # exchange hidden), so the next round verifies a copy that starts (held_draft_pays: a draft ahead
+        # that holds continues the tokens committed since it was proposed)
+        plain = set()
+        for s in live:
+            if (s.copies_plainly or s.seq_id in self.gates.exploring) and not self.gates.held_draft_pays(
+                    s, len(drafts[s.seq_id]), self.costs, self.config.decode_steps,
+                    continues=not drafted.get(s.seq_id)):
+                plain.add(s.seq_id)
+                s.planned_budget = 0
+        drafts.update((i, NO_DRAFT) for i in plain)
+        wait = [s for s in live if not drafts[s.seq_id] and not s.may_draft_ahead and s.seq_id not in plain]
         # those whose draft ahead was contradicted, or holds less than this round's budget (but those whose
         # exchange is still in flight: _settle_ahead chose not to wait for it, and a fresh one would queue behind)
         in_flight = {i for f in self._in_flight.values() for i in f.seq_ids}
         optional = [s for s in live if s.may_draft_ahead and len(drafts[s.seq_id]) < s.num_speculative_tokens()
-                    and s.seq_id not in in_flight]
+                    and s.seq_id not in in_flight and s.seq_id not in plain]
         if optional and self._fresh_drafts_pay(live, drafts, optional):
             wait += optional
         if wait:
@@ -415,9 +431,13 @@ class SpecLoop:
         ~0.07 s a round; averaged in, it held the rounds of 96-token requests
         waiting for proposers they should not have waited for)."""
         decode_only = all(s.scorer_primed for s in live)
+        # a call decoding several tokens a sequence (plain rounds) neither: it is no round's Verify
+        several = all(s.decode_steps(self.config.decode_steps) > 1 for s in live)
         start = time.perf_counter()
         verdicts = await clock.timed("verify", self._verify(live, drafts))
         elapsed = time.perf_counter() - start
+        if several:
+            return verdicts
         if decode_only:
             self._verify_s = moving_average(self._verify_s if self._verify_measured else None, elapsed)
             self._verify_measured = True
@@ -513,9 +533,12 @@ class SpecLoop:
         if not groups:
             return drafts
         start, opening = time.perf_counter(), _opens(live)
+        answered = False
         for found in await asyncio.gather(*(self._propose_on(a, seqs, ahead) for a, seqs in groups.items())):
             drafts.update(found)
-        self._observe_propose(time.perf_counter() - start, opening)
+            answered |= bool(found)
+        if answered:  # (a phase whose every message was left out, or failed, tells no exchange's time)
+            self._observe_propose(time.perf_counter() - start, opening)
         return drafts
 
     async def _propose_on(self, addr: str, seqs: list[Sequence], ahead: bool) -> dict[str, Draft]:
@@ -693,6 +716,7 @@ class SpecLoop:
                 self._ahead.pop(seq.seq_id, None)
                 self._held_all.discard(seq.seq_id)
                 self.decode_ahead.forget(seq.seq_id)
+                self.gates.forget(seq.seq_id)
                 _count_end(seq)
                 self.releases.add(seq)
             else:

@@ -55,6 +55,9 @@ VERIFY_COST = Gauge("specdec_gateway_verify_cost_seconds",
 TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
                          "Proposed draft tokens not verified because the adaptive draft length "
                          "judged them not worth their cost", ["method"])
+PLAIN_ROUNDS = Counter("specdec_gateway_plain_copy_rounds_total",
+                       "Rounds a copy method's sequence decoded plainly, asking its proposer for nothing: its "
+                       "drafts were not expected to pay (costs.CopyGates)", ["method"])
 PLANNED_DRAFT_STEPS = Gauge("specdec_gateway_planned_draft_steps",
                             "Draft tokens the adaptive draft length last asked a model proposer replica for "
                             "(gateway/costs.DraftBudgets; 0: plain decoding)", ["proposer"])

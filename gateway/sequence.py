@@ -14,7 +14,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from specdec.drafts import MODEL_AND_COPY_METHODS
+from specdec.drafts import MODEL_AND_COPY_METHODS, ONE_HOT_METHODS
 from specdec.gateway import metrics
 from specdec.gateway.adaptive import AcceptanceEstimate
 from specdec.gateway.request import GenParams
@@ -281,7 +281,8 @@ class Sequence:
         # moving average: how often its drafts carried a model's probabilities (draft, eagle3; a hybrid's
         # copies carry none)
         self.model_drafted: float | None = None
-        self.planned_budget: int | None = None  # draft tokens this round asks for (costs.DraftBudgets); None: all
+        # draft tokens this round asks for (costs.DraftBudgets; a copy method's: costs.CopyGates); None: all
+        self.planned_budget: int | None = None
         # a model-and-copy method's model steps this round (costs.DraftBudgets); None: the whole budget
         self.planned_model_steps: int | None = None
         # drafting ahead: rounds after the next one that its exchange is expected to stay in flight (a
@@ -311,14 +312,19 @@ class Sequence:
     def decode_steps(self, most: int) -> int:
         """Tokens one Verify call may decode for this sequence (plain
         decoding, VerifySequence.decode_steps): up to ``most`` for a sequence
-        that drafts nothing this round (method none, or a model proposer
-        asked for nothing: ``planned_budget``), asks no target features and
+        that drafts nothing this round (method none, or a proposer asked for
+        nothing: ``planned_budget``), asks no target features and
         whose scorer holds its context (a first touch answers one token: the
         first token comes as early as without), cut so that a call never
         makes more output than max_tokens or the context allow; 1 otherwise."""
         drafting = self.params.num_speculative_tokens and self.planned_budget != 0
         if drafting or self.features.layers or not self.scorer_primed:
             return 1
+        return self.plain_steps(most)
+
+    def plain_steps(self, most: int) -> int:
+        """Tokens a plain decoding call would decode for it: up to ``most``,
+        cut to what max_tokens and the context allow."""
         return max(1, min(most, self._tokens_left()))
 
     @property
@@ -339,6 +345,13 @@ class Sequence:
         """Its drafts come from a model (not from a copy, nor from a hybrid
         that copies where it can): each draft token costs its proposer a forward."""
         return self.model_drafted is not None and self.model_drafted >= MODEL_DRAFTED
+
+    @property
+    def copies_plainly(self) -> bool:
+        """A copy method's sequence that asks its proposer for nothing this
+        round (``planned_budget`` 0 from ``costs.CopyGates``): it decodes
+        plainly, several tokens a call, neither drafted nor drafting ahead."""
+        return self.params.method in ONE_HOT_METHODS and self.planned_budget == 0
 
     @property
     def mixes_model_and_copies(self) -> bool:

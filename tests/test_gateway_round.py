@@ -611,3 +611,156 @@ def test_propose_calls_right_after_rounds_that_asked_for_nothing_leave_the_fit_a
         for steps in (1, 5):
             budgets.observe("p:1", steps, 0.002 + 0.008 * steps)
     assert model.planned_budget == 5 and budgets._fits["p:1"][1] > fit[1]
+
+
+def test_copy_drafts_pay_against_plain_decoding_by_the_scorers_speed():
+    """costs.copy_drafts_pay: rarely offered, rarely right copies (chat) do
+    not pay against a fast scorer decoding four tokens a call, but do against
+    a slow one; long matches (copy work) pay against both; nothing offered
+    never pays."""
+    from specdec.gateway.costs import copy_drafts_pay
+
+    chat = [0.2 * 0.5 ** j for j in range(5)]
+    copy = [0.8 * 0.9 ** j for j in range(5)]
+    fast, slow = (0.004, 0.001), (0.050, 0.001)  # (fixed, per token) of a pass
+    exchange, overhead = 0.001, 0.0005
+    assert not copy_drafts_pay(0.5, chat, exchange, fast, overhead, plain_steps=4)
+    assert copy_drafts_pay(0.5, chat, exchange, slow, overhead, plain_steps=4)
+    assert copy_drafts_pay(0.8, copy, exchange, fast, overhead, plain_steps=4)
+    assert copy_drafts_pay(0.8, copy, exchange, slow, overhead, plain_steps=4)
+    assert not copy_drafts_pay(0.0, copy, exchange, slow, overhead, plain_steps=4)
+    # one plain token a call (max_tokens nearly reached) is what one draft-less round yields
+    assert copy_drafts_pay(0.5, chat, exchange, fast, overhead, plain_steps=1) is False  # the exchange costs
+    assert copy_drafts_pay(0.5, chat, 0.0, fast, overhead, plain_steps=1)  # a free exchange: any gain pays
+
+
+def _fitted_costs(fixed: float, per_token: float):
+    from specdec.gateway.costs import VerifyCosts, DraftPlan
+
+    costs = VerifyCosts()
+    for tokens in [1, 2, 3, 4, 5, 6] * 3:
+        costs.observe(SCORER, DraftPlan({}, tokens, True), fixed + per_token * tokens, fixed + per_token * tokens)
+    assert costs.estimate(SCORER) is not None
+    return costs
+
+
+def test_copy_methods_decode_plainly_while_their_drafts_do_not_pay_and_explore():
+    """CopyGates: an adaptive copy-method sequence whose drafts do not pay
+    asks its proposer for nothing (planned_budget 0: several tokens a Verify
+    call, nothing asked in its update), asks once after EXPLORE_EVERY plain
+    rounds, then after twice as many up to EXPLORE_MAX_EVERY, and asks every
+    round once its drafts pay; fixed-length, feature and model sequences,
+    sequences not yet held by both services, and rounds before the times are
+    measured always ask."""
+    from specdec.gateway.costs import CopyGates
+    from specdec.gateway.wire import sequence_update
+
+    costs = _fitted_costs(0.004, 0.001)
+    chat = Sequence("chat", _params("ngram", 5), _Tokenizer(), (2,), 512)
+    fixed = Sequence("fixed", _params("suffix", 5, adaptive=False), _Tokenizer(), (2,), 512)
+    model = Sequence("model", _params("draft", 5), _Tokenizer(), (2,), 512)
+    fresh = Sequence("fresh", _params("ngram", 5), _Tokenizer(), (2,), 512)
+    seqs = [chat, fixed, model, fresh]
+    for seq in seqs:
+        seq.scorer_addr = SCORER
+        seq.scorer_primed = True
+        seq.proposer_len = len(seq.tokens) if seq is not fresh else 0
+        seq.drafts_offered = 0.5
+        for _ in range(30):
+            seq.acceptance.record(0, 5)  # its drafts' first tokens are rarely right
+    model.planned_budget = 3  # (DraftBudgets' plan: not the gates' to change)
+    gates = CopyGates()
+    gates.plan(seqs, costs, None, 4)
+    assert [s.planned_budget for s in seqs] == [None, None, 3, None]  # no propose time measured yet
+    every, most = CopyGates.EXPLORE_EVERY, CopyGates.EXPLORE_MAX_EVERY
+    waits = [every, 2 * every, most, most]
+    assert waits[1] == most  # (the constants as this test reads them)
+
+    def asked(rounds: int) -> list[int]:
+        out = []
+        for _ in range(rounds):
+            gates.plan(seqs, costs, 0.001, 4)
+            assert fixed.planned_budget is None and fresh.planned_budget is None and model.planned_budget == 3
+            out.append(sequence_update(chat).num_speculative_tokens)
+            assert (chat.decode_steps(4), chat.copies_plainly) == ((4, True) if out[-1] == 0 else (1, False))
+        return out
+
+    assert asked(sum(waits)) == [k for wait in waits for k in [0] * (wait - 1) + [5]]
+    for _ in range(30):  # the context starts to copy: its drafts now hold
+        chat.acceptance.record(5, 5)
+    chat.drafts_offered = 1.0
+    assert asked(3) == [5] * 3
+    for _ in range(30):
+        chat.acceptance.record(0, 5)
+    assert asked(every) == [0] * (every - 1) + [5]  # the wait started over
+    chat.features.opened((1,), 0)  # (a feature method's sequence is never gated)
+    assert asked(2) == [5, 5]
+    chat.features.opened((), 0)
+    gates.plan(seqs, _fitted_costs(0.050, 0.001), 0.001, 4)  # a slow scorer: even these drafts pay
+    assert chat.planned_budget is None
+    gates.forget(chat.seq_id)
+    assert asked(every) == [0] * (every - 1) + [5]
+
+
+class _CopyProposer:
+    """A copy proposer stream answering every sequence with a 3-token draft
+    the scorer rejects, counting its exchanges."""
+
+    def __init__(self) -> None:
+        self.exchanges = 0
+
+    async def exchange(self, request, timeout=None):
+        self.exchanges += 1
+        n = len(request.round.seq_ids)
+        return pb.ProposeResponse(drafts=[pb.Draft(seq_id=u.seq_id, token_ids=[9, 9, 9]) for u in request.sequences],
+                                  round=pb.RoundDrafts(draft_counts=[3] * n, token_ids=[9] * (3 * n)))
+
+
+@pytest.mark.parametrize("overlap", ["off", "ahead"])
+def test_a_copy_method_whose_drafts_do_not_pay_stops_asking_and_decodes_several_tokens_a_call(overlap):
+    """Through the loop's rounds: once the times are measured and its drafts
+    keep failing, an ngram sequence's Verify calls decode several tokens
+    and carry no draft. Lock-step rounds leave the proposer out and explore
+    after CopyGates.EXPLORE_EVERY such rounds; rounds drafting ahead ask it
+    beside every plain Verify (hidden) and verify none of what it brings."""
+    from specdec.gateway.costs import CopyGates
+    from specdec.gateway.loop import Overlap
+
+    class Scorer(_ScriptedScorer):
+        async def Verify(self, request, timeout=None):
+            self.requests.append(request)
+            results = [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
+                                       output_token_ids=[7] * max(1, s.decode_steps), num_accepted=0)
+                       for s in request.sequences]
+            return pb.VerifyResponse(results=results, compute_s=0.004)
+
+    scorer, proposer = Scorer([]), _CopyProposer()
+
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("proposer", ["p:1"])}, vocab_size=100,
+                        config=LoopConfig(stall_sleep_s=0.0, overlap=Overlap(overlap)))
+        loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+        loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
+        seq = Sequence("r", _params("ngram", 3), _Tokenizer(), (2,), 512)
+        seq.params = dataclasses.replace(seq.params, max_tokens=400)
+        loop.submit(seq)
+        for _ in range(3):
+            await loop._round()
+        assert proposer.exchanges >= 2 and not any(s.decode_steps > 1 for r in scorer.requests for s in r.sequences)
+        loop.costs = _fitted_costs(0.004, 0.001)  # a fast scorer
+        loop._propose_s, loop._propose_measured = 0.001, True
+        loop._verify_s, loop._verify_measured = 0.005, True
+        for _ in range(20):
+            seq.acceptance.record(0, 3)
+        before, calls = proposer.exchanges, len(scorer.requests)
+        for _ in range(CopyGates.EXPLORE_EVERY - 1):
+            await loop._round()
+        plain = [r.sequences[0] for r in scorer.requests[calls:]]
+        assert len(plain) == CopyGates.EXPLORE_EVERY - 1
+        assert all(s.decode_steps == 4 and not len(s.draft_token_ids) for s in plain)
+        await loop._round()  # explores
+        return seq, proposer.exchanges - before
+
+    seq, exchanges = asyncio.run(run())
+    assert exchanges == 1 if overlap == "off" else exchanges >= CopyGates.EXPLORE_EVERY - 1
+    assert metrics.PLAIN_ROUNDS.labels("ngram")._value.get() >= CopyGates.EXPLORE_EVERY - 1
