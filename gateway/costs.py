@@ -388,13 +388,13 @@ class CopyGates:
         a fresh draft's, the gate let copies go by, 2.04 accepted tokens a
         round against 2.56 never gated). Where it pays, the sequence asks
         this round (``planned_budget`` None)."""
-        verify = costs.estimate(seq.scorer_addr) if seq.scorer_addr is not None else None
-        if not length or verify is None:
+        addr = seq.scorer_addr
+        verify = costs.estimate(addr) if addr is not None else None
+        if not length or addr is None or verify is None:
             return False
         cont = seq.acceptance.cont
         gains = [cont ** j for j in range(1, length + 1)] if continues else seq.acceptance.gains(length)
-        if copy_drafts_pay(1.0, gains, 0.0, verify,
-                           costs.overhead_s.get(seq.scorer_addr, 0.0), seq.plain_steps(plain_steps)):
+        if copy_drafts_pay(1.0, gains, 0.0, verify, costs.overhead_s.get(addr, 0.0), seq.plain_steps(plain_steps)):
             seq.planned_budget = None
             return True
         return False
