@@ -174,8 +174,10 @@ def processes(stories_path, tmp_path_factory):
 
 def test_trimmed_drafts_never_change_tokens(processes, stories_path):
     """A scorer made (on paper) expensive per token: the adaptive sequences'
-    drafts get trimmed, fixed-length ones beside them do not, and every
-    output equals plain greedy decoding."""
+    drafts get trimmed, and most of their rounds decode plainly, asking the
+    proposer for nothing (CopyGates: four plain tokens a call beat any
+    draft there); fixed-length ones beside them verify every draft, and
+    every output equals plain greedy decoding."""
     import asyncio
 
     from specdec.client import make_request
@@ -210,6 +212,9 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
     def trimmed():
         return metrics.TRIMMED_DRAFTS.labels("ngram")._value.get()
 
+    def plain_rounds():
+        return metrics.PLAIN_ROUNDS.labels("ngram")._value.get()
+
     async def run():
         scorers, ngram = ReplicaSet("scorer"), ReplicaSet("proposer-ngram")
         StaticDiscovery({"scorer": (scorers, [scorer]), "ngram": (ngram, [proposer])}).start()
@@ -225,16 +230,18 @@ def test_trimmed_drafts_never_change_tokens(processes, stories_path):
         loop.start()
         try:
             plain = await run_all(loop, [sequence(p, "none", pb.DRAFT_LENGTH_FIXED) for p in PROMPTS])
-            before = trimmed()
+            before, plain_before = trimmed(), plain_rounds()
             adaptive = [sequence(p, "ngram", pb.DRAFT_LENGTH_ADAPTIVE) for p in PROMPTS]
             fixed = [sequence(p, "ngram", pb.DRAFT_LENGTH_FIXED) for p in PROMPTS]
             outs = await run_all(loop, adaptive + fixed)
-            return plain, outs, trimmed() - before, adaptive, fixed
+            gated = plain_rounds() - plain_before
+            return plain, outs, trimmed() - before, adaptive, fixed, gated
         finally:
             await loop.stop()
 
-    plain, outs, cut, adaptive, fixed = asyncio.run(run())
+    plain, outs, cut, adaptive, fixed, gated = asyncio.run(run())
     assert outs == plain + plain
+    assert gated > 0
     assert sum(s.stats.draft_tokens for s in fixed) > 0  # the proposer drafted
     assert cut > 0
     # fixed-length sequences verified every draft their proposer returned

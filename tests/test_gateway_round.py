@@ -635,7 +635,7 @@ def test_copy_drafts_pay_against_plain_decoding_by_the_scorers_speed():
 
 
 def _fitted_costs(fixed: float, per_token: float):
-    from specdec.gateway.costs import VerifyCosts, DraftPlan
+    from specdec.gateway.costs import DraftPlan, VerifyCosts
 
     costs = VerifyCosts()
     for tokens in [1, 2, 3, 4, 5, 6] * 3:
@@ -764,3 +764,27 @@ def test_a_copy_method_whose_drafts_do_not_pay_stops_asking_and_decodes_several_
     seq, exchanges = asyncio.run(run())
     assert exchanges == 1 if overlap == "off" else exchanges >= CopyGates.EXPLORE_EVERY - 1
     assert metrics.PLAIN_ROUNDS.labels("ngram")._value.get() >= CopyGates.EXPLORE_EVERY - 1
+
+
+def test_a_held_draft_that_continues_a_copy_is_verified_where_a_fresh_one_would_not_be():
+    """CopyGates.held_draft_pays: a draft ahead still holding after the
+    tokens committed since (a copy under way) is weighed by the continuation
+    rate; the same draft fresh, by the sequence's first-token rate; a
+    verified draft reopens the sequence's round (planned_budget None)."""
+    from specdec.gateway.costs import CopyGates
+
+    costs = _fitted_costs(0.004, 0.001)
+    seq = Sequence("s", _params("ngram", 5), _Tokenizer(), (2,), 512)
+    seq.scorer_addr, seq.scorer_primed, seq.proposer_len = SCORER, True, 3
+    for _ in range(30):  # drafts rarely start right, but once right they go on
+        seq.acceptance.record(5, 5)
+        for _ in range(6):
+            seq.acceptance.record(0, 5)
+    assert seq.acceptance.first < 0.2 and seq.acceptance.cont > 0.9
+    gates = CopyGates()
+    seq.planned_budget = 0
+    assert not gates.held_draft_pays(seq, 5, costs, 4)
+    assert seq.planned_budget == 0
+    assert not gates.held_draft_pays(seq, 0, costs, 4, continues=True)
+    assert gates.held_draft_pays(seq, 5, costs, 4, continues=True)
+    assert seq.planned_budget is None
