@@ -10,9 +10,12 @@ draft-model speculation with the same draft, in the same run. Every
 speculative output is checked token for token against plain decoding.
 Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
-    flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py --draft DIR [--eagle3 HEAD] \\
+    flock /tmp/specdec-bench.lock python benchmarks/bench_draft.py [--draft DIR] [--eagle3 HEAD] \\
         [--model M] [--k 5] [--max-tokens 96] [--streams 8] [--overlap ahead] [--draft-threads N] \\
         [--repeats 3] [--vllm-python PY] [--out bench_results/draft.json]
+
+Without --draft and --eagle3 only plain decoding and the copy methods
+run (fixed and adaptive draft length).
 
 --repeats N runs the single-stream rows N times, all methods in turns each
 time (on a shared 2-core machine adjacent runs differ by 10 % and more):
@@ -202,8 +205,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
-    if not args.draft and not args.eagle3:
-        ap.error("give --draft DIR, --eagle3 HEAD or both")
     single = [(m, length) for m, length in SINGLE if args.draft or m not in MODEL_METHODS]
     single += EAGLE3_SINGLE if args.eagle3 else []
     concurrent = [m for m in CONCURRENT if args.draft or m not in MODEL_METHODS] + (["eagle3"] if args.eagle3 else [])

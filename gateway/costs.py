@@ -340,31 +340,54 @@ class CopyGates:
         self._idle: dict[str, int] = {}  # seq_id -> plain rounds since it last asked
         self._every: dict[str, int] = {}  # seq_id -> plain rounds before its next exploration
         self.exploring: set[str] = set()  # this round's explorations (planned_budget None)
+        self._steps: dict[str, int] = {}  # seq_id -> tokens a plain call would bring it this round
 
     def plan(self, seqs: list[Sequence], costs: VerifyCosts, propose_s: float | None, plain_steps: int) -> None:
         """Sets ``planned_budget`` of the copy methods' sequences of ``seqs``
-        for this round: 0 (decode plainly) or None (ask for the whole budget)."""
+        for this round: 0 (decode plainly) or None (ask for the whole budget).
+
+        A Verify call decodes several tokens only where none of its
+        sequences verifies drafts (``SpecLoop._verify_on``): on a scorer
+        replica where another sequence drafts (a model method's, one being
+        prefilled, a copy that pays), decoding plainly is one token a call,
+        and is weighed as such."""
         self.exploring.clear()
+        self._steps.clear()
+        candidates: list[tuple[Sequence, tuple[float, float]]] = []
+        busy: set[str | None] = set()  # scorer replicas some sequence of which verifies drafts this round
         for seq in seqs:
             if seq.params.method not in ONE_HOT_METHODS:
+                if seq.params.num_speculative_tokens or not seq.scorer_primed:
+                    busy.add(seq.scorer_addr)
                 continue
             seq.planned_budget = None
             k = seq.num_speculative_tokens()
+            verify = costs.estimate(seq.scorer_addr) if seq.scorer_addr is not None else None
             if (not seq.params.adaptive or k == 0 or seq.features.layers or not seq.scorer_primed
-                    or not seq.proposer_len or propose_s is None or seq.scorer_addr is None):
+                    or not seq.proposer_len or propose_s is None or verify is None):
+                busy.add(seq.scorer_addr)
                 continue
-            verify = costs.estimate(seq.scorer_addr)
-            if verify is None:
-                continue
-            pays = copy_drafts_pay(seq.drafts_offered, seq.acceptance.gains(k), propose_s, verify,
-                                   costs.overhead_s.get(seq.scorer_addr, 0.0), seq.plain_steps(plain_steps))
+            candidates.append((seq, verify))
+        exchange = propose_s or 0.0  # (known where there are candidates)
+
+        def pays(seq: Sequence, verify: tuple[float, float]) -> bool:
+            steps = self._steps[seq.seq_id] = 1 if seq.scorer_addr in busy else seq.plain_steps(plain_steps)
+            return copy_drafts_pay(seq.drafts_offered, seq.acceptance.gains(seq.num_speculative_tokens()),
+                                   exchange, verify, costs.overhead_s.get(seq.scorer_addr or "", 0.0), steps)
+
+        asking = {seq.seq_id for seq, verify in candidates if pays(seq, verify)}
+        busy |= {seq.scorer_addr for seq, _ in candidates if seq.seq_id in asking}
+        asking |= {seq.seq_id for seq, verify in candidates  # beside those, plain is a token a call
+                   if seq.seq_id not in asking and seq.scorer_addr in busy and pays(seq, verify)}
+        for seq, verify in candidates:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("copy gate %s: offered %.2f, gains %s, propose %.2f ms, verify %.2f ms + %.2f ms/token, "
-                          "overhead %.2f ms: %s", seq.seq_id, seq.drafts_offered,
-                          [round(g, 2) for g in seq.acceptance.gains(k)], 1e3 * propose_s, 1e3 * verify[0],
-                          1e3 * verify[1], 1e3 * costs.overhead_s.get(seq.scorer_addr, 0.0),
-                          "asks" if pays else "plain")
-            if pays:
+                          "overhead %.2f ms, %d plain tokens a call: %s", seq.seq_id, seq.drafts_offered,
+                          [round(g, 2) for g in seq.acceptance.gains(seq.num_speculative_tokens())],
+                          1e3 * exchange, 1e3 * verify[0], 1e3 * verify[1],
+                          1e3 * costs.overhead_s.get(seq.scorer_addr or "", 0.0), self._steps[seq.seq_id],
+                          "asks" if seq.seq_id in asking else "plain")
+            if seq.seq_id in asking:
                 self._idle[seq.seq_id], self._every[seq.seq_id] = 0, self.EXPLORE_EVERY
                 continue
             idle, every = self._idle.get(seq.seq_id, 0) + 1, self._every.get(seq.seq_id, self.EXPLORE_EVERY)
@@ -394,7 +417,8 @@ class CopyGates:
             return False
         cont = seq.acceptance.cont
         gains = [cont ** j for j in range(1, length + 1)] if continues else seq.acceptance.gains(length)
-        if copy_drafts_pay(1.0, gains, 0.0, verify, costs.overhead_s.get(addr, 0.0), seq.plain_steps(plain_steps)):
+        steps = self._steps.get(seq.seq_id, seq.plain_steps(plain_steps))
+        if copy_drafts_pay(1.0, gains, 0.0, verify, costs.overhead_s.get(addr, 0.0), steps):
             seq.planned_budget = None
             return True
         return False

@@ -788,3 +788,40 @@ def test_a_held_draft_that_continues_a_copy_is_verified_where_a_fresh_one_would_
     assert not gates.held_draft_pays(seq, 0, costs, 4, continues=True)
     assert gates.held_draft_pays(seq, 5, costs, 4, continues=True)
     assert seq.planned_budget is None
+
+
+def test_beside_a_sequence_that_verifies_drafts_plain_decoding_is_weighed_as_one_token_a_call():
+    """CopyGates.plan: a Verify call decodes several tokens only where none
+    of its sequences verifies drafts, so a copy sequence whose drafts lose
+    to four plain tokens a call, but beat one, asks where a model method's
+    sequence drafts on the same scorer replica (or another copy that asks),
+    and decodes plainly where it is alone."""
+    from specdec.gateway.costs import CopyGates
+
+    costs = _fitted_costs(0.004, 0.001)
+    costs.overhead_s[SCORER] = 0.002  # a call's RPC overhead: what several tokens a call save
+
+    def copying(name: str) -> Sequence:
+        seq = Sequence(name, _params("ngram", 5), _Tokenizer(), (2,), 512)
+        seq.scorer_addr, seq.scorer_primed, seq.proposer_len, seq.drafts_offered = SCORER, True, 3, 0.5
+        for _ in range(30):  # first token right about a third of the time, then mostly
+            for matched in (0, 0, 0, 5):
+                seq.acceptance.record(matched, 5)
+        return seq
+
+    seq = copying("alone")
+    CopyGates().plan([seq], costs, 0.001, 4)
+    assert seq.planned_budget == 0
+    model = Sequence("model", _params("draft", 5), _Tokenizer(), (2,), 512)
+    model.scorer_addr, model.scorer_primed = SCORER, True
+    CopyGates().plan([seq, model], costs, 0.001, 4)
+    assert seq.planned_budget is None
+    model.scorer_addr = "scorer-b:1"  # on another replica it changes nothing
+    CopyGates().plan([seq, model], costs, 0.001, 4)
+    assert seq.planned_budget == 0
+    sure = copying("sure")  # a copy that pays on the same replica
+    for _ in range(30):
+        sure.acceptance.record(5, 5)
+    sure.drafts_offered = 1.0
+    CopyGates().plan([seq, sure], costs, 0.001, 4)
+    assert sure.planned_budget is None and seq.planned_budget is None
