@@ -432,7 +432,7 @@ class SpecLoop:
         waiting for proposers they should not have waited for)."""
         decode_only = all(s.scorer_primed for s in live)
         # a call decoding several tokens a sequence (plain rounds) neither: it is no round's Verify
-        several = all(s.decode_steps(self.config.decode_steps) > 1 for s in live)
+        several = all(not drafts.get(s.seq_id) and s.decode_steps(self.config.decode_steps) > 1 for s in live)
         start = time.perf_counter()
         verdicts = await clock.timed("verify", self._verify(live, drafts))
         elapsed = time.perf_counter() - start
@@ -648,7 +648,8 @@ class SpecLoop:
         kept = apply_plan(seqs, drafts, plan)
         # plain decoding, several tokens per call: only where every sequence of the call never drafts (a
         # sequence with drafts would wait for the others' extra passes)
-        steps = {s.seq_id: s.decode_steps(self.config.decode_steps) for s in seqs}
+        # (a draft from an earlier step, kept where this round's plan asks for nothing, is verified alone)
+        steps = {s.seq_id: 1 if kept[s.seq_id] else s.decode_steps(self.config.decode_steps) for s in seqs}
         if min(steps.values()) == 1:
             steps = {}
         start = time.perf_counter()

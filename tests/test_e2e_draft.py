@@ -110,7 +110,8 @@ def test_a_draft_model_gets_a_proposer_process_of_its_own(weak_draft_stack, stor
     for method, prompt in (("ngram", "Tom saw a big dog. The dog was happy. Tom saw a big dog. The"),
                            ("draft", PROMPTS[0])):
         ids = _prompt_ids(stories_path, prompt)
-        gen = stream(weak_draft_stack.gateway_addr, make_request(ids, max_tokens=MAX_TOKENS, method=method, k=3))
+        gen = stream(weak_draft_stack.gateway_addr, make_request(ids, max_tokens=MAX_TOKENS, method=method, k=3,
+                                                                 draft_length=pb.DRAFT_LENGTH_FIXED))
         assert gen.token_ids == hf_greedy(stories_path, tuple(ids), MAX_TOKENS)[:len(gen.token_ids)]
         assert gen.stats.draft_tokens > 0, method
 

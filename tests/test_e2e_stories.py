@@ -152,8 +152,11 @@ def test_gateway_refuses_flags_out_of_range(stories_path, flag, value, message):
 
 
 def test_ngram_speculates_on_repetitive_text(stories_stack):
+    # a fixed draft length: adaptive, drafts would not pay against this tiny model's ~0.3 ms steps (plain
+    # decoding takes four a call: gateway/costs.CopyGates), and the point here is that they are made
     gen = stream(stories_stack.gateway_addr,
-                 make_request(PROMPTS["repeats"], max_tokens=MAX_TOKENS, method="ngram", k=5))
+                 make_request(PROMPTS["repeats"], max_tokens=MAX_TOKENS, method="ngram", k=5,
+                              draft_length=pb.DRAFT_LENGTH_FIXED))
     s = gen.stats  # the tiny model copies little; SmolLM2 copies much more (benchmarks)
     assert s.draft_tokens > 0 and s.accepted_tokens > 0
     assert s.rounds < s.output_tokens and s.mean_accepted_length > 1.0
@@ -267,9 +270,11 @@ def test_reference_text_raises_acceptance_on_an_edit_ngram(stories_stack):
     addr = stories_stack.gateway_addr
     prompt = "The ngram bird sang a song"
     plain, reference = _edited_reference(addr, prompt)
-    without = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="ngram", k=6))
+    # fixed draft length: adaptive, this tiny model's cheap steps could leave copies unasked (CopyGates)
+    fixed = pb.DRAFT_LENGTH_FIXED
+    without = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="ngram", k=6, draft_length=fixed))
     with_ref = stream(addr, make_request(prompt, max_tokens=MAX_TOKENS, method="ngram", k=6,
-                                         reference_text=reference))
+                                         reference_text=reference, draft_length=fixed))
     _assert_reference_gain(plain, without, with_ref)
 
 
@@ -282,7 +287,8 @@ def test_reference_text_raises_acceptance_on_an_edit_fresh_proposer(stories_stac
     without it may draw on the shared replica's tree: that only makes the bar higher.)"""
     prompt = f"The {method} bird sang a song"  # a prompt no other test sent
     plain, reference = _edited_reference(stories_stack.gateway_addr, prompt)
-    request = lambda **options: make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6, **options)
+    request = lambda **options: make_request(prompt, max_tokens=MAX_TOKENS, method=method, k=6,
+                                             draft_length=pb.DRAFT_LENGTH_FIXED, **options)
     without = stream(stories_stack.gateway_addr, request())
     fresh = start_stack(stories_path, tmp_path_factory, f"fresh-{method}", methods=method, default_method=method)
     try:
@@ -296,11 +302,11 @@ def test_accept_policies_and_strategies_end_to_end(stories_stack, stories_path):
     addr = stories_stack.gateway_addr
     plain = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="none")).token_ids
     reject = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
-                                       accept_policy=pb.ACCEPT_POLICY_REJECT_ALL))
+                                       accept_policy=pb.ACCEPT_POLICY_REJECT_ALL, draft_length=pb.DRAFT_LENGTH_FIXED))
     assert reject.token_ids == plain
     assert reject.stats.draft_tokens > 0 and reject.stats.accepted_tokens == 0
     accept = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
-                                       accept_policy=pb.ACCEPT_POLICY_ACCEPT_ALL))
+                                       accept_policy=pb.ACCEPT_POLICY_ACCEPT_ALL, draft_length=pb.DRAFT_LENGTH_FIXED))
     assert accept.stats.accepted_tokens == accept.stats.draft_tokens > 0  # lossy: for debugging only
     for strategy in (pb.VERIFY_STRATEGY_TARGET_MATCH, pb.VERIFY_STRATEGY_REJECTION):
         greedy = stream(addr, make_request(PROMPTS["repeats"], max_tokens=32, method="ngram", k=4,
@@ -442,7 +448,8 @@ def test_gateway_process_with_kubernetes_discovery(stories_stack, stories_path, 
         env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         wait_serving(f"127.0.0.1:{port}", gateway, 240, "gateway")
-        request = lambda: make_request(PROMPTS["repeats"], max_tokens=24, method="ngram", k=4)
+        request = lambda: make_request(PROMPTS["repeats"], max_tokens=24, method="ngram", k=4,
+                                       draft_length=pb.DRAFT_LENGTH_FIXED)
         discovered = stream(f"127.0.0.1:{port}", request())
         static = stream(stories_stack.gateway_addr, request())
         assert discovered.token_ids == static.token_ids

@@ -15,6 +15,7 @@ from specdec.gateway.loop import SpecLoop
 from specdec.gateway.request import ModelLimits, parse_request
 from specdec.gateway.sequence import Delta, Sequence
 from specdec.models import load_tokenizer, resolve_model
+from specdec.protos.v1 import specdec_pb2 as pb
 
 SCORER_SVC, NGRAM_SVC = "sd-specdec-scorer", "sd-specdec-proposer-ngram"
 PROMPTS = ["Once upon a time", "Tom had a red ball.", "The sun was hot. The sun was hot. The",
@@ -45,7 +46,10 @@ def processes(stories_path, tmp_path_factory):
 
 
 def _sequence(tokenizer, limits, prompt: str) -> Sequence:
-    params = parse_request(make_request(prompt, max_tokens=48, method="ngram", k=4), tokenizer, limits,
+    # a fixed draft length: every round asks its proposer (adaptive, this tiny model's steps are too cheap
+    # for copies to pay: gateway/costs.CopyGates), which is what these tests watch
+    params = parse_request(make_request(prompt, max_tokens=48, method="ngram", k=4,
+                                        draft_length=pb.DRAFT_LENGTH_FIXED), tokenizer, limits,
                            ("none", "ngram"), "ngram", 4)
     return Sequence("t", params, tokenizer, limits.eos_token_ids, limits.max_model_len)
 

@@ -825,3 +825,35 @@ def test_beside_a_sequence_that_verifies_drafts_plain_decoding_is_weighed_as_one
     sure.drafts_offered = 1.0
     CopyGates().plan([seq, sure], costs, 0.001, 4)
     assert sure.planned_budget is None and seq.planned_budget is None
+
+
+def test_a_draft_kept_from_an_earlier_step_is_never_sent_with_several_decode_steps():
+    """A sequence planned to ask for nothing this round (CopyGates) may
+    still hold a draft an overlapped step proposed for it before: its Verify
+    verifies that draft, one pass, never asks the scorer to decode several
+    tokens beside it (the scorer refuses that as INVALID_ARGUMENT, which
+    would fail the request)."""
+    class Scorer(_ScriptedScorer):
+        async def Verify(self, request, timeout=None):
+            self.requests.append(request)
+            for s in request.sequences:
+                if s.decode_steps > 1 and len(s.draft_token_ids):
+                    raise AssertionError("decode_steps beside draft_token_ids")
+            results = [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
+                                       output_token_ids=[9, 7], num_accepted=1) for s in request.sequences]
+            return pb.VerifyResponse(results=results, compute_s=0.004)
+
+    scorer = Scorer([])
+
+    async def run():
+        loop = _loop_with(scorer)
+        seq = Sequence("r", _params("ngram", 3), _Tokenizer(), (2,), 512)
+        seq.scorer_addr, seq.scorer_primed, seq.proposer_len, seq.planned_budget = SCORER, True, 3, 0
+        assert seq.copies_plainly and seq.decode_steps(4) == 4
+        verdicts = await loop._verify_on(SCORER, [seq], {seq.seq_id: Draft(np.array([9, 9], np.int32))})
+        return verdicts
+
+    verdicts = asyncio.run(run())
+    sent = scorer.requests[0].sequences[0]
+    assert list(sent.draft_token_ids) == [9, 9] and sent.decode_steps <= 1
+    assert verdicts[0].num_accepted == 1
