@@ -350,7 +350,8 @@ class Sequence:
     def copies_plainly(self) -> bool:
         """A copy method's sequence that asks its proposer for nothing this
         round (``planned_budget`` 0 from ``costs.CopyGates``): it decodes
-        plainly, several tokens a call, neither drafted nor drafting ahead."""
+        plainly, several tokens a call, verifying no draft (in rounds that
+        draft ahead, its proposer is still asked beside the Verify)."""
         return self.params.method in ONE_HOT_METHODS and self.planned_budget == 0
 
     @property
