@@ -59,7 +59,9 @@ CHAT_PROMPTS = {
 #: single-stream runs: (method, draft length)
 SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("suffix", "fixed"), ("suffix", "adaptive"),
           ("draft", "fixed"), ("draft", "adaptive"), ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
-CONCURRENT = ["none", "ngram", "draft", "draft_hybrid"]
+#: --streams runs: (method, draft length)
+CONCURRENT = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("draft", "fixed"),
+              ("draft_hybrid", "fixed")]
 #: with --eagle3
 EAGLE3_SINGLE = [("eagle3", "fixed"), ("eagle3", "adaptive")]
 VLLM_RUNNER = Path(__file__).with_name("vllm_draft.py")
@@ -207,7 +209,8 @@ def main() -> None:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     single = [(m, length) for m, length in SINGLE if args.draft or m not in MODEL_METHODS]
     single += EAGLE3_SINGLE if args.eagle3 else []
-    concurrent = [m for m in CONCURRENT if args.draft or m not in MODEL_METHODS] + (["eagle3"] if args.eagle3 else [])
+    concurrent = [(m, length) for m, length in CONCURRENT if args.draft or m not in MODEL_METHODS]
+    concurrent += [("eagle3", "fixed")] if args.eagle3 else []
 
     tok = load_tokenizer(resolve_model(args.model))
     encode = (lambda t: chat_ids(tok, t)) if getattr(tok, "chat_template", None) else \
@@ -250,10 +253,10 @@ def main() -> None:
             results["single"][key] = {**ordered[len(ordered) // 2], "runs_tok_s": [r["tok_s"] for r in rows],
                                       "identical_to_plain": all(r["identical_to_plain"] for r in rows)}
         for wl, prompts in workloads.items():
-            for method in concurrent if args.streams > 0 else ():
+            for method, length in concurrent if args.streams > 0 else ():
                 r = run_concurrent(stack.gateway_addr, list(prompts.values()), args.streams, method, args.k,
-                                   args.max_tokens)
-                results["concurrent"][f"{wl}/{method}"] = {k: v for k, v in r.items() if k != "token_ids"}
+                                   args.max_tokens, length)
+                results["concurrent"][f"{wl}/{r['method']}"] = {k: v for k, v in r.items() if k != "token_ids"}
     results["mixed"] = mixed(results)
     if args.draft and not args.skip_hf:
         results["hf"] = run_hf_assisted(args.model, args.draft, workloads["chat"], args.k, args.max_tokens)
