@@ -599,11 +599,14 @@ def branching_stack(stories_path, tmp_path_factory):
 def test_greedy_identity_drafting_ahead_with_branches(branching_stack, stories_path, method):
     """Two streams at a time (the gateway asks for branches in messages of
     at most AHEAD_BRANCH_MAX_SEQUENCES sequences drafting ahead); hybrid
-    answers its n-gram half's branches, suffix its tries'."""
+    answers its n-gram half's branches, suffix its tries'. A fixed draft
+    length: adaptive, copies against this tiny model's cheap steps mostly
+    decode plainly (CopyGates), leaving few branches to count."""
     cases = [(prompt, k) for k in (1, 3, 8) for prompt in PROMPTS]
     with ThreadPoolExecutor(AHEAD_BRANCH_MAX_SEQUENCES) as pool:
         gens = list(pool.map(lambda c: stream(branching_stack.gateway_addr,
-                                              make_request(c[0], max_tokens=48, method=method, k=c[1])), cases))
+                                              make_request(c[0], max_tokens=48, method=method, k=c[1],
+                                                           draft_length=pb.DRAFT_LENGTH_FIXED)), cases))
     for (prompt, _), gen in zip(cases, gens):
         expected = hf_greedy(stories_path, tuple(hf_model(stories_path)[1](prompt)["input_ids"]), 48)
         assert_same_as_greedy(stories_path, gen, expected, 48)

@@ -35,7 +35,9 @@ def _run_all(addr, method="ngram", k=4, max_tokens=LONG, on_first=None):
             if on_first is not None and not fired.is_set():
                 fired.set()
                 on_first()
-        request = make_request(prompt, max_tokens=max_tokens, method=method, k=k)
+        # a fixed draft length: every round asks its proposer (adaptive, copies against this tiny model's
+        # cheap steps would mostly decode plainly: gateway/costs.CopyGates), so a failure has drafts to hit
+        request = make_request(prompt, max_tokens=max_tokens, method=method, k=k, draft_length=pb.DRAFT_LENGTH_FIXED)
         request.ignore_eos = True
         return stream(addr, request, on_delta=delta).token_ids
 
