@@ -83,10 +83,18 @@ def has_dpbf16() -> bool:
     (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES), and an LLVM whose dot-product
     intrinsic takes bfloat vectors (17 and later; before, it took i32 vectors)."""
     from llvmlite import binding
+    return binding.llvm_version_info >= (17,) and bool(_host_features().get("avx512bf16"))
+
+
+def _host_features() -> dict:
+    """The host CPU's features as LLVM sees them, or none where another
+    target is forced (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES): numba then
+    compiles for that target, whose features are not the host's."""
+    from llvmlite import binding
     from numba.core import config
     if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None):
-        return False
-    return binding.llvm_version_info >= (17,) and bool(binding.get_host_cpu_features().get("avx512bf16"))
+        return {}
+    return dict(binding.get_host_cpu_features())
 
 
 def _element(context, builder, array_type, array, index):
@@ -329,12 +337,8 @@ signed_bytes = intrinsic(_small_ints(None))
 def has_permute() -> bool:
     """Whether numba compiles for a CPU with AVX-512 (``pick_low`` /
     ``pick_high``: a 16-entry table lookup per lane, ``vpermps``): the host's
-    features as LLVM sees them, no other target forced (``has_dpbf16``'s rule)."""
-    from llvmlite import binding
-    from numba.core import config
-    if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None):
-        return False
-    return bool(binding.get_host_cpu_features().get("avx512f"))
+    features as LLVM sees them, no other target forced (``_host_features``)."""
+    return bool(_host_features().get("avx512f"))
 
 
 @intrinsic
