@@ -55,9 +55,11 @@ from specdec.engine.simd import (
     add,
     has_permute,
     high_nibbles,
+    high_nibbles_widened,
     iota,
     load,
     low_nibbles,
+    low_nibbles_widened,
     mac,
     mul,
     pick_high,
@@ -157,6 +159,26 @@ def _q4_0_pick(qs, d, m, o, b):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _q4_1_widened(qs, d, m, o, b):
+    """``_q4_1``'s values, the bytes widened before their 4 bits are split
+    (``simd.low_nibbles_widened``: fewer instructions on AVX2)."""
+    i = (o * d.shape[1] + b) * 16
+    scale, low = splat(d[o, b]), splat(m[o, b])
+    prefetch_l1(qs, i + PREFETCH_AHEAD)
+    return fma_lanes(low, scale, low_nibbles_widened(qs, i)), fma_lanes(low, scale, high_nibbles_widened(qs, i))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _q4_0_widened(qs, d, m, o, b):
+    """``_q4_0``'s values, the bytes widened first (``_q4_1_widened``)."""
+    i = (o * d.shape[1] + b) * 16
+    scale, eight = splat(d[o, b]), splat(np.float32(-8.0))
+    prefetch_l1(qs, i + PREFETCH_AHEAD)
+    return (mul(add(low_nibbles_widened(qs, i), eight), scale),
+            mul(add(high_nibbles_widened(qs, i), eight), scale))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _q8_0(qs, d, m, o, b):
     """Output o's weights of block b, dequantised: (values 0..15, 16..31)."""
     i = (o * d.shape[1] + b) * 32
@@ -249,6 +271,57 @@ def _rows6(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows1_two(x, qs, d, m, out, o, r, block):
+    """out[r, o:o+2], each output summed as ``_rows1`` sums it (the
+    narrow layout: two outputs' blocks and sums fit 16 vector registers)."""
+    xr = r * x.shape[1]
+    a0 = a1 = zeros()
+    for b in range(d.shape[1]):
+        k = xr + b * 32
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        u = load(x, k)
+        a0, a1 = mac(a0, u, l0), mac(a1, u, l1)
+        u = load(x, k + 16)
+        a0, a1 = mac(a0, u, h0), mac(a1, u, h1)
+    out[r, o], out[r, o + 1] = total(a0), total(a1)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows3_one(x, qs, d, m, out, o, r, block):
+    """out[r:r+3, o], each summed as ``_rows1`` sums it (the narrow layout)."""
+    n = x.shape[1]
+    x0, x1, x2 = r * n, (r + 1) * n, (r + 2) * n
+    a0 = a1 = a2 = zeros()
+    for b in range(d.shape[1]):
+        low, high = block(qs, d, m, o, b)
+        k = b * 32
+        a0, a1, a2 = mac(a0, load(x, x0 + k), low), mac(a1, load(x, x1 + k), low), mac(a2, load(x, x2 + k), low)
+        k += 16
+        a0, a1, a2 = mac(a0, load(x, x0 + k), high), mac(a1, load(x, x1 + k), high), mac(a2, load(x, x2 + k), high)
+    out[r, o], out[r + 1, o], out[r + 2, o] = total(a0), total(a1), total(a2)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows6_one(x, qs, d, m, out, o, r, block):
+    """out[r:r+6, o], each summed as ``_rows1`` sums it; the block
+    dequantised once for the six rows (the narrow layout)."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4, x5 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n, (r + 5) * n
+    a0 = a1 = a2 = a3 = a4 = a5 = zeros()
+    for b in range(d.shape[1]):
+        low, high = block(qs, d, m, o, b)
+        k = b * 32
+        a0, a1, a2 = mac(a0, load(x, x0 + k), low), mac(a1, load(x, x1 + k), low), mac(a2, load(x, x2 + k), low)
+        a3, a4, a5 = mac(a3, load(x, x3 + k), low), mac(a4, load(x, x4 + k), low), mac(a5, load(x, x5 + k), low)
+        k += 16
+        a0, a1, a2 = mac(a0, load(x, x0 + k), high), mac(a1, load(x, x1 + k), high), mac(a2, load(x, x2 + k), high)
+        a3, a4, a5 = mac(a3, load(x, x3 + k), high), mac(a4, load(x, x4 + k), high), mac(a5, load(x, x5 + k), high)
+    out[r, o], out[r + 1, o], out[r + 2, o] = total(a0), total(a1), total(a2)
+    out[r + 3, o], out[r + 4, o], out[r + 5, o] = total(a3), total(a4), total(a5)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _gemm(x, qs, d, m, out, chunks, block, block6):
     """out = x @ W.T for x [R, in] (R % GROUP in 0, 1, 3), W the blocks'
     weights [out, in] (out a multiple of OUT_BLOCK): rows six at a time
@@ -269,6 +342,31 @@ def _gemm(x, qs, d, m, out, chunks, block, block6):
                     _rows3(x, qs, d, m, out, o, whole, block)
                 elif rows - whole == 1:
                     _rows1(x, qs, d, m, out, o, whole, block)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _gemm_narrow(x, qs, d, m, out, chunks, block):
+    """``_gemm`` for CPUs with 16 vector registers (AVX2: a LANES-lane
+    value takes two): one output at a time for six or three rows, two for
+    one row, so sums and blocks stay in registers where ``_gemm``'s four
+    outputs spill them (2 cores of an AMD EPYC without AVX-512, SmolLM2's
+    shapes: 1.5x faster at one row, 2x at six). The same sums in the same
+    order: the same bits."""
+    rows = x.shape[0]
+    whole = rows - rows % GROUP
+    blocks = out.shape[1] // OUT_BLOCK
+    per = (blocks + chunks - 1) // chunks
+    for c in numba.prange(chunks):
+        for blk in range(c * per, min(blocks, (c + 1) * per)):
+            for r in range(0, whole, GROUP):
+                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+                    _rows6_one(x, qs, d, m, out, o, r, block)
+            if rows - whole == 3:
+                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+                    _rows3_one(x, qs, d, m, out, o, whole, block)
+            elif rows - whole == 1:
+                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 2):
+                    _rows1_two(x, qs, d, m, out, o, whole, block)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -303,9 +401,37 @@ def _gemm_q4_0_pick(x, qs, d, m, out, chunks):
     _gemm(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0)
 
 
-#: Each kind's compiled entry, the 4-bit kinds' by table where the CPU can pick lanes (the same values either way).
-KERNELS = {"Q4_0": _gemm_q4_0_pick, "Q4_1": _gemm_q4_1_pick, "Q8_0": _gemm_q8_0} if has_permute() else \
-    {"Q4_0": _gemm_q4_0, "Q4_1": _gemm_q4_1, "Q8_0": _gemm_q8_0}
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q4_1_narrow(x, qs, d, m, out, chunks):
+    """``_gemm_narrow`` over Q4_1 blocks (``_q4_1_widened``)."""
+    _gemm_narrow(x, qs, d, m, out, chunks, _q4_1_widened)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q4_0_narrow(x, qs, d, m, out, chunks):
+    """``_gemm_narrow`` over Q4_0 blocks (``_q4_0_widened``)."""
+    _gemm_narrow(x, qs, d, m, out, chunks, _q4_0_widened)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q8_0_narrow(x, qs, d, m, out, chunks):
+    """``_gemm_narrow`` over Q8_0 blocks."""
+    _gemm_narrow(x, qs, d, m, out, chunks, _q8_0)
+
+
+#: Each layout's compiled entries by kind, all computing the same bits:
+#: "table" (AVX-512: 4-bit blocks of one to three rows by table), "wide"
+#: (32 vector registers, multiply-add), "narrow" (16 registers: AVX2).
+LAYOUTS = {
+    "table": {"Q4_0": _gemm_q4_0_pick, "Q4_1": _gemm_q4_1_pick, "Q8_0": _gemm_q8_0},
+    "wide": {"Q4_0": _gemm_q4_0, "Q4_1": _gemm_q4_1, "Q8_0": _gemm_q8_0},
+    "narrow": {"Q4_0": _gemm_q4_0_narrow, "Q4_1": _gemm_q4_1_narrow, "Q8_0": _gemm_q8_0_narrow},
+}
+#: The layouts this CPU can run ("table" needs AVX-512's lane permutes).
+RUNNABLE = ("table", "wide", "narrow") if has_permute() else ("wide", "narrow")
+#: The layout gemm() runs: by table where the CPU has AVX-512 (measured on AMD EPYC family 26), else narrow.
+LAYOUT = "table" if has_permute() else "narrow"
+KERNELS = LAYOUTS[LAYOUT]
 
 
 def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:

@@ -72,27 +72,26 @@ def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gg
     assert np.array_equal(one, gemm_gguf.gemm(x, quant, 2)[:1])
 
 
-@pytest.mark.parametrize("index", [0, 2], ids=["q4_1", "q4_0"])
-def test_4_bit_blocks_by_table_and_by_multiply_add_give_the_same_bits(gguf_file, index):
-    """The entries by table (``pick``: AVX-512 only) and by multiply-add
-    (elsewhere, and at six rows) both compute simd's bits: the one this
-    CPU's gemm takes is tested above, this checks the other too."""
+@pytest.mark.parametrize("index", [0, 1, 2], ids=["q4_1", "q8_0", "q4_0"])
+def test_every_layout_gives_the_same_bits(gguf_file, index):
+    """Every kernel layout this CPU can run computes simd's bits: by table
+    (AVX-512 only), wide (multiply-add, four outputs at a time) and narrow
+    (AVX2's 16 registers: one or two outputs, the bytes widened first). The
+    one this CPU's gemm takes is tested above; this checks the others too."""
     blocks = GgufBlocks(gguf_file)
     w = dequantized(blocks, index)
     quant = blocks.find(torch.from_numpy(w))
-    kind = quant.kind.lower()
-    entries = [getattr(gemm_gguf, f"_gemm_{kind}")]
-    if has_permute():
-        entries.append(getattr(gemm_gguf, f"_gemm_{kind}_pick"))
+    assert set(gemm_gguf.RUNNABLE) == ({"table", "wide", "narrow"} if has_permute() else {"wide", "narrow"})
     padded = gemm_simd.pad_weight(w)
     rng = np.random.default_rng(3)
-    for rows in (1, 3, 6, 7, 9):  # the entries take R % 6 in (0, 1, 3), as gemm pads
+    for rows in (1, 3, 6, 7, 9, 12):  # the entries take R % 6 in (0, 1, 3), as gemm pads
         x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
         want = gemm_simd.gemm(x, padded, 2)[:, :len(w)]
-        for entry in entries:
-            out = np.empty((rows, quant.d.shape[0]), np.float32)
-            entry(x, quant.qs, quant.d, quant.m, out, 2)
-            assert np.array_equal(out[:, :len(w)], want), (entry.__name__, rows)
+        for layout in gemm_gguf.RUNNABLE:
+            for chunks in (1, 2):
+                out = np.empty((rows, quant.d.shape[0]), np.float32)
+                gemm_gguf.LAYOUTS[layout][quant.kind](x, quant.qs, quant.d, quant.m, out, chunks)
+                assert np.array_equal(out[:, :len(w)], want), (layout, rows, chunks)
 
 
 def test_fused_permuted_sliced_and_zero_padded_rows_are_found(gguf_file):
