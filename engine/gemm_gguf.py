@@ -38,6 +38,11 @@ values are computed once (the same ``fma``) and each weight picked from them
 by its 4 bits (``vpermps``) for one to three rows: 2-3 % faster decode steps
 through the engine (throwaway ``/work/exp/s42/ab_pick.py``, paired in one
 process: 0.982 at one row, 0.968 at three), and bit for bit the same values.
+On CPUs with 16 vector registers (AVX2: a LANES-lane value takes two) the
+four outputs' sums spill, so there ``_gemm_narrow`` takes one or two outputs
+at a time (the same sums in the same order): SmolLM2's decode steps through
+the engine 0.81x the time, six-row verification 0.59x (2 cores of an AMD
+EPYC of CPU family 25 without AVX-512; throwaway ``/work/exp/s43/ab.py``).
 """
 from __future__ import annotations
 
