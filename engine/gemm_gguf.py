@@ -47,6 +47,7 @@ EPYC of CPU family 25 without AVX-512; throwaway ``/work/exp/s43/ab.py``).
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -434,9 +435,61 @@ LAYOUTS = {
 }
 #: The layouts this CPU can run ("table" needs AVX-512's lane permutes).
 RUNNABLE = ("table", "wide", "narrow") if has_permute() else ("wide", "narrow")
-#: The layout gemm() runs: by table where the CPU has AVX-512 (measured on AMD EPYC family 26), else narrow.
+#: The layout a CPU starts with: by table where it has AVX-512 (measured on AMD EPYC family 26), else narrow.
 LAYOUT = "table" if has_permute() else "narrow"
-KERNELS = LAYOUTS[LAYOUT]
+#: The row counts a kernel runs at (``PADDED_TAIL``): one or three rows left over, groups of six.
+LAYOUT_ROWS = (1, 3, GROUP)
+#: The layout gemm() runs each of LAYOUT_ROWS with (``use_layouts``; the CPU's default until the
+#: selector has timed them on this machine: ``time_layouts``, ``choose_layouts``).
+ROW_LAYOUTS = dict.fromkeys(LAYOUT_ROWS, LAYOUT)
+#: A layout within this fraction of the fastest is a tie, which the CPU's default layout wins.
+LAYOUT_TIE = 0.03
+
+
+def time_layouts(weights: list[QuantWeight], threads: int, reps: int = 3) -> dict[str, dict[int, float]]:
+    """ms of one pass over all of `weights` for each layout this CPU can run
+    at each of LAYOUT_ROWS rows: the fastest of `reps`, layouts in turns (a
+    drifting machine slows them alike)."""
+    rng = np.random.default_rng(0)
+    ms: dict[str, dict[int, float]] = {name: {} for name in RUNNABLE}
+    for rows in LAYOUT_ROWS:
+        xs = {n: rng.standard_normal((rows, n)).astype(np.float32) for n in {w.d.shape[1] * BLOCK for w in weights}}
+        outs = [np.empty((rows, w.d.shape[0]), np.float32) for w in weights]
+        best = dict.fromkeys(RUNNABLE, float("inf"))
+        for rep in range(reps + 1):  # the first round compiles / warms up
+            for name in RUNNABLE:
+                t = time.perf_counter()
+                with LAUNCH_LOCK:
+                    set_team(threads)
+                    for w, out in zip(weights, outs):
+                        LAYOUTS[name][w.kind](xs[w.d.shape[1] * BLOCK], w.qs, w.d, w.m, out, threads)
+                if rep:
+                    best[name] = min(best[name], (time.perf_counter() - t) * 1e3)
+        for name in RUNNABLE:
+            ms[name][rows] = round(best[name], 3)
+    return ms
+
+
+def choose_layouts(ms: dict[str, dict[int, float]]) -> dict[int, str]:
+    """The fastest layout at each row count of ``time_layouts``' timings; one
+    within LAYOUT_TIE of it is a tie, which the CPU's default (LAYOUT) wins."""
+    choice = {}
+    for rows in LAYOUT_ROWS:
+        timed = {name: t[rows] for name, t in ms.items() if rows in t}
+        best = min(timed, key=lambda n: (timed[n], n != LAYOUT))
+        choice[rows] = LAYOUT if LAYOUT in timed and timed[LAYOUT] <= timed[best] * (1 + LAYOUT_TIE) else best
+    return choice
+
+
+def use_layouts(choice: dict[int, str]) -> None:
+    """Runs each row count of LAYOUT_ROWS with the layout `choice` names
+    (all compute the same bits; process-wide). Raises ValueError for a
+    layout this CPU cannot run or a row count that is not one of LAYOUT_ROWS."""
+    for rows, name in choice.items():
+        if rows not in LAYOUT_ROWS or name not in RUNNABLE:
+            raise ValueError(f"gguf layouts: {rows} rows by {name!r}: row counts are {LAYOUT_ROWS}, "
+                             f"layouts this CPU runs {RUNNABLE}")
+    ROW_LAYOUTS.update(choice)
 
 
 def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
@@ -451,9 +504,15 @@ def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.shape[1] == w.d.shape[1] * BLOCK
     out = np.empty((x.shape[0], w.d.shape[0]), np.float32)
+    tail = x.shape[0] % GROUP
+    whole = x.shape[0] - tail
     with LAUNCH_LOCK:
         set_team(chunks)
-        KERNELS[w.kind](x, w.qs, w.d, w.m, out, chunks)
+        if not tail or not whole or ROW_LAYOUTS[tail] == ROW_LAYOUTS[GROUP]:  # one launch
+            LAYOUTS[ROW_LAYOUTS[tail or GROUP]][w.kind](x, w.qs, w.d, w.m, out, chunks)
+        else:  # the groups and the rows left by their own layouts (rows never depend on the rows beside them)
+            LAYOUTS[ROW_LAYOUTS[GROUP]][w.kind](x[:whole], w.qs, w.d, w.m, out[:whole], chunks)
+            LAYOUTS[ROW_LAYOUTS[tail]][w.kind](x[whole:], w.qs, w.d, w.m, out[whole:], chunks)
     return out[:rows] if left else out
 
 

@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 9
+CACHE_VERSION = 10
 #: Environment variables that cap the instruction sets the GEMM paths' code
 #: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
 #: same CPU then runs other kernels, so those that are set join the cache key
@@ -623,12 +623,34 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         report["select_s"] = round(time.perf_counter() - t0, 3)
         _save(_without_busy_timings(report))
     linears = [Linear(w, b, GEMM_PATHS[chosen], quantized) for _, w, b in weights]
+    if GEMM_PATHS[chosen].kind == "gguf":
+        _gguf_layouts(report, linears, num_threads)
     log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
              dtype, report["key"]["cpu"], num_threads, summary(report))
     return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto",
                                                    "prefer_kinds": list(prefer_kinds),
                                                    "timed_rows": {str(n): w for n, w in timed_rows.items()},
                                                    **({"scores": scores} if gemm == "auto" else {})})
+
+
+def _gguf_layouts(report: dict, linears: list[Linear], num_threads: int) -> None:
+    """simd-gguf's kernel layout per row count (``gemm_gguf.LAYOUTS``: the
+    same bits, registers used differently), timed on these weights on this
+    machine once and cached in the report ("gguf_layouts"; not on a busy
+    machine), then used (process-wide)."""
+    entry = report.get("gguf_layouts")
+    if entry is None or set(entry["ms"]) != set(gemm_gguf.RUNNABLE):
+        quants = [lin._quant for lin in linears if lin._quant is not None]
+        busy = machine_busy()
+        ms = gemm_gguf.time_layouts(quants, num_threads)
+        entry = {"ms": {name: {str(n): v for n, v in t.items()} for name, t in ms.items()},
+                 "choice": {str(n): name for n, name in gemm_gguf.choose_layouts(ms).items()}}
+        if not busy:
+            report["gguf_layouts"] = entry
+            _save(_without_busy_timings(report))
+    choice = {int(n): name for n, name in entry["choice"].items()}
+    gemm_gguf.use_layouts(choice)
+    log.info("gemm: simd-gguf layouts %s (ms of a pass: %s)", choice, entry["ms"])
 
 
 def _without_busy_timings(report: dict) -> dict:

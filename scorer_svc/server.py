@@ -180,7 +180,10 @@ def export_gemm_choice(engine: Engine) -> None:
         return
     ENGINE_GEMM.info({"path": report["chosen"], "dtype": report["key"]["dtype"].removeprefix("torch."),
                       "cpu": report["key"]["cpu"], "threads": str(report["key"]["threads"]),
-                      "forced": str(report["forced"]).lower()})
+                      "forced": str(report["forced"]).lower(),
+                      # simd-gguf's kernel layout per row count, as timed here ("" for other paths)
+                      "gguf_layouts": ",".join(f"{n}:{name}" for n, name in
+                                               report.get("gguf_layouts", {}).get("choice", {}).items())})
     for path, entry in report["paths"].items():
         for rows, ms in entry.get("ms", {}).items():
             ENGINE_GEMM_MS.labels(path, rows).set(ms)

@@ -94,6 +94,46 @@ def test_every_layout_gives_the_same_bits(gguf_file, index):
                 assert np.array_equal(out[:, :len(w)], want), (layout, rows, chunks)
 
 
+@pytest.fixture
+def row_layouts():
+    """Restores the process-wide layouts a test changes."""
+    saved = dict(gemm_gguf.ROW_LAYOUTS)
+    yield gemm_gguf.ROW_LAYOUTS
+    gemm_gguf.ROW_LAYOUTS.update(saved)
+
+
+def test_groups_and_rows_left_by_different_layouts_give_the_same_bits(gguf_file, row_layouts):
+    """gemm() runs the groups of six and the rows left over by the layouts
+    chosen for each (two launches where they differ): simd's bits whatever
+    the combination."""
+    blocks = GgufBlocks(gguf_file)
+    rng = np.random.default_rng(4)
+    for index in (0, 1, 2):
+        w = dequantized(blocks, index)
+        quant = blocks.find(torch.from_numpy(w))
+        padded = gemm_simd.pad_weight(w)
+        for groups in gemm_gguf.RUNNABLE:
+            for left in gemm_gguf.RUNNABLE:
+                gemm_gguf.use_layouts({6: groups, 1: left, 3: left})
+                for rows in (1, 3, 6, 7, 8, 9, 13, 17):
+                    x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+                    got = gemm_gguf.gemm(x, quant, 2)[:, :len(w)]
+                    assert np.array_equal(got, gemm_simd.gemm(x, padded, 2)[:, :len(w)]), (index, groups, left, rows)
+
+
+def test_the_fastest_layout_is_chosen_per_row_count_and_a_tie_keeps_the_cpu_s_default(row_layouts):
+    other = next(n for n in gemm_gguf.LAYOUTS if n != gemm_gguf.LAYOUT)
+    ms = {gemm_gguf.LAYOUT: {1: 10.0, 3: 10.0, 6: 10.0}, other: {1: 5.0, 3: 9.9, 6: 20.0}}
+    assert gemm_gguf.choose_layouts(ms) == {1: other, 3: gemm_gguf.LAYOUT, 6: gemm_gguf.LAYOUT}
+    with pytest.raises(ValueError, match="layouts this CPU runs"):
+        gemm_gguf.use_layouts({1: "sideways"})
+    with pytest.raises(ValueError, match="row counts are"):
+        gemm_gguf.use_layouts({2: gemm_gguf.LAYOUT})
+    if not has_permute():
+        with pytest.raises(ValueError, match="'table'"):
+            gemm_gguf.use_layouts({1: "table"})
+
+
 def test_fused_permuted_sliced_and_zero_padded_rows_are_found(gguf_file):
     blocks = GgufBlocks(gguf_file)
     up, embd = dequantized(blocks, 0), dequantized(blocks, 1)
@@ -151,7 +191,7 @@ def test_simd_gguf_is_refused_by_name_for_weights_from_no_gguf_file(tmp_path, mo
     assert chosen.report["paths"]["simd-gguf"]["failure"].startswith(gemm_select.UNAVAILABLE)
 
 
-def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path, monkeypatch):
+def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path, monkeypatch, row_layouts):
     from specdec.engine import gemm_select
 
     monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
@@ -164,6 +204,15 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     assert forced.linears[0].nbytes == blocks.find(w[0][1]).nbytes < w[0][1].nbytes / 3  # what a pass reads
     x = torch.randn(3, 96)
     assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
+    # its kernel layouts timed on these weights, chosen per row count, used, and cached with the verdicts
+    layouts = forced.report["gguf_layouts"]
+    assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE) and set(layouts["choice"]) == {"1", "3", "6"}
+    assert all(t > 0 for times in layouts["ms"].values() for t in times.values())
+    assert gemm_gguf.ROW_LAYOUTS == {int(n): name for n, name in layouts["choice"].items()}
+    if not gemm_select.machine_busy():  # a busy machine's timings are not kept
+        monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: pytest.fail("timed again"))
+        again = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+        assert again.report["gguf_layouts"] == layouts
 
 
 def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_file_holding_none_is_refused(

@@ -213,7 +213,7 @@ def test_scorer_exports_the_engine_choice(stories_path, cache):
     engine = build_engine(EngineConfig(stories_path, kv_capacity_tokens=64))
     export_gemm_choice(engine)
     labels = {"path": engine.gemm, "dtype": "float32", "cpu": gemm_select.cpu_model(),
-              "threads": str(engine.num_threads), "forced": "false"}
+              "threads": str(engine.num_threads), "forced": "false", "gguf_layouts": ""}  # not a GGUF model
     assert REGISTRY.get_sample_value("specdec_engine_gemm_info", labels) == 1.0
     timed = engine.gemm_report["paths"][engine.gemm]["ms"]
     assert REGISTRY.get_sample_value("specdec_engine_gemm_ms", {"path": engine.gemm, "rows": "1"}) == timed["1"]
