@@ -645,8 +645,8 @@ def _gguf_layouts(report: dict, linears: list[Linear], num_threads: int) -> None
         ms = gemm_gguf.time_layouts(quants, num_threads)
         entry = {"ms": {name: {str(n): v for n, v in t.items()} for name, t in ms.items()},
                  "choice": {str(n): name for n, name in gemm_gguf.choose_layouts(ms).items()}}
+        report["gguf_layouts"] = entry
         if not busy:
-            report["gguf_layouts"] = entry
             _save(_without_busy_timings(report))
     choice = {int(n): name for n, name in entry["choice"].items()}
     gemm_gguf.use_layouts(choice)
