@@ -61,11 +61,9 @@ from specdec.engine.simd import (
     add,
     has_permute,
     high_nibbles,
-    high_nibbles_widened,
     iota,
     load,
     low_nibbles,
-    low_nibbles_widened,
     mac,
     mul,
     pick_high,
@@ -162,26 +160,6 @@ def _q4_0_pick(qs, d, m, o, b):
     table = mul(add(iota(), splat(np.float32(-8.0))), splat(d[o, b]))
     prefetch_l1(qs, i + PREFETCH_AHEAD)
     return pick_low(table, qs, i), pick_high(table, qs, i)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _q4_1_widened(qs, d, m, o, b):
-    """``_q4_1``'s values, the bytes widened before their 4 bits are split
-    (``simd.low_nibbles_widened``: fewer instructions on AVX2)."""
-    i = (o * d.shape[1] + b) * 16
-    scale, low = splat(d[o, b]), splat(m[o, b])
-    prefetch_l1(qs, i + PREFETCH_AHEAD)
-    return fma_lanes(low, scale, low_nibbles_widened(qs, i)), fma_lanes(low, scale, high_nibbles_widened(qs, i))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _q4_0_widened(qs, d, m, o, b):
-    """``_q4_0``'s values, the bytes widened first (``_q4_1_widened``)."""
-    i = (o * d.shape[1] + b) * 16
-    scale, eight = splat(d[o, b]), splat(np.float32(-8.0))
-    prefetch_l1(qs, i + PREFETCH_AHEAD)
-    return (mul(add(low_nibbles_widened(qs, i), eight), scale),
-            mul(add(high_nibbles_widened(qs, i), eight), scale))
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -409,14 +387,14 @@ def _gemm_q4_0_pick(x, qs, d, m, out, chunks):
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_1_narrow(x, qs, d, m, out, chunks):
-    """``_gemm_narrow`` over Q4_1 blocks (``_q4_1_widened``)."""
-    _gemm_narrow(x, qs, d, m, out, chunks, _q4_1_widened)
+    """``_gemm_narrow`` over Q4_1 blocks."""
+    _gemm_narrow(x, qs, d, m, out, chunks, _q4_1)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_0_narrow(x, qs, d, m, out, chunks):
-    """``_gemm_narrow`` over Q4_0 blocks (``_q4_0_widened``)."""
-    _gemm_narrow(x, qs, d, m, out, chunks, _q4_0_widened)
+    """``_gemm_narrow`` over Q4_0 blocks."""
+    _gemm_narrow(x, qs, d, m, out, chunks, _q4_0)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)

@@ -306,15 +306,15 @@ def element(typingctx, array, index):
 _BYTES = ir.VectorType(ir.IntType(8), LANES)
 
 
-def _small_ints(high: bool | None, widen_first: bool = False):
+def _small_ints(high: bool | None):
     """An intrinsic: LANES bytes of a C-contiguous array from flat element
     `index` as float32 lanes (exact): for a uint8 array their low (high is
     False) or high (True) 4 bits, 0..15; for an int8 array (high None) the
-    signed values. GGUF's Q4_0, Q4_1 and Q8_0 quants (``gemm_gguf``).
-    widen_first: the bytes are widened to 32 bits before their 4 bits are
-    split (the same values; on AVX2 two ``vpmovzxbd`` from memory, shared by
-    the low and the high half, and a 32-bit mask or shift, where splitting
-    the bytes first takes a 16-bit shift, a mask and a shuffle per half)."""
+    signed values. GGUF's Q4_0, Q4_1 and Q8_0 quants (``gemm_gguf``). The
+    bytes are widened to 32 bits before their 4 bits are split: on AVX2 two
+    ``vpmovzxbd`` from memory (shared by the low and the high half) and a
+    32-bit mask or shift, where splitting the bytes first took a 16-bit
+    shift, a byte mask and a shuffle more per half."""
     def typer(typingctx, array, index):
         if array.dtype != (types.int8 if high is None else types.uint8):
             return None
@@ -324,17 +324,12 @@ def _small_ints(high: bool | None, widen_first: bool = False):
             b = builder.load(builder.bitcast(pointer, _BYTES.as_pointer()), align=1)
             if high is None:
                 return builder.sitofp(builder.sext(b, _WIDE_BITS), _VECTOR)
-            kind = _WIDE_BITS if widen_first else _BYTES
-            if widen_first:
-                b = builder.zext(b, _WIDE_BITS)
-            b = builder.lshr(b, ir.Constant(kind, [4] * LANES)) if high else \
-                builder.and_(b, ir.Constant(kind, [15] * LANES))
-            if widen_first:
-                return builder.sitofp(b, _VECTOR)
-            return builder.uitofp(builder.zext(b, _WIDE_BITS), _VECTOR)
+            b = builder.zext(b, _WIDE_BITS)
+            b = builder.lshr(b, ir.Constant(_WIDE_BITS, [4] * LANES)) if high else \
+                builder.and_(b, ir.Constant(_WIDE_BITS, [15] * LANES))
+            return builder.sitofp(b, _VECTOR)
         return lanes(array, index), codegen
-    name = {None: "signed_bytes", False: "low_nibbles", True: "high_nibbles"}[high]
-    typer.__name__ = typer.__qualname__ = name + ("_widened" if widen_first else "")
+    typer.__name__ = typer.__qualname__ = {None: "signed_bytes", False: "low_nibbles", True: "high_nibbles"}[high]
     return typer
 
 
@@ -342,9 +337,6 @@ def _small_ints(high: bool | None, widen_first: bool = False):
 low_nibbles = intrinsic(_small_ints(False))
 high_nibbles = intrinsic(_small_ints(True))
 signed_bytes = intrinsic(_small_ints(None))
-#: the same 4 bits, the bytes widened first (``_small_ints``' widen_first: CPUs with 16 vector registers)
-low_nibbles_widened = intrinsic(_small_ints(False, widen_first=True))
-high_nibbles_widened = intrinsic(_small_ints(True, widen_first=True))
 
 
 def has_permute() -> bool:

@@ -76,7 +76,7 @@ def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gg
 def test_every_layout_gives_the_same_bits(gguf_file, index):
     """Every kernel layout this CPU can run computes simd's bits: by table
     (AVX-512 only), wide (multiply-add, four outputs at a time) and narrow
-    (AVX2's 16 registers: one or two outputs, the bytes widened first). The
+    (AVX2's 16 registers: one or two outputs at a time). The
     one this CPU's gemm takes is tested above; this checks the others too."""
     blocks = GgufBlocks(gguf_file)
     w = dequantized(blocks, index)
