@@ -41,8 +41,11 @@ process: 0.982 at one row, 0.968 at three), and bit for bit the same values.
 On CPUs with 16 vector registers (AVX2: a LANES-lane value takes two) the
 four outputs' sums spill, so there ``_gemm_narrow`` takes one or two outputs
 at a time (the same sums in the same order): SmolLM2's decode steps through
-the engine 0.81x the time, six-row verification 0.59x (2 cores of an AMD
-EPYC of CPU family 25 without AVX-512; throwaway ``/work/exp/s43/ab.py``).
+the engine 0.81x the time of the wide layout as it was (its bytes split
+before they were widened), six-row verification 0.59x (2 cores of an AMD
+EPYC of CPU family 25 without AVX-512; throwaway ``/work/exp/s43/ab.py``);
+the kernels alone against today's wide layout 0.77x at one row, 0.59x at
+six (``/work/exp/s43/mb.py``).
 """
 from __future__ import annotations
 
@@ -334,7 +337,7 @@ def _gemm_narrow(x, qs, d, m, out, chunks, block):
     value takes two): one output at a time for six or three rows, two for
     one row, so sums and blocks stay in registers where ``_gemm``'s four
     outputs spill them (2 cores of an AMD EPYC without AVX-512, SmolLM2's
-    shapes: 1.5x faster at one row, 2x at six). The same sums in the same
+    shapes: 1.3x faster at one row, 1.7x at six). The same sums in the same
     order: the same bits."""
     rows = x.shape[0]
     whole = rows - rows % GROUP
