@@ -195,6 +195,7 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     from specdec.engine import gemm_select
 
     monkeypatch.setenv(gemm_select.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(gemm_select, "machine_busy", lambda: False)  # timings cached whatever else runs
     blocks = GgufBlocks(gguf_file)
     w = [("up", torch.from_numpy(dequantized(blocks, 0)), None), ("lm_head", torch.from_numpy(dequantized(blocks, 1)),
                                                                   None)]
@@ -209,10 +210,9 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE) and set(layouts["choice"]) == {"1", "3", "6"}
     assert all(t > 0 for times in layouts["ms"].values() for t in times.values())
     assert gemm_gguf.ROW_LAYOUTS == {int(n): name for n, name in layouts["choice"].items()}
-    if not gemm_select.machine_busy():  # a busy machine's timings are not kept
-        monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: pytest.fail("timed again"))
-        again = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
-        assert again.report["gguf_layouts"] == layouts
+    monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: pytest.fail("timed again"))
+    again = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+    assert again.report["gguf_layouts"] == layouts
 
 
 def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_file_holding_none_is_refused(
