@@ -42,7 +42,9 @@ def build_tree() -> Path:
 def main() -> int:
     tree = build_tree()
     env = {**os.environ, "MYPYPATH": str(tree)}
-    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "specdec",
+    # the cache beside the tree, not in it (build_tree empties the tree): later runs are incremental
+    cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
+           "--cache-dir", str(ROOT / ".mypy_cache"), "-p", "specdec",
            *sys.argv[1:]]
     return subprocess.call(cmd, cwd=tree, env=env)
 
