@@ -321,7 +321,10 @@ def test_feature_graphs_give_the_eager_features_and_logits_bitwise(stories, dtyp
     graphs, eager = graph_engine(model, dtype, fuse_gpu_steps=fused), gpu_engine(model, dtype, cuda_graphs=False,
                                                                                   fuse_gpu_steps=fused)
     assert eager.graphs is None
-    starts = {"a": prompt[:12], "b": prompt[:5], "c": prompt[:9]}
+    # 26 prompt rows replay the 32-row graph on a GPU; under the interpreter 14 rows, the 16-row graph
+    # (its attention runs a program per padded row: the 32-row prefill took a third of the test's 2 minutes)
+    lengths = (6, 3, 5) if INTERPRETED else (12, 5, 9)
+    starts = {s: prompt[:n] for s, n in zip("abc", lengths)}
     prefill = [(s, p, 1) for s, p in starts.items()]
     got, want = [both(graphs, prefill)], [both(eager, prefill)]
     nxt = {s: int(w.argmax()) for s, w in zip(starts, want[0][0])}
@@ -341,7 +344,7 @@ def test_feature_graphs_give_the_eager_features_and_logits_bitwise(stories, dtyp
         assert g_feats.dtype == w_feats.dtype == graphs.dtype and g_feats.shape == w_feats.shape
         assert torch.equal(g_feats, w_feats)
     assert got[-1][1].shape == (3 + 1 + 9, 3 * 64)
-    assert graphs.graphs.captured(layers) == [(4, 4), (8, 1), (16, 4), (32, 4)]
+    assert graphs.graphs.captured(layers) == [(4, 4), (8, 1), (16, 4)] + ([] if INTERPRETED else [(32, 4)])
     assert graphs.graphs.captured() == [(1, 1)]  # the plain pass
     fresh = graph_engine(model, dtype, fuse_gpu_steps=fused)
     fresh.prepare(2, 4, feature_layers=layers)
