@@ -10,5 +10,9 @@ if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
 # one process): as many workers as cores, at most 4 (each loads its own models);
 # SPECDEC_TEST_WORKERS=0 runs everything in this process.
 workers="${SPECDEC_TEST_WORKERS:-$(python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
+  echo "SPECDEC_TEST_WORKERS must be a whole number of workers (0: one process), not '$workers'" >&2
+  exit 2
+fi
 if [ "$workers" -gt 1 ]; then set -- -n "$workers" --dist loadfile "$@"; fi
 python -m pytest -q --durations=25 "$@"  # the slowest 25: what to look at when the run grows
