@@ -135,12 +135,89 @@ def resolve_model(model: str, cached: bool = True) -> ModelSource:
     return ModelSource(model)  # a hub id: transformers resolves (and may fetch) it
 
 
+#: Where ``load_tokenizer`` remembers the tokenizer class AutoTokenizer chose
+#: for a model directory ("off": nowhere).
+TOKENIZER_CACHE_ENV = "SPECDEC_TOKENIZER_CACHE_DIR"
+#: Bumped when what an entry holds changes: older entries are then never read.
+TOKENIZER_CACHE_FORMAT = 1
+
+
+def tokenizer_cache_entry(source: ModelSource) -> Path | None:
+    """The file that names the class AutoTokenizer chose for a local model
+    directory (None: a hub id, or ``$SPECDEC_TOKENIZER_CACHE_DIR`` is "off";
+    default ~/.cache/specdec/tokenizers). Keyed by the directory, the name,
+    size and modification time of every file in it, the GGUF file named and
+    the transformers version: any change there chooses again."""
+    env = os.environ.get(TOKENIZER_CACHE_ENV, "")
+    if env.lower() == "off" or not Path(source.path).is_dir():
+        return None
+    root = Path(env) if env else Path.home() / ".cache" / "specdec" / "tokenizers"
+    directory = Path(source.path).resolve()
+    try:
+        files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())
+        version = metadata.version("transformers")
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    key = json.dumps([str(directory), files, source.gguf_file, version, TOKENIZER_CACHE_FORMAT])
+    return root / f"{directory.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _cached_tokenizer(entry: Path, source: ModelSource):
+    """The tokenizer from the class ``entry`` names, loaded as AutoTokenizer
+    loads it once it has chosen (``cls.from_pretrained(path, _from_auto=True)``,
+    from the GGUF file where that is where it was found), or None (no
+    entry, or it no longer loads)."""
+    import importlib
+
+    try:
+        chosen = json.loads(entry.read_text())
+        cls = getattr(importlib.import_module(chosen["module"]), chosen["class"])
+        return cls.from_pretrained(source.path, _from_auto=True, **(source.hf_kwargs() if chosen["gguf"] else {}))
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a stale or broken entry: choose again
+        log.info("the tokenizer class remembered in %s did not load (%s); asking AutoTokenizer", entry, e)
+        return None
+
+
+def _remember_tokenizer(entry: Path, tokenizer, gguf: bool) -> None:
+    """Writes the class AutoTokenizer chose (one of transformers' own, never
+    remote code) to ``entry``, atomically; a cache that cannot be written is
+    only logged."""
+    cls = type(tokenizer)
+    if not cls.__module__.startswith("transformers."):
+        return
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"module": cls.__module__, "class": cls.__qualname__, "gguf": gguf}))
+        os.replace(tmp, entry)
+    except OSError as e:
+        log.info("could not remember the tokenizer class in %s (%s)", entry, e)
+
+
 def load_tokenizer(source: ModelSource):
+    """The model's tokenizer, as ``AutoTokenizer.from_pretrained`` gives it.
+
+    AutoTokenizer chooses the class by reading the model's config, which
+    imports torch and most of transformers: ~7 s of CPU on 2 cores of an AMD
+    EPYC, where the gateway needs only the tokenizer. So the class it chose
+    for a local directory is remembered (``tokenizer_cache_entry``), and
+    later loads call that class as AutoTokenizer calls it: ~2 s, no torch
+    (tested: the same tokens, text and chat template; the gateway process
+    never maps torch)."""
+    entry = tokenizer_cache_entry(source)
+    tokenizer = _cached_tokenizer(entry, source) if entry is not None else None
+    if tokenizer is not None:
+        return tokenizer
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.path)
+        tokenizer, gguf = AutoTokenizer.from_pretrained(source.path), False
     except Exception:  # a GGUF-only directory: the tokenizer lives in the file
         if not source.gguf_file:
             raise
-        return AutoTokenizer.from_pretrained(source.path, **source.hf_kwargs())
+        tokenizer, gguf = AutoTokenizer.from_pretrained(source.path, **source.hf_kwargs()), True
+    if entry is not None:
+        _remember_tokenizer(entry, tokenizer, gguf)
+    return tokenizer

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -141,6 +142,27 @@ def test_two_gateways_sharing_replicas_never_mix_sequences(backend, stories_path
     finally:
         for g in gateways:
             g.close()
+
+
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_gateway_maps_no_torch_once_its_tokenizer_class_is_known(backend, stories_path, tmp_path, monkeypatch):
+    """The gateway needs only the tokenizer: the first start on a model asks
+    AutoTokenizer (which imports torch) and remembers its class; a later one
+    loads that class directly, never maps torch, and serves the same tokens."""
+    monkeypatch.setenv("SPECDEC_TOKENIZER_CACHE_DIR", str(tmp_path / "tokenizers"))  # children inherit it
+    request = make_request("Once upon a tree", max_tokens=24, method="ngram")
+    want = stream(backend.gateway_addr, request, timeout=300).token_ids
+    for first in (True, False):
+        gateway = _Gateway(backend, tmp_path, stories_path, grace_s=1)
+        try:
+            assert _maps_torch(gateway.proc.pid) is first  # the check sees torch where it is there
+            assert stream(gateway.addr, request, timeout=300).token_ids == want
+        finally:
+            gateway.close()
+        assert len(list((tmp_path / "tokenizers").glob("*.json"))) == 1
 
 
 def test_free_port_avoids_the_ephemeral_range_and_never_repeats():

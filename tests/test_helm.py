@@ -463,6 +463,9 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_loaded():
     assert {"name": "HF_HOME", "value": "/cache/huggingface"} in container(minimal)["env"]
     # the dequantised copy of a GGUF model goes to the same volume (the root filesystem is read-only)
     assert {"name": "SPECDEC_GGUF_CACHE_DIR", "value": "/cache/specdec-gguf"} in container(minimal)["env"]
+    # and the tokenizer classes AutoTokenizer chose, so a gateway pod's later starts skip torch
+    gateway = docs_of(render("minimal-cpu.yaml"), "Deployment")["gateway"]
+    assert {"name": "SPECDEC_TOKENIZER_CACHE_DIR", "value": "/cache/specdec-tokenizers"} in container(gateway)["env"]
 
 
 def test_extra_args_and_env_are_appended():
