@@ -175,8 +175,10 @@ def test_logits_match_transformers(stories_path, stories, dtype):
     from transformers import AutoModelForCausalLM
 
     model, prompt = stories
+    if INTERPRETED:  # 20 tokens still fill two KV blocks; the interpreted attention's time grows with rows x context
+        prompt = prompt[:20]
     logits = feed(gpu_engine(model, dtype), [("s", prompt, len(prompt))])[0]
-    assert logits.device.type == DEVICE
+    assert logits.device.type == DEVICE and len(logits) == len(prompt)
     want = hf_logits(model, prompt)  # float32, CPU
     if dtype == "float32":
         assert (logits.cpu() - want).abs().max() < 2e-4
