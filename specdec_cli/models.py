@@ -171,6 +171,8 @@ def _cached_tokenizer(entry: Path, source: ModelSource):
 
     try:
         chosen = json.loads(entry.read_text())
+        if not str(chosen["module"]).startswith("transformers."):  # never import what the cache names elsewhere
+            raise ValueError(f"module {chosen['module']!r} is not one of transformers'")
         cls = getattr(importlib.import_module(chosen["module"]), chosen["class"])
         return cls.from_pretrained(source.path, _from_auto=True, **(source.hf_kwargs() if chosen["gguf"] else {}))
     except FileNotFoundError:

@@ -88,6 +88,15 @@ def test_a_stale_entry_asks_autotokenizer_again_and_is_rewritten(stories_path, c
     assert json.loads(entry.read_text())["class"] == "LlamaTokenizer"
     entry.write_text("not json")
     assert type(load_tokenizer(source)).__name__ == "LlamaTokenizer"
+    # an entry naming a module outside transformers is never imported (a shared cache volume could be written
+    # by anyone with access to it)
+    entry.write_text(json.dumps({"module": "tokenizer_cache_probe", "class": "Tok", "gguf": False}))
+    probe = tmp_path / "tokenizer_cache_probe.py"
+    probe.write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(load_tokenizer(source)).__name__ == "LlamaTokenizer"
+    assert not (tmp_path / "imported").exists()
+    assert json.loads(entry.read_text())["class"] == "LlamaTokenizer"
     _no_auto(monkeypatch)
     assert type(load_tokenizer(source)).__name__ == "LlamaTokenizer"  # rewritten again, then read
 
