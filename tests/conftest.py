@@ -23,6 +23,59 @@ SCORER_ARGS = shlex.split(os.environ.get("SPECDEC_TEST_SCORER_ARGS", ""))
 DRAFT_ARGS = shlex.split(os.environ.get("SPECDEC_TEST_DRAFT_ARGS", ""))
 
 
+#: The triton release whose interpreter ``_device_calls_patch_once`` was read against.
+_TRITON_READ = "3.9.0"
+
+
+def _device_calls_patch_once() -> None:
+    """Triton's interpreter (TRITON_INTERPRET=1) patches triton.language
+    again at every call of a device function (tl.sum, tl.max, ...: each a
+    scan of the language's modules, ~3 ms), a third of an interpreted
+    kernel's time (test_gpu_engine's feature-graph test: 70 of 194 s under
+    cProfile). A device call's patches are not undone until its kernel's
+    launch ends (``GridExecutor.__call__`` restores what it and they changed;
+    ``InterpretedFunction.__call__`` drops their scope), so within one launch
+    a function's later calls only repeat what is in place: here they skip
+    it, and each launch starts afresh. The kernels run the same code on the
+    same values. Only for the triton release this was read against; on any
+    other the interpreter runs as shipped."""
+    import sys
+
+    triton = sys.modules.get("triton")  # never imported here: TRITON_INTERPRET must be set before it is
+    if triton is None or triton.__version__ != _TRITON_READ:
+        return
+    from triton.runtime import interpreter
+
+    patched: set = set()  # device functions patched in the launch running now
+    launch = interpreter.GridExecutor.__call__
+
+    def run(self, *args, **kwargs):
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call(self, *args, **kwargs):
+        if self.fn not in patched:
+            interpreter._patch_lang(self.fn)
+            patched.add(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter.GridExecutor.__call__ = run
+    interpreter.InterpretedFunction.__call__ = call
+
+
+def pytest_collection_finish(session) -> None:
+    """After the test modules are imported (those testing Triton kernels set
+    TRITON_INTERPRET before importing triton)."""
+    _device_calls_patch_once()
+
+
 def _need(path: str | None) -> str:
     """The model directory; skips without it, but fails under ``CI=true`` so a CI
     machine that lost the models cannot pass by skipping every integration test."""
