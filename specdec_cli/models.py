@@ -195,6 +195,7 @@ def _remember_tokenizer(entry: Path, tokenizer, gguf: bool) -> None:
         tmp.write_text(json.dumps({"module": cls.__module__, "class": cls.__qualname__, "gguf": gguf}))
         os.replace(tmp, entry)
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         log.info("could not remember the tokenizer class in %s (%s)", entry, e)
 
 

@@ -141,3 +141,11 @@ def test_a_gguf_only_directory_remembers_that_its_tokenizer_is_in_the_file(stori
     assert type(load_tokenizer(source)).__name__ == "LlamaTokenizer"
     assert calls == [{}, {"gguf_file": "tiny.Q4_1.gguf"}]
     assert json.loads(tokenizer_cache_entry(source).read_text())["gguf"] is True
+
+
+def test_a_cache_that_cannot_be_written_still_loads_and_leaves_nothing_half_written(stories_path, cache):
+    source = ModelSource(stories_path)
+    entry = tokenizer_cache_entry(source)
+    entry.mkdir(parents=True)  # the entry's name is taken by a directory: the rename into place fails
+    assert type(load_tokenizer(source)).__name__ == "LlamaTokenizer"
+    assert entry.is_dir() and [p.name for p in cache.iterdir()] == [entry.name]
