@@ -65,12 +65,17 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
-def gguf_cache_root() -> Path | None:
-    """``$SPECDEC_GGUF_CACHE_DIR`` ("off": no cache), else ~/.cache/specdec/gguf."""
-    env = os.environ.get(GGUF_CACHE_ENV, "")
+def _cache_root(env_name: str, name: str) -> Path | None:
+    """``$env_name`` ("off": no cache), else ~/.cache/specdec/<name>."""
+    env = os.environ.get(env_name, "")
     if env.lower() == "off":
         return None
-    return Path(env) if env else Path.home() / ".cache" / "specdec" / "gguf"
+    return Path(env) if env else Path.home() / ".cache" / "specdec" / name
+
+
+def gguf_cache_root() -> Path | None:
+    """``$SPECDEC_GGUF_CACHE_DIR`` ("off": no cache), else ~/.cache/specdec/gguf."""
+    return _cache_root(GGUF_CACHE_ENV, "gguf")
 
 
 def gguf_cache_max_bytes() -> int:
@@ -148,10 +153,9 @@ def tokenizer_cache_entry(source: ModelSource) -> Path | None:
     default ~/.cache/specdec/tokenizers). Keyed by the directory, the name,
     size and modification time of every file in it, the GGUF file named and
     the transformers version: any change there chooses again."""
-    env = os.environ.get(TOKENIZER_CACHE_ENV, "")
-    if env.lower() == "off" or not Path(source.path).is_dir():
+    root = _cache_root(TOKENIZER_CACHE_ENV, "tokenizers")
+    if root is None or not Path(source.path).is_dir():
         return None
-    root = Path(env) if env else Path.home() / ".cache" / "specdec" / "tokenizers"
     directory = Path(source.path).resolve()
     try:
         files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in directory.iterdir() if f.is_file())

@@ -19,6 +19,7 @@ from conftest import start_stack
 
 from specdec.client import make_request, stream
 from specdec.launcher import free_port, wait_serving
+from specdec.models import TOKENIZER_CACHE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ def test_a_gateway_maps_no_torch_once_its_tokenizer_class_is_known(backend, stor
     """The gateway needs only the tokenizer: the first start on a model asks
     AutoTokenizer (which imports torch) and remembers its class; a later one
     loads that class directly, never maps torch, and serves the same tokens."""
-    monkeypatch.setenv("SPECDEC_TOKENIZER_CACHE_DIR", str(tmp_path / "tokenizers"))  # children inherit it
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV, str(tmp_path / "tokenizers"))  # children inherit it
     request = make_request("Once upon a tree", max_tokens=24, method="ngram")
     want = stream(backend.gateway_addr, request, timeout=300).token_ids
     for first in (True, False):

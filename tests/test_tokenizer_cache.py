@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from specdec.models import ModelSource, load_tokenizer, resolve_model, tokenizer_cache_entry
+from specdec.models import TOKENIZER_CACHE_ENV, ModelSource, load_tokenizer, resolve_model, tokenizer_cache_entry
 
 #: text that exercises what tokenizers differ on: leading and repeated
 #: spaces, newlines and tabs, digits, punctuation, accents, CJK, emoji,
@@ -29,7 +29,7 @@ TEXTS = [
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "tokenizers"
-    monkeypatch.setenv("SPECDEC_TOKENIZER_CACHE_DIR", str(root))
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV, str(root))
     return root
 
 
@@ -113,7 +113,7 @@ def test_a_changed_directory_is_a_new_entry_and_off_keeps_none(stories_path, cac
     assert load_tokenizer(source).model_max_length == 256
     assert after.is_file()
     assert tokenizer_cache_entry(ModelSource("HuggingFaceTB/SmolLM2-135M-Instruct")) is None  # a hub id
-    monkeypatch.setenv("SPECDEC_TOKENIZER_CACHE_DIR", "off")
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV, "off")
     assert tokenizer_cache_entry(source) is None
     assert load_tokenizer(source).model_max_length == 256
     assert sorted(p.name for p in cache.iterdir()) == sorted([before.name, after.name])
