@@ -425,8 +425,13 @@ class LlamaEngine(Engine):
         elif on_cpu:
             set_torch_threads(num_threads)
             # the fused CPU path (below) runs around numba/simd GEMMs only: worth more than their timings show
+            # at serving's few rows. A batch job's own rows (distill's teacher: 128) let the timings decide: the
+            # costs around a GEMM call are per call, small beside a 128-row GEMM (SmolLM2's teacher on 2 AVX2
+            # cores: oneDNN 275 answer tokens/s against the preferred simd-gguf's 197)
             fusable = fuse_small_steps and attention == "paged"
-            prefer = (("numba", "simd", "gguf") if self.dtype == torch.float32 else ("simd",)) if fusable else ()
+            serving = dict(gemm_rows) == dict(SERVING_ROWS)
+            prefer = (("numba", "simd", "gguf") if self.dtype == torch.float32 else ("simd",)) \
+                if fusable and serving else ()
             # a float32 model dequantised from GGUF blocks: simd-gguf reads the blocks (the same bits, fewer bytes)
             quantized = GgufBlocks(checkpoint.gguf) if checkpoint.gguf and (
                 gemm == "simd-gguf" or (gemm == "auto" and self.dtype == torch.float32)) else None

@@ -408,8 +408,11 @@ def teacher_engine(target, name: str, dtype: str, kv_capacity_tokens: int, threa
     bfloat16 on an AMD EPYC, family 26, where serving had picked simd-l1:
     ``python benchmarks/bench_teacher.py --answers 384 --widths 128
     --dtypes bfloat16`` answered at 776-791 tokens/s against 560 with
-    serving's pick, in turns), else the transformers engine (the model's
-    own dtype: ``teacher_dtype``)."""
+    serving's pick, in turns; SmolLM2 in float32 on 2 AVX2 cores of an AMD
+    EPYC, family 25: oneDNN at 275 tokens/s where serving's preference for
+    the fused kinds had kept simd-gguf at 197, so a batch job's rows drop
+    that preference: ``LlamaEngine``), else the transformers engine (the
+    model's own dtype: ``teacher_dtype``)."""
     from specdec.engine.checkpoint import Checkpoint
     from specdec.engine.hf_engine import HFEngine
     from specdec.engine.llama import LlamaEngine, unsupported_reason
