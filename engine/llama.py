@@ -360,7 +360,9 @@ class LlamaEngine(Engine):
     gemm_rows: the rows per forward "auto" is fastest for on CPU (row count
       -> weight, gemm_select.select's timed_rows): serving's by default
       (batch-1 decoding first); a batch job passes its own (distill's
-      teacher: distill.TEACHER_GEMM_ROWS, 128 rows a forward)."""
+      teacher: distill.TEACHER_GEMM_ROWS, 128 rows a forward), and then
+      the fastest invariant path wins outright: the preference for the
+      kinds the fused steps run around applies to serving's rows only."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: str = "float32", kv_capacity_tokens: int | None = None,
                  kv_memory_fraction: float | None = None, max_model_len: int | None = None,
