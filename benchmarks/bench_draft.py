@@ -188,7 +188,8 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams (0: single stream only)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
     ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="the draft model's dtype and the eagle3 head's projection weights (default: float32)")
+                    help="the draft model's dtype (default: float32) and the eagle3 head's projection weights "
+                         "(default: limits.HEAD_PROJECTION_DTYPE)")
     ap.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
                     help="the draft model's CPU threads (specdec proposer --draft-threads; default: as specdec "
                          "serve's, limits.COLOCATED_DRAFT_THREADS)")

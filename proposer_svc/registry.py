@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from specdec.drafts import ONE_HOT_METHODS
+from specdec.limits import HEAD_PROJECTION_DTYPE
 from specdec.proposer_svc.base import NaiveProposer, Proposer
 from specdec.proposer_svc.hybrid import HybridConfig, HybridProposer
 from specdec.proposer_svc.model_settings import DraftModelSettings, HeadConfig
@@ -35,7 +36,7 @@ class FeatureHeadSettings:
     target_model: str  # the scorer's model: shared embeddings (eagle3), the MTP layers' checkpoint (mtp)
     eagle3: str | None = None  # EAGLE-3 head directory (public layout)
     head: HeadConfig = field(default_factory=HeadConfig)
-    projection_dtype: str = "float32"  # the head's projection weights: "float32" or "bfloat16" (FeatureHead)
+    projection_dtype: str = HEAD_PROJECTION_DTYPE  # the projection weights: "float32" or "bfloat16" (FeatureHead)
     # torch and GEMM threads of the head (process-wide, as --draft-threads); None: 1 for a head too small to
     # gain from more (MULTITHREAD_MIN_LAYER_BYTES), else as the engine's default
     threads: int | None = None

@@ -56,7 +56,7 @@ def _add_common(p: argparse.ArgumentParser, port: int) -> None:
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
     """Flags of the model-draft methods (draft, draft_hybrid) and the feature heads (eagle3, mtp)."""
     from specdec.engine.config import DEVICES, DTYPE_NAMES
-    from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K
+    from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K, HEAD_PROJECTION_DTYPE
     from specdec.models import default_model
 
     p.add_argument("--draft-model", default=None,
@@ -70,9 +70,10 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3: an EAGLE-3 head for --target-model in the public layout (config.json + "
                         "model.safetensors or pytorch_model.bin, as vLLM/SGLang load it)")
     p.add_argument("--draft-device", "--device", dest="draft_device", default="cpu", choices=list(DEVICES))
-    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default="float32", choices=list(DTYPE_NAMES),
-                   help="the draft model's dtype; eagle3/mtp: the head's projection weights (bfloat16: half the "
-                        "bytes a draft step reads, float32 arithmetic; drafts may differ slightly, output never)")
+    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default=None, choices=list(DTYPE_NAMES),
+                   help="the draft model's dtype (default: float32); eagle3/mtp: the head's projection weights "
+                        f"(default: {HEAD_PROJECTION_DTYPE}: half the bytes a draft step reads of float32's, float32 "
+                        "arithmetic; drafts may differ slightly, output never)")
     p.add_argument("--draft-kv-tokens", type=int, default=None, help="draft model's KV pool size in tokens")
     p.add_argument("--draft-threads", type=int, default=None,
                    help="CPU threads of the draft model's (and the eagle3/mtp head's) GEMMs and attention (default: "
@@ -88,6 +89,7 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
 def replica_settings(args):
     """The proposer's ReplicaSettings from its parsed flags."""
     from specdec.engine.config import EngineConfig
+    from specdec.limits import HEAD_PROJECTION_DTYPE
     from specdec.proposer_svc.model_settings import DraftConfig, DraftModelSettings, HeadConfig
     from specdec.proposer_svc.registry import FeatureHeadSettings, ReplicaSettings
     from specdec.proposer_svc.suffix import SuffixConfig
@@ -95,11 +97,11 @@ def replica_settings(args):
     draft = None
     if args.draft_model:
         draft = DraftModelSettings(
-            EngineConfig(args.draft_model, dtype=args.draft_dtype, device=args.draft_device,
+            EngineConfig(args.draft_model, dtype=args.draft_dtype or "float32", device=args.draft_device,
                          kv_capacity_tokens=args.draft_kv_tokens, num_threads=args.draft_threads),
             target_model=args.target_model, draft=DraftConfig(top_k=args.draft_top_k, max_batch=args.draft_max_batch))
     heads = FeatureHeadSettings(args.target_model, args.eagle3, HeadConfig(args.draft_top_k, args.draft_max_batch),
-                                args.draft_dtype, threads=args.draft_threads)
+                                args.draft_dtype or HEAD_PROJECTION_DTYPE, threads=args.draft_threads)
     return ReplicaSettings(SuffixConfig(max_cached_requests=args.max_cached_requests, cache_between_messages=True),
                            draft, heads)
 
@@ -121,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_DECODE_STEPS,
         DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
+        HEAD_PROJECTION_DTYPE,
         MAX_BRANCH_WIDTH,
         MAX_DECODE_STEPS,
         MAX_SPECULATIVE_TOKENS,
@@ -270,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve eagle3 with this EAGLE-3 head for the model (public layout)")
     p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_NAMES),
                    help="the draft model's dtype (default: --dtype) and the eagle3 head's projection weights "
-                        "(default: float32); bfloat16 halves the bytes a draft step reads")
+                        f"(default: {HEAD_PROJECTION_DTYPE}); bfloat16 halves the bytes a draft step reads")
     p.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
                    help="the draft proposer's CPU threads (its --draft-threads): on one machine the scorer "
                         "uses every core, and a draft on more threads waits for them (limits.py, "

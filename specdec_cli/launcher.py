@@ -23,7 +23,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.gateway.clients import RECONNECT_OPTIONS
-from specdec.limits import COLOCATED_DRAFT_THREADS, DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_DECODE_STEPS
+from specdec.limits import (
+    COLOCATED_DRAFT_THREADS,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    HEAD_PROJECTION_DTYPE,
+    MAX_DECODE_STEPS,
+)
 from specdec.security import ClientTls, sync_channel
 
 _handed_out: set[int] = set()  # ports free_port gave this process: never twice
@@ -326,7 +331,8 @@ class Stack:
         if self.eagle3 and "eagle3" in methods:
             args += ["--eagle3", self.eagle3]
         if "eagle3" in methods or "mtp" in methods:  # feature heads read the target's embeddings
-            args += ["--target-model", self.model, "--draft-dtype", self.draft_dtype or "float32", *self._threads()]
+            args += ["--target-model", self.model, "--draft-dtype", self.draft_dtype or HEAD_PROJECTION_DTYPE,
+                     *self._threads()]
         return args
 
     def _draft_proposer_args(self, methods: list[str]) -> list[str]:

@@ -116,8 +116,9 @@ def test_features_lagging_behind_the_tokens_give_no_drafts(head_dir, stories_pat
 
 
 def test_the_launcher_gives_proposers_the_head_and_the_target():
-    from specdec.cli import build_parser
+    from specdec.cli import build_parser, replica_settings
     from specdec.launcher import Stack
+    from specdec.limits import HEAD_PROJECTION_DTYPE
 
     def proposer_args(stack: Stack) -> list[str]:  # the copying proposers' (eagle3 and mtp run there)
         copy_methods, _ = stack._split_methods()
@@ -140,7 +141,12 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
         parsed = build_parser().parse_args(args)
         assert parsed.draft_dtype == "bfloat16"
     assert build_parser().parse_args(with_draft._draft_proposer_args(["draft"])).draft_dtype == "float32"
-    assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "float32"
+    # without it the heads' projections are bfloat16 (HEAD_PROJECTION_DTYPE: half the bytes a draft step reads)
+    assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "bfloat16" == HEAD_PROJECTION_DTYPE
+    bare = build_parser().parse_args(["proposer", "--methods", "eagle3,draft", "--eagle3", "/heads/h",
+                                      "--draft-model", "D", "--target-model", "M"])
+    settings = replica_settings(bare)
+    assert settings.heads.projection_dtype == "bfloat16" and settings.draft.engine.dtype == "float32"
     assert build_parser().parse_args(["serve", "--draft-dtype", "bfloat16"]).draft_dtype == "bfloat16"
     # draft_threads reaches the proposer that runs the heads (COLOCATED_DRAFT_THREADS by default), as the draft's
     assert build_parser().parse_args(proposer_args(with_draft)).draft_threads == 1
