@@ -435,12 +435,17 @@ class DraftBudgets:
     steps`` (steps: the longest model-made draft it answered), and ``plan_draft_steps``
     weighs it against the Verify time and the sequences' acceptance so far.
     A copy proposer's time does not grow with the draft length; it is not
-    planned (its sequences ask for their whole budget, as before). Nor is a
-    feature head's (eagle3, mtp): its sequences take the target's features
-    every round and cannot decode several tokens per Verify, so asking for
-    nothing saves little of its time (bench_draft, SmolLM2 eagle3 head:
-    planned, 0.90x / 0.58x plain on chat / copy prompts against 0.94x /
-    0.62x at a fixed k).
+    planned (its sequences ask for their whole budget, as before). A feature
+    head's (eagle3, mtp) is: asked for nothing, its sequence still takes the
+    target's features every round (one token per Verify: the scorer returns
+    features of no decode step ahead), and they wait in the gateway
+    (``FeatureRelay.pending``) for the next message, so the rounds between
+    send the head nothing and pay no head forward; the message that asks
+    again (an exploration) relays them all and the head catches up on them
+    in one forward. On 2 AVX2 cores of an AMD EPYC, where SmolLM2 decodes a
+    token in ~8.5 ms and a head round with a 3-row Verify costs ~21 ms for
+    ~1.5 tokens, that keeps eagle3 near plain decoding instead of 0.57x of
+    it (bench_draft, ``--k 2``; the README gives the figures).
 
     When the plan asks for nothing, a round asks for one token anyway after
     EXPLORE_EVERY idle rounds: acceptance is only learnt from drafts made,
@@ -509,7 +514,11 @@ class DraftBudgets:
         replica came from a model), so a new request on a replica whose
         model does not pay does not run it over its prompt and its whole
         budget (SmolLM2 and a 4-layer draft on copy prompts, AMD EPYC: the
-        opens were most of the hybrid's model forwards)."""
+        opens were most of the hybrid's model forwards); where that K is 0
+        and no sequence on the replica has drafts of its own, they explore
+        as planned sequences do (``_explored``), so a request that comes
+        after the plan fell to nothing still finds out that its own
+        context is one the model follows."""
         after_idle, self._after_idle[addr] = self._idle_rounds.get(addr, 0) > 0, False
         planned: list[Sequence] = []
         mixed: list[Sequence] = []
@@ -520,7 +529,7 @@ class DraftBudgets:
             seq.planned_model_steps = None
             if seq.params.method not in ONE_HOT_METHODS:  # (a copy method's: CopyGates, each round)
                 seq.planned_budget = None
-            if not seq.params.adaptive or seq.features.layers or seq.num_speculative_tokens() == 0:
+            if not seq.params.adaptive or seq.num_speculative_tokens() == 0:
                 continue
             if seq.mixes_model_and_copies:
                 (mixed if seq.proposer_len else opening).append(seq)
@@ -531,10 +540,16 @@ class DraftBudgets:
                 fresh.append(seq)
         propose = self._fits.get(addr)
         if not (planned or mixed) or verify is None or propose is None:
+            last = self._last_k.get(addr)
+            if last == 0 and (opening or fresh) and verify is not None and propose is not None:
+                # only sequences without drafts of their own: they explore as planned ones do (without, a
+                # request that came after the replica's plan fell to nothing would never draft)
+                last = self._explored(addr, 0)
+                self._after_idle[addr] = after_idle
             for seq in opening:
-                seq.planned_model_steps = self._last_k.get(addr)
+                seq.planned_model_steps = last
             for seq in fresh:
-                seq.planned_budget = self._last_k.get(addr)
+                seq.planned_budget = last
             return
         gains = ([s.acceptance.gains(s.num_speculative_tokens()) for s in planned]
                  + [s.model_acceptance.gains(s.num_speculative_tokens()) for s in mixed])

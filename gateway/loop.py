@@ -602,13 +602,14 @@ class SpecLoop:
     def _nothing_to_ask(self, addr: str, seqs: list[Sequence]) -> bool:
         """Whether this round's message to addr can be left out: every
         sequence on it is one the proposer holds and is planned to draft
-        nothing (DraftBudgets), no feature rows wait for it and no releases
-        do. Its new tokens then go with the next message (an update carries
-        every token since the proposer last saw the sequence), so a model
+        nothing (DraftBudgets), and no releases wait for it. Its new tokens
+        then go with the next message (an update carries every token since
+        the proposer last saw the sequence), and so do a feature head's new
+        feature rows (they wait in ``FeatureRelay.pending``), so a model
         proposer asked for nothing costs no round trip, as method none."""
         if self.releases.pending_proposer(addr):
             return False
-        return all(s.planned_budget == 0 and s.proposer_len and not s.features.layers for s in seqs)
+        return all(s.planned_budget == 0 and s.proposer_len for s in seqs)
 
     def _verify_estimate(self, seqs: list[Sequence]) -> tuple[float, float] | None:
         """The wall-time Verify fit of the scorer replica holding most of ``seqs``."""

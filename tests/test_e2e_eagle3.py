@@ -110,6 +110,114 @@ def test_concurrent_streams_equal_solo_runs(heads_stack, stories_path):
     assert _scorer_failures(heads_stack) == 0
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_when_asked(heads_stack, stories_path,
+                                                                                       method):
+    """The gateway's loop against the real scorer and head proposer, with a
+    head step made (on paper) far dearer than a Verify: adaptive eagle3/mtp
+    sequences are asked for nothing (DraftBudgets plans feature heads too),
+    their proposer gets no message in the rounds between explorations, the
+    features of those rounds go with the next message and the head drafts
+    from them (no gap, no proposer failure), and every output is plain
+    greedy decoding of the target. (The loop is the test's own, lock-step
+    rounds: one of the stack's two settings runs it.)"""
+    import asyncio
+
+    from specdec.gateway.adaptive import CostModel
+    from specdec.gateway.costs import DraftBudgets
+    from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
+    from specdec.gateway.loop import LoopConfig, SpecLoop
+    from specdec.gateway.request import ModelLimits, parse_request
+    from specdec.gateway.sequence import Delta, Sequence
+
+    if heads_stack.overlap != "on":
+        pytest.skip("the loop here is the test's own: the stack's other setting adds nothing")
+    scorer = heads_stack.by_name("scorer")[0].addr
+    proposer = heads_stack.by_name("proposer")[0].addr
+    tokenizer = hf_model(stories_path)[1]
+    limits = ModelLimits(512, 512, (2,))
+    model_drafts: dict[str, int] = {}
+    messages: list[pb.ProposeRequest] = []
+    failures: list[Exception] = []
+
+    def sequence(text: str) -> Sequence:
+        request = make_request(_ids(stories_path, text), max_tokens=MAX_TOKENS, method=method, k=3,
+                               min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
+        params = parse_request(request, tokenizer, limits, (method,), method, 3)
+        seq = Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
+        proposed = seq.model_acceptance.proposed
+
+        def model_draft(start: int, draft: list[int]) -> None:  # counts the model-made drafts
+            if draft:
+                model_drafts[text] = model_drafts.get(text, 0) + 1
+            proposed(start, draft)
+
+        seq.model_acceptance.proposed = model_draft  # type: ignore[method-assign]
+        return seq
+
+    async def run() -> list[Sequence]:
+        scorers, heads = ReplicaSet("scorer"), ReplicaSet("proposer")
+        StaticDiscovery({"scorer": (scorers, [scorer]), method: (heads, [proposer])}).start()
+        loop = SpecLoop(scorers, {method: heads}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
+        # fitted (on paper): a Verify 10 ms + 1 ms a row, a head step 1 s; kept whatever the real calls say
+        loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
+        for t in range(1, 1001):
+            verify.observe(t % 8 + 1, 0.010 + 0.001 * (t % 8 + 1))
+        loop.budgets = budgets = DraftBudgets()
+        budgets.observe = lambda addr, steps, seconds: None  # type: ignore[method-assign]
+        budgets._fits[proposer] = (0.001, 1.0)
+        failed = loop.failures.proposer_failed
+
+        def proposer_failed(addr, seqs, error):
+            failures.append(error)
+            return failed(addr, seqs, error)
+
+        loop.failures.proposer_failed = proposer_failed  # type: ignore[method-assign]
+        opened = loop.conns.proposer_stream
+
+        def counting(addr: str):  # counts the Propose messages sent
+            stream = opened(addr)
+            if not hasattr(stream, "counted"):
+                exchange = stream.exchange
+
+                async def counted(request, timeout):
+                    messages.append(request)
+                    return await exchange(request, timeout)
+
+                stream.exchange, stream.counted = counted, True
+            return stream
+
+        loop.conns.proposer_stream = counting  # type: ignore[method-assign]
+        seqs = [sequence(p) for p in PROMPTS]
+        loop.start()
+        try:
+            for seq in seqs:  # one at a time: each output is compared alone
+                loop.submit(seq)
+                while not (isinstance(item := await seq.out.get(), Delta) and item.finish_reason):
+                    assert isinstance(item, Delta), item
+        finally:
+            await loop.stop()
+        return seqs
+
+    seqs = asyncio.run(run())
+    for seq in seqs:
+        ids = tuple(seq.tokens[:seq.num_prompt])
+        assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, MAX_TOKENS)
+    assert not failures
+    # one message a round would be MAX_TOKENS per sequence (one token per Verify: features every round); asked
+    # for nothing, a sequence is sent the open, the explorations (the first after EXPLORE_EVERY idle rounds)
+    # and its release
+    every = DraftBudgets.EXPLORE_EVERY
+    assert len(messages) <= len(seqs) * (3 + MAX_TOKENS // every) < len(seqs) * MAX_TOKENS / 3
+    # the first drafts when it opens, the next only once the replica's plan is known (nothing); both draft in
+    # explorations, from the features of the idle rounds before, which only the exploration's message
+    # relayed (a row missing there would give no draft, or fail the proposer); the explorations grow rarer
+    drafts = [model_drafts.get(text, 0) for text in PROMPTS]
+    assert drafts[0] >= 2 and drafts[1] >= 1, model_drafts
+    assert all(seq.planned_budget in (0, 1) for seq in seqs)
+    assert seqs[0].stats.feature_bytes > 0 and seqs[1].stats.feature_bytes > 0
+
+
 def test_killing_an_eagle3_proposer_mid_run_changes_nothing(heads_stack):
     """The sequences move to the other replica, which is opened on their
     context and asks for features from there (runs last: one replica is left)."""

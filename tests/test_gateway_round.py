@@ -386,7 +386,7 @@ def test_a_scorer_stub_is_built_once_per_channel_and_dropped_with_it():
 
 def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     """DraftBudgets: only adaptive sequences whose drafts come from a model
-    (not a feature head) are planned; nothing is planned until the proposer's and the scorer's
+    (a draft model or a feature head) are planned; nothing is planned until the proposer's and the scorer's
     times are fitted; a plan of zero asks for one token after EXPLORE_EVERY
     idle rounds, then after twice as many each time the plan goes on asking
     for nothing (up to EXPLORE_MAX_EVERY), and after EXPLORE_EVERY again
@@ -445,9 +445,13 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
         budgets.observe("p:1", 0, 0.001)
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget == 5
-    model.features.opened((1, 2), 0)  # a feature head: features every round, no decode_steps: not planned
+    model.features.opened((1, 2), 0)  # a feature head is planned as well
     budgets.plan("p:1", seqs, verify)
-    assert model.planned_budget is None
+    assert model.planned_budget == 5
+    for _ in range(30):  # the head stops following the context: asked for nothing, it still decodes one
+        model.acceptance.record(0, 5)  # token per Verify (the target's features of every position go on)
+    budgets.plan("p:1", seqs, verify)
+    assert model.planned_budget == 0 and model.decode_steps(4) == 1
     model.features.opened((), 0)
     model.model_drafted = 0.8  # a hybrid that just copied: it may copy far, the plan would cut it
     budgets.plan("p:1", seqs, verify)
