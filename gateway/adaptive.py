@@ -35,13 +35,25 @@ import math
 
 class CostModel:
     """Verify time of one scorer replica, ``fixed + per_token * tokens``, fitted
-    by least squares with exponential forgetting (recent rounds weigh most)."""
+    by least squares with exponential forgetting (recent rounds weigh most);
+    beside the fit, the mean time of each token count seen (``measured``),
+    which a line cannot follow where the cost is a staircase: the CPU
+    engine runs 2 or 3 rows as 3 and 4 to 6 as 6 (SmolLM2 on 2 AVX2 cores of
+    an AMD EPYC, eagle3 rounds: 9.5 ms at 1 row, 12.0 at 2, 11.6 at 3, which
+    fitted as 14 ms + 0 per token: rows that cost nothing, and a plain
+    round 4 ms dearer than it is)."""
+
+    #: a token count's mean is used once it has this many samples
+    MIN_MEASURED = 3
+    #: weight of a token count's newest sample in its mean
+    MEASURED_DECAY = 0.8
 
     def __init__(self, forget: float = 0.97, min_samples: int = 8) -> None:
         self.forget = forget
         self.min_samples = min_samples
         self.samples = 0
         self._w = self._x = self._xx = self._y = self._xy = 0.0
+        self._at: dict[int, tuple[int, float]] = {}  # tokens -> (samples, moving mean seconds)
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
@@ -53,6 +65,20 @@ class CostModel:
         self._y = f * self._y + seconds
         self._xy = f * self._xy + tokens * seconds
         self.samples += 1
+        n, mean = self._at.get(tokens, (0, seconds))
+        self._at[tokens] = (n + 1, self.MEASURED_DECAY * mean + (1 - self.MEASURED_DECAY) * seconds if n else seconds)
+
+    def measured(self) -> dict[int, float]:
+        """The mean seconds of each token count seen at least MIN_MEASURED times."""
+        return {tokens: mean for tokens, (n, mean) in self._at.items() if n >= self.MIN_MEASURED}
+
+    def proportional(self) -> tuple[float, float] | None:
+        """(0, mean seconds per token) once there are min_samples: all the
+        time counted per token, for samples whose token counts hardly vary
+        (``estimate`` cannot split them); right at the count they share."""
+        if self.samples < self.min_samples or self._x <= 0.0:
+            return None
+        return 0.0, self._y / self._x
 
     def estimate(self) -> tuple[float, float] | None:
         """(fixed_s, per_token_s), or None until the rounds seen so far had
@@ -168,7 +194,7 @@ def plan_draft_lengths(gains: list[list[float]], base_tokens: list[int],
 
 
 def plan_draft_steps(gains: list[list[float]], base_tokens: int, verify: tuple[float, float],
-                     propose: tuple[float, float]) -> int:
+                     propose: tuple[float, float], measured: dict[int, float] | None = None) -> int:
     """Draft tokens to ask a model proposer for, per sequence, this round.
 
     A model proposer pays one forward per draft token (its sequences draft
@@ -185,7 +211,9 @@ def plan_draft_steps(gains: list[list[float]], base_tokens: int, verify: tuple[f
     gains: per sequence, the expected acceptance of each draft position up to
     its budget (non-increasing, from its history: the draft's own confidence
     only exists once drafted); base_tokens: rows the Verify feeds anyway;
-    verify / propose: (fixed_s, per_token_s) and (fixed_s, per_step_s).
+    verify / propose: (fixed_s, per_token_s) and (fixed_s, per_step_s);
+    measured: a Verify's seconds by the rows it feeds where seen
+    (``CostModel.measured``), which take the place of the fit's.
     K = 0 asks for nothing (plain decoding this round)."""
     v_fixed, v_token = verify
     p_fixed, p_step = propose
@@ -195,7 +223,8 @@ def plan_draft_steps(gains: list[list[float]], base_tokens: int, verify: tuple[f
         if k:
             expected += sum(g[k - 1] for g in gains if len(g) >= k)
             fed += sum(1 for g in gains if len(g) >= k)
-        rate = expected / ((p_fixed + p_step * k if k else 0.0) + v_fixed + v_token * fed)
+        verify_s = (measured or {}).get(fed, v_fixed + v_token * fed)
+        rate = expected / ((p_fixed + p_step * k if k else 0.0) + verify_s)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

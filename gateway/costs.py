@@ -257,6 +257,13 @@ class VerifyCosts:
             return None
         return estimate[0] + self.overhead_s.get(addr, 0.0), estimate[1]
 
+    def wall_measured(self, addr: str) -> dict[int, float]:
+        """A whole Verify call's seconds by the rows it fed, where measured
+        (``CostModel.measured``), the RPC overhead added."""
+        model = self.models.get(addr)
+        overhead = self.overhead_s.get(addr, 0.0)
+        return {} if model is None else {rows: s + overhead for rows, s in model.measured().items()}
+
     def observe(self, addr: str, plan: DraftPlan, compute_s: float, rpc_s: float) -> None:
         overhead = max(0.0, rpc_s - compute_s)
         d = self.OVERHEAD_DECAY
@@ -491,13 +498,18 @@ class DraftBudgets:
             return
         model = self.models.setdefault(addr, CostModel())
         model.observe(steps, seconds)
-        fit = model.estimate()
+        # calls of one draft length cannot split a call's time from a step's (a feature head asked for k
+        # every round): then all of it per step, right at that length, which is what a plan weighs
+        fit = model.estimate() or model.proportional()
         if fit is not None:
             self._fits[addr] = fit
 
-    def plan(self, addr: str, seqs: list[Sequence], verify: tuple[float, float] | None) -> None:
+    def plan(self, addr: str, seqs: list[Sequence], verify: tuple[float, float] | None,
+             measured: dict[int, float] | None = None) -> None:
         """Sets ``planned_budget`` of ``seqs`` (those proposed on ``addr`` this
-        round): the planned K for the adaptive ones with model drafts, None
+        round; ``verify``: the scorer's wall-time fit, ``measured``: its
+        measured times by rows fed, ``VerifyCosts.wall_measured``): the
+        planned K for the adaptive ones with model drafts, None
         (their whole budget) for the others and while a fit is missing; and
         ``planned_model_steps`` of the adaptive ones of a model-and-copy
         method (draft_hybrid): the same K, planned from the acceptance of
@@ -553,7 +565,8 @@ class DraftBudgets:
             return
         gains = ([s.acceptance.gains(s.num_speculative_tokens()) for s in planned]
                  + [s.model_acceptance.gains(s.num_speculative_tokens()) for s in mixed])
-        k = plan_draft_steps(gains, sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose)
+        k = plan_draft_steps(gains, sum(1 if s.scorer_primed else len(s.tokens) for s in seqs), verify, propose,
+                             measured)
         k = self._last_k[addr] = self._explored(addr, k)
         self._after_idle[addr] = after_idle
         for seq in planned + fresh:

@@ -275,3 +275,55 @@ def test_draft_steps_weigh_a_model_proposer_against_the_verify():
     # against drafting at all (as fitted for a 4-layer SmolLM2 draft beside its scorer)
     assert plan_draft_steps([[0.45, 0.2]], 1, verify, (0.008, 0.003)) == 0
     assert plan_draft_steps([[0.6, 0.3]], 1, verify, (0.008, 0.003)) == 2
+
+
+def test_measured_verify_times_take_the_place_of_the_line_where_the_cost_is_a_staircase():
+    """A CPU engine runs 2 or 3 rows as 3: a Verify of 1 row 9.5 ms, of 2 or
+    3 rows ~12 ms. Fitted over rounds of mostly 2 and 3 rows, the line says
+    rows cost nothing and a plain round costs as much as a drafted one; the
+    measured mean of each row count seen (CostModel.measured) says what a
+    plain round costs, and the plan then decodes plainly where a head's
+    drafts do not pay."""
+    from specdec.gateway.adaptive import plan_draft_steps
+
+    model = CostModel(min_samples=4)
+    for rows in [2, 3] * 40 + [1] * 3 + [2, 3] * 5:
+        model.observe(rows, {1: 0.0095, 2: 0.0120, 3: 0.0116}[rows])
+    fixed, per_token = model.estimate()
+    assert per_token < 0.0005 and fixed + per_token > 0.011  # the line: a 1-row round near 12 ms
+    measured = model.measured()
+    assert measured.keys() == {1, 2, 3} and abs(measured[1] - 0.0095) < 1e-9 and abs(measured[3] - 0.0116) < 1e-9
+    gains, head = [[0.33, 0.12]], (0.0, 0.003)  # a feature head: 3 ms a step, its catch-up included
+    # by the line, K = 1: 1.33 / ~14.5 ms beats K = 0: 1 / ~11.2 ms; by the measured times (1 / 9.5 ms
+    # against 1.33 / 15 ms) it does not
+    assert plan_draft_steps(gains, 1, (fixed, per_token), head) == 1
+    assert plan_draft_steps(gains, 1, (fixed, per_token), head, measured) == 0
+    # a count seen fewer than MIN_MEASURED times is not used
+    model.observe(7, 0.02)
+    assert 7 not in model.measured()
+
+
+def test_a_cost_of_one_length_only_is_counted_per_token():
+    """Calls of one draft length (a head asked for k every round) cannot
+    split a call's time from a step's: ``estimate`` has none, and
+    ``proportional`` counts all of it per step, right at that length."""
+    model = CostModel(min_samples=8)
+    for _ in range(7):
+        model.observe(2, 0.006)
+    assert model.estimate() is None and model.proportional() is None  # too few samples
+    model.observe(2, 0.006)
+    assert model.estimate() is None
+    fixed, per_step = model.proportional()
+    assert fixed == 0.0 and abs(per_step - 0.003) < 1e-12
+
+
+def test_the_verify_costs_give_the_measured_wall_times_with_the_rpc_overhead():
+    from specdec.gateway.costs import DraftPlan, VerifyCosts
+
+    costs = VerifyCosts()
+    assert costs.wall_measured("s:1") == {}
+    for _ in range(3):
+        costs.observe("s:1", DraftPlan({}, 1, True), 0.0095, 0.0115)  # 2 ms of RPC beyond the compute
+        costs.observe("s:1", DraftPlan({}, 3, False), 0.0400, 0.0420)  # a prefill: not a round's cost
+    assert costs.wall_measured("s:1").keys() == {1}
+    assert abs(costs.wall_measured("s:1")[1] - 0.0115) < 1e-9
