@@ -313,12 +313,13 @@ class Sequence:
         """Tokens one Verify call may decode for this sequence (plain
         decoding, VerifySequence.decode_steps): up to ``most`` for a sequence
         that drafts nothing this round (method none, or a proposer asked for
-        nothing: ``planned_budget``), asks no target features and
+        nothing: ``planned_budget``; a feature head's sequence too: the
+        scorer answers the target's features of every position decoded) and
         whose scorer holds its context (a first touch answers one token: the
         first token comes as early as without), cut so that a call never
         makes more output than max_tokens or the context allow; 1 otherwise."""
         drafting = self.params.num_speculative_tokens and self.planned_budget != 0
-        if drafting or self.features.layers or not self.scorer_primed:
+        if drafting or not self.scorer_primed:
             return 1
         return self.plain_steps(most)
 

@@ -615,13 +615,15 @@ class Scheduler:
     def _decode_next(self, job: _Job, output: list[int], context_len: int) -> None:
         """Re-arms a decode_steps job for its next token: it feeds the
         pending token at context_len, drawn as a call at that length would
-        draw it (the call's sampling, seed and the new position)."""
+        draw it (the call's sampling, seed and the new position). Feature
+        rows keep accumulating from the call's first (feature_start stays):
+        the call answers the rows of every position its passes ran."""
         assert job.call is not None
         job.spec = replace(job.call.specs[job.index], context=None, context_len=context_len)
         job.decoded = output
         job.feed, job.fed = np.array([output[-1]], np.int32), 0
         job.context_len_before = context_len
-        job.feed_start = job.feature_start = context_len - 1
+        job.feed_start = context_len - 1
         if job.ahead:  # a decode-ahead step this call took over: from now on the call's own job
             job.ahead = False
             del self._ahead_jobs[job.spec.seq_id]

@@ -118,13 +118,14 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
 
 def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int, feature_layers: tuple[int, ...]) -> None:
     """decode_steps: 0..MAX_DECODE_STEPS, and more than one only for a
-    sequence asking nothing but tokens."""
+    sequence asking no drafts verified and no hidden states (target
+    features may be asked: the call answers the rows of every pass)."""
     steps = seq.decode_steps
     if not 0 <= steps <= MAX_DECODE_STEPS:
         raise InvalidArgument(f"{f}.decode_steps: must be in 0..{MAX_DECODE_STEPS}, got {steps}")
     if steps > 1:
         asked = [name for name, on in (("draft_token_ids", num_drafts), ("return_hidden_states",
-                                        seq.return_hidden_states), ("feature_layers", feature_layers)) if on]
+                                        seq.return_hidden_states)) if on]
         if asked:
             raise InvalidArgument(f"{f}.decode_steps: {steps} tokens in one call only without {asked[0]}")
 

@@ -110,17 +110,19 @@ def test_concurrent_streams_equal_solo_runs(heads_stack, stories_path):
     assert _scorer_failures(heads_stack) == 0
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+@pytest.mark.parametrize("method,decode_steps", [("eagle3", 1), ("mtp", 1), ("eagle3", 4)])
 def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_when_asked(heads_stack, stories_path,
-                                                                                       method):
+                                                                                       method, decode_steps):
     """The gateway's loop against the real scorer and head proposer, with a
     head step made (on paper) far dearer than a Verify: adaptive eagle3/mtp
     sequences are asked for nothing (DraftBudgets plans feature heads too),
     their proposer gets no message in the rounds between explorations, the
     features of those rounds go with the next message and the head drafts
     from them (no gap, no proposer failure), and every output is plain
-    greedy decoding of the target. (The loop is the test's own, lock-step
-    rounds: one of the stack's two settings runs it.)"""
+    greedy decoding of the target. With --decode-steps 4 such a sequence
+    decodes 4 tokens a Verify, the scorer answering the features of each.
+    (The loop is the test's own, lock-step rounds: one of the stack's two
+    settings runs it.)"""
     import asyncio
 
     from specdec.gateway.adaptive import CostModel
@@ -139,9 +141,11 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     model_drafts: dict[str, int] = {}
     messages: list[pb.ProposeRequest] = []
     failures: list[Exception] = []
+    verify_calls: list[int] = []
+    max_tokens = MAX_TOKENS * decode_steps  # as many rounds whatever the tokens per round
 
     def sequence(text: str) -> Sequence:
-        request = make_request(_ids(stories_path, text), max_tokens=MAX_TOKENS, method=method, k=3,
+        request = make_request(_ids(stories_path, text), max_tokens=max_tokens, method=method, k=3,
                                min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
         params = parse_request(request, tokenizer, limits, (method,), method, 3)
         seq = Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
@@ -158,7 +162,8 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     async def run() -> list[Sequence]:
         scorers, heads = ReplicaSet("scorer"), ReplicaSet("proposer")
         StaticDiscovery({"scorer": (scorers, [scorer]), method: (heads, [proposer])}).start()
-        loop = SpecLoop(scorers, {method: heads}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
+        loop = SpecLoop(scorers, {method: heads}, vocab_size=512,
+                        config=LoopConfig(propose_timeout_s=30.0, decode_steps=decode_steps))
         # fitted (on paper): a Verify 10 ms + 1 ms a row, a head step 1 s; kept whatever the real calls say
         loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
         for t in range(1, 1001):
@@ -188,6 +193,13 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
             return stream
 
         loop.conns.proposer_stream = counting  # type: ignore[method-assign]
+        verify_on = loop._verify_on
+
+        async def counted_verify(addr, verified, drafts):  # counts the Verify calls
+            verify_calls.append(len(verified))
+            return await verify_on(addr, verified, drafts)
+
+        loop._verify_on = counted_verify  # type: ignore[method-assign]
         seqs = [sequence(p) for p in PROMPTS]
         loop.start()
         try:
@@ -202,19 +214,20 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     seqs = asyncio.run(run())
     for seq in seqs:
         ids = tuple(seq.tokens[:seq.num_prompt])
-        assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, MAX_TOKENS)
+        assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, max_tokens)
     assert not failures
-    # one message a round would be MAX_TOKENS per sequence (one token per Verify: features every round); asked
-    # for nothing, a sequence is sent the open, the explorations (the first after EXPLORE_EVERY idle rounds)
-    # and its release
+    # asked for nothing, a sequence is sent the open, the explorations (the first after EXPLORE_EVERY idle
+    # rounds) and its release, not a message a round (the old rule: 120 here)
     every = DraftBudgets.EXPLORE_EVERY
     assert len(messages) <= len(seqs) * (3 + MAX_TOKENS // every) < len(seqs) * MAX_TOKENS / 3
+    # several tokens a Verify with --decode-steps 4, each with its feature row
+    assert decode_steps == 1 or len(verify_calls) < sum(len(s.tokens) - s.num_prompt for s in seqs) / 2
     # the first drafts when it opens, the next only once the replica's plan is known (nothing); both draft in
     # explorations, from the features of the idle rounds before, which only the exploration's message
     # relayed (a row missing there would give no draft, or fail the proposer); the explorations grow rarer
+    assert all(seq.planned_budget in (0, 1) for seq in seqs)
     drafts = [model_drafts.get(text, 0) for text in PROMPTS]
     assert drafts[0] >= 2 and drafts[1] >= 1, model_drafts
-    assert all(seq.planned_budget in (0, 1) for seq in seqs)
     assert seqs[0].stats.feature_bytes > 0 and seqs[1].stats.feature_bytes > 0
 
 

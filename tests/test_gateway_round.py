@@ -448,10 +448,10 @@ def test_model_proposers_are_asked_for_the_draft_tokens_that_pay():
     model.features.opened((1, 2), 0)  # a feature head is planned as well
     budgets.plan("p:1", seqs, verify)
     assert model.planned_budget == 5
-    for _ in range(30):  # the head stops following the context: asked for nothing, it still decodes one
-        model.acceptance.record(0, 5)  # token per Verify (the target's features of every position go on)
+    for _ in range(30):  # the head stops following the context: asked for nothing, it decodes several
+        model.acceptance.record(0, 5)  # tokens per Verify (the scorer answers the features of each)
     budgets.plan("p:1", seqs, verify)
-    assert model.planned_budget == 0 and model.decode_steps(4) == 1
+    assert model.planned_budget == 0 and model.decode_steps(4) == 4
     model.features.opened((), 0)
     model.model_drafted = 0.8  # a hybrid that just copied: it may copy far, the plan would cut it
     budgets.plan("p:1", seqs, verify)

@@ -378,8 +378,8 @@ BAD_VERIFY = {
         seq_id="x", context_token_ids=[1], decode_steps=17),
     "sequences[0].decode_steps: 4 tokens in one call only without draft_token_ids": pb.VerifySequence(
         seq_id="x", context_token_ids=[1], draft_token_ids=[3], decode_steps=4),
-    "sequences[0].decode_steps: 2 tokens in one call only without feature_layers": pb.VerifySequence(
-        seq_id="x", context_token_ids=[1], feature_layers=[1], decode_steps=2),
+    "sequences[0].decode_steps: 2 tokens in one call only without return_hidden_states": pb.VerifySequence(
+        seq_id="x", context_token_ids=[1], feature_layers=[1], return_hidden_states=True, decode_steps=2),
 }
 
 
@@ -784,6 +784,47 @@ def test_decode_steps_give_the_tokens_of_as_many_calls(stories_path, engine, ahe
     assert sum(n == 1 for f in counting.forwards for n in f) >= 19  # one pass per token after the prefill
     if ahead:
         assert _ahead_count("used") > used
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_decode_steps_with_feature_layers_answer_the_feature_rows_of_as_many_calls(stories_path, engine, ahead):
+    """A feature head's sequence decoding plainly (asked for no draft) gets
+    4 tokens per call, and the call answers the target's feature rows of
+    every position its passes ran: bit for bit the rows that one-token calls
+    answer, in one contiguous block (with decode-ahead too, whose step
+    leads the call's rows)."""
+    from dataclasses import replace
+
+    prompt = prompt_ids(stories_path)
+    layers = (1, 3)
+
+    async def run(steps: int):
+        sched = Scheduler(engine, decode_ahead=ahead)
+        seq = f"fsteps{steps}{ahead}"
+        tokens, answers = list(prompt), []
+        try:
+            job = spec(seq, context=tokens, layers=layers)
+            while len(tokens) - len(prompt) < 17:
+                (r,), _, _ = await sched.verify([job])
+                assert r.status == OK and r.num_accepted == 0, r.message
+                answers.append((r.features.start, len(r.output_token_ids), r.features.bits))
+                tokens += r.output_token_ids
+                job = replace(spec(seq, context_len=len(tokens), layers=layers), decode_steps=steps)
+            await sched.release([seq])
+            return tokens[len(prompt):len(prompt) + 17], answers
+        finally:
+            sched.stop()
+
+    one, one_answers = asyncio.run(run(1))
+    four, four_answers = asyncio.run(run(4))
+    assert four == one == hf_greedy(stories_path, tuple(prompt), 17)
+    assert [tokens for _, tokens, _ in four_answers] == [1, 4, 4, 4, 4]  # the first touch answers one token
+    # the prompt's rows, then per call one row per token, each block where the one before ended
+    assert four_answers[0][0] == 0 and len(four_answers[0][2]) == len(prompt)
+    for (start, _, rows), (next_start, tokens, next_rows) in zip(four_answers, four_answers[1:]):
+        assert next_start == start + len(rows) and len(next_rows) == tokens
+    one_rows, four_rows = (np.concatenate([rows for _, _, rows in a]) for a in (one_answers, four_answers))
+    assert four_rows.shape == one_rows.shape and (four_rows == one_rows).all()
 
 
 def test_decode_steps_stop_after_an_end_of_sequence_token(stories_path, engine):
