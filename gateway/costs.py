@@ -444,15 +444,15 @@ class DraftBudgets:
     A copy proposer's time does not grow with the draft length; it is not
     planned (its sequences ask for their whole budget, as before). A feature
     head's (eagle3, mtp) is: asked for nothing, its sequence still takes the
-    target's features every round (one token per Verify: the scorer returns
-    features of no decode step ahead), and they wait in the gateway
+    target's features (several tokens per Verify, as plain decoding: the
+    scorer answers a row for each), and they wait in the gateway
     (``FeatureRelay.pending``) for the next message, so the rounds between
     send the head nothing and pay no head forward; the message that asks
     again (an exploration) relays them all and the head catches up on them
     in one forward. On 2 AVX2 cores of an AMD EPYC, where SmolLM2 decodes a
-    token in ~8.5 ms and a head round with a 3-row Verify costs ~21 ms for
-    ~1.5 tokens, that keeps eagle3 near plain decoding instead of 0.57x of
-    it (bench_draft, ``--k 2``; the README gives the figures).
+    token in ~9 ms and a head round with a 3-row Verify costs ~21 ms for
+    ~1.5 tokens, that keeps eagle3 at 0.89-0.99x plain decoding instead of
+    0.53x of it (bench_draft; the README gives the figures).
 
     When the plan asks for nothing, a round asks for one token anyway after
     EXPLORE_EVERY idle rounds: acceptance is only learnt from drafts made,
