@@ -138,77 +138,18 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
     plain greedy decoding of the target. draft_hybrid sequences keep their
     whole budget for copies, their model asked for nothing
     (SequenceUpdate.model_steps) but in the exploration rounds."""
-    import asyncio
+    from dear_drafts import run_dear_drafts
 
     from specdec.gateway import metrics
-    from specdec.gateway.adaptive import CostModel
     from specdec.gateway.costs import DraftBudgets
-    from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
-    from specdec.gateway.loop import LoopConfig, SpecLoop
-    from specdec.gateway.request import ModelLimits, parse_request
-    from specdec.gateway.sequence import Delta, Sequence
     from specdec.models import load_tokenizer, resolve_model
 
     scorer = weak_draft_stack.by_name("scorer")[0].addr
     proposer = weak_draft_stack.by_name("proposer-draft")[0].addr
-    tokenizer = load_tokenizer(resolve_model(stories_path))
-    limits = ModelLimits(512, 512, (2,))
-
-    def sequence(text: str) -> Sequence:
-        request = make_request(_prompt_ids(stories_path, text), max_tokens=MAX_TOKENS, method=method, k=4,
-                               min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
-        params = parse_request(request, tokenizer, limits, (method,), method, 4)
-        seq = Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
-        proposed = seq.model_acceptance.proposed
-
-        def model_draft(start: int, draft: list[int]) -> None:  # counts the model-made drafts
-            model_drafts[text] = model_drafts.get(text, 0) + 1
-            proposed(start, draft)
-
-        seq.model_acceptance.proposed = model_draft  # type: ignore[method-assign]
-        return seq
-
-    model_drafts: dict[str, int] = {}
-    messages: list[pb.ProposeRequest] = []
-
-    async def run() -> list[Sequence]:
-        scorers, drafts = ReplicaSet("scorer"), ReplicaSet("proposer-draft")
-        StaticDiscovery({"scorer": (scorers, [scorer]), method: (drafts, [proposer])}).start()
-        loop = SpecLoop(scorers, {method: drafts}, vocab_size=512, config=LoopConfig(propose_timeout_s=30.0))
-        # fitted (on paper): a Verify 10 ms + 1 ms a row, a draft step 1 s; kept whatever the real calls say
-        loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
-        for t in range(1, 1001):
-            verify.observe(t % 8 + 1, 0.010 + 0.001 * (t % 8 + 1))
-        loop.budgets = budgets = DraftBudgets()
-        budgets.observe = lambda addr, steps, seconds: None  # type: ignore[method-assign]
-        opened = loop.conns.proposer_stream
-
-        def counting(addr: str):  # counts the Propose messages sent
-            stream = opened(addr)
-            if not hasattr(stream, "counted"):
-                exchange = stream.exchange
-
-                async def counted(request, timeout):
-                    messages.append(request)
-                    return await exchange(request, timeout)
-
-                stream.exchange, stream.counted = counted, True
-            return stream
-
-        loop.conns.proposer_stream = counting  # type: ignore[method-assign]
-        budgets._fits[proposer] = (0.001, 1.0)
-        seqs = [sequence(p) for p in PROMPTS]
-        loop.start()
-        try:
-            for seq in seqs:  # one at a time: each output is compared alone
-                loop.submit(seq)
-                while not (isinstance(item := await seq.out.get(), Delta) and item.finish_reason):
-                    assert isinstance(item, Delta), item
-        finally:
-            await loop.stop()
-        return seqs
-
-    seqs = asyncio.run(run())
+    requests = {text: make_request(_prompt_ids(stories_path, text), max_tokens=MAX_TOKENS, method=method, k=4,
+                                   min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE) for text in PROMPTS}
+    run = run_dear_drafts(scorer, proposer, method, requests, load_tokenizer(resolve_model(stories_path)))
+    seqs, model_drafts, messages = run.seqs, run.model_drafts, run.messages
     for seq in seqs:
         ids = tuple(seq.tokens[:seq.num_prompt])
         assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, MAX_TOKENS)

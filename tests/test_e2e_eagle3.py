@@ -123,95 +123,18 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     decodes 4 tokens a Verify, the scorer answering the features of each.
     (The loop is the test's own, lock-step rounds: one of the stack's two
     settings runs it.)"""
-    import asyncio
+    from dear_drafts import run_dear_drafts
 
-    from specdec.gateway.adaptive import CostModel
     from specdec.gateway.costs import DraftBudgets
-    from specdec.gateway.discovery import ReplicaSet, StaticDiscovery
-    from specdec.gateway.loop import LoopConfig, SpecLoop
-    from specdec.gateway.request import ModelLimits, parse_request
-    from specdec.gateway.sequence import Delta, Sequence
 
     if heads_stack.overlap != "on":
         pytest.skip("the loop here is the test's own: the stack's other setting adds nothing")
-    scorer = heads_stack.by_name("scorer")[0].addr
-    proposer = heads_stack.by_name("proposer")[0].addr
-    tokenizer = hf_model(stories_path)[1]
-    limits = ModelLimits(512, 512, (2,))
-    model_drafts: dict[str, int] = {}
-    messages: list[pb.ProposeRequest] = []
-    failures: list[Exception] = []
-    verify_calls: list[int] = []
     max_tokens = MAX_TOKENS * decode_steps  # as many rounds whatever the tokens per round
-
-    def sequence(text: str) -> Sequence:
-        request = make_request(_ids(stories_path, text), max_tokens=max_tokens, method=method, k=3,
-                               min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE)
-        params = parse_request(request, tokenizer, limits, (method,), method, 3)
-        seq = Sequence(text, params, tokenizer, limits.eos_token_ids, limits.max_model_len)
-        proposed = seq.model_acceptance.proposed
-
-        def model_draft(start: int, draft: list[int]) -> None:  # counts the model-made drafts
-            if draft:
-                model_drafts[text] = model_drafts.get(text, 0) + 1
-            proposed(start, draft)
-
-        seq.model_acceptance.proposed = model_draft  # type: ignore[method-assign]
-        return seq
-
-    async def run() -> list[Sequence]:
-        scorers, heads = ReplicaSet("scorer"), ReplicaSet("proposer")
-        StaticDiscovery({"scorer": (scorers, [scorer]), method: (heads, [proposer])}).start()
-        loop = SpecLoop(scorers, {method: heads}, vocab_size=512,
-                        config=LoopConfig(propose_timeout_s=30.0, decode_steps=decode_steps))
-        # fitted (on paper): a Verify 10 ms + 1 ms a row, a head step 1 s; kept whatever the real calls say
-        loop.costs.models[scorer] = verify = CostModel(forget=1.0, min_samples=1)
-        for t in range(1, 1001):
-            verify.observe(t % 8 + 1, 0.010 + 0.001 * (t % 8 + 1))
-        loop.budgets = budgets = DraftBudgets()
-        budgets.observe = lambda addr, steps, seconds: None  # type: ignore[method-assign]
-        budgets._fits[proposer] = (0.001, 1.0)
-        failed = loop.failures.proposer_failed
-
-        def proposer_failed(addr, seqs, error):
-            failures.append(error)
-            return failed(addr, seqs, error)
-
-        loop.failures.proposer_failed = proposer_failed  # type: ignore[method-assign]
-        opened = loop.conns.proposer_stream
-
-        def counting(addr: str):  # counts the Propose messages sent
-            stream = opened(addr)
-            if not hasattr(stream, "counted"):
-                exchange = stream.exchange
-
-                async def counted(request, timeout):
-                    messages.append(request)
-                    return await exchange(request, timeout)
-
-                stream.exchange, stream.counted = counted, True
-            return stream
-
-        loop.conns.proposer_stream = counting  # type: ignore[method-assign]
-        verify_on = loop._verify_on
-
-        async def counted_verify(addr, verified, drafts):  # counts the Verify calls
-            verify_calls.append(len(verified))
-            return await verify_on(addr, verified, drafts)
-
-        loop._verify_on = counted_verify  # type: ignore[method-assign]
-        seqs = [sequence(p) for p in PROMPTS]
-        loop.start()
-        try:
-            for seq in seqs:  # one at a time: each output is compared alone
-                loop.submit(seq)
-                while not (isinstance(item := await seq.out.get(), Delta) and item.finish_reason):
-                    assert isinstance(item, Delta), item
-        finally:
-            await loop.stop()
-        return seqs
-
-    seqs = asyncio.run(run())
+    requests = {text: make_request(_ids(stories_path, text), max_tokens=max_tokens, method=method, k=3,
+                                   min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE) for text in PROMPTS}
+    run = run_dear_drafts(heads_stack.by_name("scorer")[0].addr, heads_stack.by_name("proposer")[0].addr, method,
+                          requests, hf_model(stories_path)[1], decode_steps)
+    seqs, model_drafts, messages, failures = run.seqs, run.model_drafts, run.messages, run.failures
     for seq in seqs:
         ids = tuple(seq.tokens[:seq.num_prompt])
         assert seq.tokens[seq.num_prompt:] == hf_greedy(stories_path, ids, max_tokens)
@@ -221,7 +144,7 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     every = DraftBudgets.EXPLORE_EVERY
     assert len(messages) <= len(seqs) * (3 + MAX_TOKENS // every) < len(seqs) * MAX_TOKENS / 3
     # several tokens a Verify with --decode-steps 4, each with its feature row
-    assert decode_steps == 1 or len(verify_calls) < sum(len(s.tokens) - s.num_prompt for s in seqs) / 2
+    assert decode_steps == 1 or run.verify_calls < sum(len(s.tokens) - s.num_prompt for s in seqs) / 2
     # the first drafts when it opens, the next only once the replica's plan is known (nothing); both draft in
     # explorations, from the features of the idle rounds before, which only the exploration's message
     # relayed (a row missing there would give no draft, or fail the proposer); the explorations grow rarer
