@@ -409,6 +409,9 @@ class Scheduler:
                     return result
                 job.decoded = list(result.output_token_ids)  # the call's first token; the others follow
                 spec = job.spec = replace(spec, context_len=state.context_len)
+                if result.features is not None:  # the step's row (the old pending position) leads the job's
+                    job.features.append(_bfloat16_rows(result.features))
+                    job.prefix_features = 1
             elif _extends_ahead(spec, state.ahead_spec):  # the step decides the first draft
                 step = state.ahead
                 token = step.output_token_ids[-1]

@@ -791,8 +791,8 @@ def test_decode_steps_with_feature_layers_answer_the_feature_rows_of_as_many_cal
     """A feature head's sequence decoding plainly (asked for no draft) gets
     4 tokens per call, and the call answers the target's feature rows of
     every position its passes ran: bit for bit the rows that one-token calls
-    answer, in one contiguous block (with decode-ahead too, whose step
-    leads the call's rows)."""
+    answer, in one contiguous block (with decode-ahead too, whose finished
+    step leads the call's rows)."""
     from dataclasses import replace
 
     prompt = prompt_ids(stories_path)
@@ -810,6 +810,8 @@ def test_decode_steps_with_feature_layers_answer_the_feature_rows_of_as_many_cal
                 answers.append((r.features.start, len(r.output_token_ids), r.features.bits))
                 tokens += r.output_token_ids
                 job = replace(spec(seq, context_len=len(tokens), layers=layers), decode_steps=steps)
+                if ahead:  # the step ahead ends before the next call: the call takes its finished result
+                    await asyncio.sleep(0.3)
             await sched.release([seq])
             return tokens[len(prompt):len(prompt) + 17], answers
         finally:
