@@ -104,7 +104,7 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
     if seq.accept_policy not in pb.AcceptPolicy.values():
         raise InvalidArgument(f"{f}.accept_policy: unknown value {seq.accept_policy}")
     feature_layers = _feature_layers(seq, f, num_layers)
-    _check_decode_steps(seq, f, len(drafts), feature_layers)
+    _check_decode_steps(seq, f, len(drafts))
     return JobSpec(
         seq_id=seq.seq_id, context=None if context is None else context.astype(np.int32),
         context_len=context_len, draft_token_ids=drafts.astype(np.int32), draft_probs=draft_probs,
@@ -116,7 +116,7 @@ def job_spec(seq: pb.VerifySequence, i: int, vocab_size: int, max_model_len: int
         decode_steps=max(1, seq.decode_steps), skip_decode_ahead=seq.skip_decode_ahead)
 
 
-def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int, feature_layers: tuple[int, ...]) -> None:
+def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int) -> None:
     """decode_steps: 0..MAX_DECODE_STEPS, and more than one only for a
     sequence asking no drafts verified and no hidden states (target
     features may be asked: the call answers the rows of every pass)."""
