@@ -551,9 +551,12 @@ class SpecLoop:
         if flight is not None and flight.task is not asyncio.current_task():
             await self._landed(addr)  # the message must say what the proposer holds once that one is answered
         if not ahead:  # (drafting ahead hides the proposer's time: nothing to plan)
-            busiest = _busiest_scorer(seqs)
-            self.budgets.plan(addr, seqs, self._verify_estimate(seqs),
-                              None if busiest is None else self.costs.wall_measured(busiest[0]))
+            busiest = _busiest_scorer(seqs)  # the replica whose Verify the plan weighs
+            if busiest is None:
+                self.budgets.plan(addr, seqs, None)
+            else:
+                self.budgets.plan(addr, seqs, self.costs.wall_estimate(busiest[0]),
+                                  self.costs.wall_measured(busiest[0]))
             if self._nothing_to_ask(addr, seqs):
                 return {}
         sent = {seq.seq_id: (len(seq.tokens), seq.propose_budget(ahead and seq.may_draft_ahead)) for seq in seqs}

@@ -121,14 +121,12 @@ def test_heads_asked_for_nothing_get_no_message_and_catch_up_on_the_features_whe
     from them (no gap, no proposer failure), and every output is plain
     greedy decoding of the target. With --decode-steps 4 such a sequence
     decodes 4 tokens a Verify, the scorer answering the features of each.
-    (The loop is the test's own, lock-step rounds: one of the stack's two
-    settings runs it.)"""
+    (The loop is the test's own, in lock-step rounds: the stack's gateway
+    setting does not reach it, and both of the stack's settings run it.)"""
     from dear_drafts import run_dear_drafts
 
     from specdec.gateway.costs import DraftBudgets
 
-    if heads_stack.overlap != "on":
-        pytest.skip("the loop here is the test's own: the stack's other setting adds nothing")
     max_tokens = MAX_TOKENS * decode_steps  # as many rounds whatever the tokens per round
     requests = {text: make_request(_ids(stories_path, text), max_tokens=max_tokens, method=method, k=3,
                                    min_token_prob=0.0, draft_length=pb.DRAFT_LENGTH_ADAPTIVE) for text in PROMPTS}
