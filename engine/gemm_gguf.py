@@ -83,8 +83,12 @@ from specdec.engine.simd import fma as fma_lanes
 BLOCK = 32
 #: Rows of a full group (``_rows6``).
 GROUP = 6
-#: Rows left after the groups of six -> the rows their kernel takes (``_rows1``, ``_rows3``, ``_rows6``).
-PADDED_TAIL = (0, 1, 3, 3, 6, 6)
+#: Rows left after the groups of six -> the kernels that take them, in order (``_rows3``, ``_rows2``,
+#: ``_rows1``): no zero rows are added. Four or five rows as three and the rest, not six with zero rows
+#: (2 cores of an AMD EPYC of CPU family 25, SmolLM2's 211 quantised tensors, medians of 15 in three
+#: rounds, ``/work/exp/s48/mb2.py``: four rows 15.9 ms against 16.6, five 16.5 against 19.9; two rows
+#: 7.7 against 9.6 padded to three, one 6.2, three 8.9, six 15.5 against 17.6 as three and three).
+TAIL_PARTS = ((), (1,), (2,), (3,), (3, 1), (3, 2))
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
 PREFETCH_AHEAD = 1024
 #: Rows keyed at a time (``_row_keys``).
@@ -194,6 +198,27 @@ def _rows1(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows2(x, qs, d, m, out, o, r, block):
+    """out[r:r+2, o:o+4], each output summed as ``_rows1`` sums it."""
+    n = x.shape[1]
+    x0, x1 = r * n, (r + 1) * n
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        l3, h3 = block(qs, d, m, o + 3, b)
+        for k, v0, v1, v2, v3 in ((b * 32, l0, l1, l2, l3), (b * 32 + 16, h0, h1, h2, h3)):
+            u = load(x, x0 + k)
+            a00, a01, a02, a03 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2), mac(a03, u, v3)
+            u = load(x, x1 + k)
+            a10, a11, a12, a13 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2), mac(a13, u, v3)
+    out[r, o], out[r, o + 1], out[r, o + 2], out[r, o + 3] = total(a00), total(a01), total(a02), total(a03)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2], out[r + 1, o + 3] = \
+        total(a10), total(a11), total(a12), total(a13)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows3(x, qs, d, m, out, o, r, block):
     """out[r:r+3, o:o+4], each output summed as ``_rows1`` sums it."""
     n = x.shape[1]
@@ -275,6 +300,21 @@ def _rows1_two(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows2_one(x, qs, d, m, out, o, r, block):
+    """out[r:r+2, o], each summed as ``_rows1`` sums it (the narrow layout)."""
+    n = x.shape[1]
+    x0, x1 = r * n, (r + 1) * n
+    a0 = a1 = zeros()
+    for b in range(d.shape[1]):
+        low, high = block(qs, d, m, o, b)
+        k = b * 32
+        a0, a1 = mac(a0, load(x, x0 + k), low), mac(a1, load(x, x1 + k), low)
+        k += 16
+        a0, a1 = mac(a0, load(x, x0 + k), high), mac(a1, load(x, x1 + k), high)
+    out[r, o], out[r + 1, o] = total(a0), total(a1)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows3_one(x, qs, d, m, out, o, r, block):
     """out[r:r+3, o], each summed as ``_rows1`` sums it (the narrow layout)."""
     n = x.shape[1]
@@ -310,14 +350,14 @@ def _rows6_one(x, qs, d, m, out, o, r, block):
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _gemm(x, qs, d, m, out, chunks, block, block6):
-    """out = x @ W.T for x [R, in] (R % GROUP in 0, 1, 3), W the blocks'
-    weights [out, in] (out a multiple of OUT_BLOCK): rows six at a time
-    (their blocks dequantised by `block6`), the rest by ``_rows3`` or
-    ``_rows1`` (by `block`: the same values, the faster way for fewer rows);
-    output blocks split into `chunks` ranges run in parallel, never a dot
-    product."""
+    """out = x @ W.T for x [R, in], W the blocks' weights [out, in] (out a
+    multiple of OUT_BLOCK): rows six at a time (their blocks dequantised by
+    `block6`), then those left (``TAIL_PARTS``) three, two or one at a time
+    (by `block`: the same values, the faster way for fewer rows); output
+    blocks split into `chunks` ranges run in parallel, never a dot product."""
     rows = x.shape[0]
     whole = rows - rows % GROUP
+    three = whole + 3 if rows - whole >= 3 else whole
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
@@ -325,22 +365,25 @@ def _gemm(x, qs, d, m, out, chunks, block, block6):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
                 for r in range(0, whole, GROUP):
                     _rows6(x, qs, d, m, out, o, r, block6)
-                if rows - whole == 3:
+                if three > whole:
                     _rows3(x, qs, d, m, out, o, whole, block)
-                elif rows - whole == 1:
-                    _rows1(x, qs, d, m, out, o, whole, block)
+                if rows - three == 2:
+                    _rows2(x, qs, d, m, out, o, three, block)
+                elif rows - three == 1:
+                    _rows1(x, qs, d, m, out, o, three, block)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _gemm_narrow(x, qs, d, m, out, chunks, block):
     """``_gemm`` for CPUs with 16 vector registers (AVX2: a LANES-lane
-    value takes two): one output at a time for six or three rows, two for
-    one row, so sums and blocks stay in registers where ``_gemm``'s four
+    value takes two): one output at a time for six, three or two rows, two
+    for one row, so sums and blocks stay in registers where ``_gemm``'s four
     outputs spill them (2 cores of an AMD EPYC without AVX-512, SmolLM2's
     shapes: 1.3x faster at one row, 1.7x at six). The same sums in the same
     order: the same bits."""
     rows = x.shape[0]
     whole = rows - rows % GROUP
+    three = whole + 3 if rows - whole >= 3 else whole
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
     for c in numba.prange(chunks):
@@ -348,12 +391,15 @@ def _gemm_narrow(x, qs, d, m, out, chunks, block):
             for r in range(0, whole, GROUP):
                 for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
                     _rows6_one(x, qs, d, m, out, o, r, block)
-            if rows - whole == 3:
+            if three > whole:
                 for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
                     _rows3_one(x, qs, d, m, out, o, whole, block)
-            elif rows - whole == 1:
+            if rows - three == 2:
+                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+                    _rows2_one(x, qs, d, m, out, o, three, block)
+            elif rows - three == 1:
                 for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 2):
-                    _rows1_two(x, qs, d, m, out, o, whole, block)
+                    _rows1_two(x, qs, d, m, out, o, three, block)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -418,8 +464,8 @@ LAYOUTS = {
 RUNNABLE = ("table", "wide", "narrow") if has_permute() else ("wide", "narrow")
 #: The layout a CPU starts with: by table where it has AVX-512 (measured on AMD EPYC family 26), else narrow.
 LAYOUT = "table" if has_permute() else "narrow"
-#: The row counts a kernel runs at (``PADDED_TAIL``): one or three rows left over, groups of six.
-LAYOUT_ROWS = (1, 3, GROUP)
+#: The row counts a kernel runs at (``TAIL_PARTS``): groups of six, then three, two or one.
+LAYOUT_ROWS = (1, 2, 3, GROUP)
 #: The layout gemm() runs each of LAYOUT_ROWS with (``use_layouts``; the CPU's default until the
 #: selector has timed them on this machine: ``time_layouts``, ``choose_layouts``).
 ROW_LAYOUTS = dict.fromkeys(LAYOUT_ROWS, LAYOUT)
@@ -473,28 +519,38 @@ def use_layouts(choice: dict[int, str]) -> None:
     ROW_LAYOUTS.update(choice)
 
 
+def pieces(rows: int) -> list[tuple[int, int, str]]:
+    """(start, stop, layout) of the launches gemm() makes for `rows` rows:
+    the groups of six, then ``TAIL_PARTS``' three, two or one rows, each by
+    the layout ROW_LAYOUTS names for its row count; neighbours of one layout
+    are one launch (a kernel splits any slice that starts at a part the same
+    way)."""
+    parts = [(0, rows - rows % GROUP, GROUP)] if rows >= GROUP else []
+    start = parts[0][1] if parts else 0
+    for n in TAIL_PARTS[rows % GROUP]:
+        parts.append((start, start + n, n))
+        start += n
+    out: list[tuple[int, int, str]] = []
+    for lo, hi, n in parts:
+        if out and out[-1][2] == ROW_LAYOUTS[n]:
+            out[-1] = (out[-1][0], hi, out[-1][2])
+        else:
+            out.append((lo, hi, ROW_LAYOUTS[n]))
+    return out
+
+
 def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     """x float32 [R, in] @ w's dequantised weight, transposed -> float32 [R,
-    padded out]: rows six at a time; of those left over, one alone, two or
-    three as three, four or five as six, beside zero rows (a row's outputs
-    never depend on the rows beside it)."""
-    rows = x.shape[0]
-    left = PADDED_TAIL[rows % GROUP] - rows % GROUP
-    if left:
-        x = np.concatenate([x, np.zeros((left, x.shape[1]), np.float32)])
+    padded out]: rows six at a time, then three, two or one (``pieces``; a
+    row's outputs never depend on the rows beside it)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.shape[1] == w.d.shape[1] * BLOCK
     out = np.empty((x.shape[0], w.d.shape[0]), np.float32)
-    tail = x.shape[0] % GROUP
-    whole = x.shape[0] - tail
     with LAUNCH_LOCK:
         set_team(chunks)
-        if not tail or not whole or ROW_LAYOUTS[tail] == ROW_LAYOUTS[GROUP]:  # one launch
-            LAYOUTS[ROW_LAYOUTS[tail or GROUP]][w.kind](x, w.qs, w.d, w.m, out, chunks)
-        else:  # the groups and the rows left by their own layouts (rows never depend on the rows beside them)
-            LAYOUTS[ROW_LAYOUTS[GROUP]][w.kind](x[:whole], w.qs, w.d, w.m, out[:whole], chunks)
-            LAYOUTS[ROW_LAYOUTS[tail]][w.kind](x[whole:], w.qs, w.d, w.m, out[whole:], chunks)
-    return out[:rows] if left else out
+        for lo, hi, layout in pieces(x.shape[0]):
+            LAYOUTS[layout][w.kind](x[lo:hi], w.qs, w.d, w.m, out[lo:hi], chunks)
+    return out
 
 
 # ---- reading the file's blocks ------------------------------------------------------------

@@ -639,7 +639,8 @@ def _gguf_layouts(report: dict, linears: list[Linear], num_threads: int) -> None
     machine once and cached in the report ("gguf_layouts"; not on a busy
     machine), then used (process-wide)."""
     entry = report.get("gguf_layouts")
-    if entry is None or set(entry["ms"]) != set(gemm_gguf.RUNNABLE):
+    if entry is None or set(entry["ms"]) != set(gemm_gguf.RUNNABLE) or \
+            any(set(t) != {str(n) for n in gemm_gguf.LAYOUT_ROWS} for t in entry["ms"].values()):
         quants = [lin._quant for lin in linears if lin._quant is not None]
         busy = machine_busy()
         ms = gemm_gguf.time_layouts(quants, num_threads)

@@ -5,6 +5,9 @@ dequantised weights at every row count; a weight's blocks found again
 through fusion, permuted and zero rows, and refused when they are not there."""
 from __future__ import annotations
 
+import itertools
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -84,7 +87,7 @@ def test_every_layout_gives_the_same_bits(gguf_file, index):
     assert set(gemm_gguf.RUNNABLE) == ({"table", "wide", "narrow"} if has_permute() else {"wide", "narrow"})
     padded = gemm_simd.pad_weight(w)
     rng = np.random.default_rng(3)
-    for rows in (1, 3, 6, 7, 9, 12):  # the entries take R % 6 in (0, 1, 3), as gemm pads
+    for rows in range(1, 14):  # every tail: three, two, one, three and one, three and two
         x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
         want = gemm_simd.gemm(x, padded, 2)[:, :len(w)]
         for layout in gemm_gguf.RUNNABLE:
@@ -113,22 +116,38 @@ def test_groups_and_rows_left_by_different_layouts_give_the_same_bits(gguf_file,
         quant = blocks.find(torch.from_numpy(w))
         padded = gemm_simd.pad_weight(w)
         for groups in gemm_gguf.RUNNABLE:
-            for left in gemm_gguf.RUNNABLE:
-                gemm_gguf.use_layouts({6: groups, 1: left, 3: left})
-                for rows in (1, 3, 6, 7, 8, 9, 13, 17):
+            for left, two in itertools.product(gemm_gguf.RUNNABLE, repeat=2):
+                gemm_gguf.use_layouts({6: groups, 1: left, 3: left, 2: two})
+                for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 17):
                     x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
                     got = gemm_gguf.gemm(x, quant, 2)[:, :len(w)]
                     assert np.array_equal(got, gemm_simd.gemm(x, padded, 2)[:, :len(w)]), (index, groups, left, rows)
 
 
+def test_rows_left_after_the_groups_run_as_three_two_or_one_without_zero_rows(row_layouts):
+    """Four rows are three and one, five three and two (no kernel runs zero
+    rows); parts of one layout are one launch."""
+    other = next(n for n in gemm_gguf.RUNNABLE if n != gemm_gguf.LAYOUT)
+    gemm_gguf.use_layouts(dict.fromkeys(gemm_gguf.LAYOUT_ROWS, gemm_gguf.LAYOUT))
+    assert gemm_gguf.pieces(11) == [(0, 11, gemm_gguf.LAYOUT)]
+    gemm_gguf.use_layouts({2: other, 1: other})
+    assert gemm_gguf.pieces(2) == [(0, 2, other)]
+    assert gemm_gguf.pieces(4) == [(0, 3, gemm_gguf.LAYOUT), (3, 4, other)]
+    assert gemm_gguf.pieces(11) == [(0, 9, gemm_gguf.LAYOUT), (9, 11, other)]
+    gemm_gguf.use_layouts({3: other})
+    assert gemm_gguf.pieces(17) == [(0, 12, gemm_gguf.LAYOUT), (12, 17, other)]
+    assert gemm_gguf.pieces(6) == [(0, 6, gemm_gguf.LAYOUT)]
+    assert [sum(hi - lo for lo, hi, _ in gemm_gguf.pieces(n)) for n in range(20)] == list(range(20))
+
+
 def test_the_fastest_layout_is_chosen_per_row_count_and_a_tie_keeps_the_cpu_s_default(row_layouts):
     other = next(n for n in gemm_gguf.LAYOUTS if n != gemm_gguf.LAYOUT)
-    ms = {gemm_gguf.LAYOUT: {1: 10.0, 3: 10.0, 6: 10.0}, other: {1: 5.0, 3: 9.9, 6: 20.0}}
-    assert gemm_gguf.choose_layouts(ms) == {1: other, 3: gemm_gguf.LAYOUT, 6: gemm_gguf.LAYOUT}
+    ms = {gemm_gguf.LAYOUT: {1: 10.0, 2: 10.0, 3: 10.0, 6: 10.0}, other: {1: 5.0, 2: 11.0, 3: 9.9, 6: 20.0}}
+    assert gemm_gguf.choose_layouts(ms) == {1: other, 2: gemm_gguf.LAYOUT, 3: gemm_gguf.LAYOUT, 6: gemm_gguf.LAYOUT}
     with pytest.raises(ValueError, match="layouts this CPU runs"):
         gemm_gguf.use_layouts({1: "sideways"})
     with pytest.raises(ValueError, match="row counts are"):
-        gemm_gguf.use_layouts({2: gemm_gguf.LAYOUT})
+        gemm_gguf.use_layouts({4: gemm_gguf.LAYOUT})
     if not has_permute():
         with pytest.raises(ValueError, match="'table'"):
             gemm_gguf.use_layouts({1: "table"})
@@ -207,12 +226,23 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
     # its kernel layouts timed on these weights, chosen per row count, used, and cached with the verdicts
     layouts = forced.report["gguf_layouts"]
-    assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE) and set(layouts["choice"]) == {"1", "3", "6"}
+    assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE) and set(layouts["choice"]) == {"1", "2", "3", "6"}
     assert all(t > 0 for times in layouts["ms"].values() for t in times.values())
     assert gemm_gguf.ROW_LAYOUTS == {int(n): name for n, name in layouts["choice"].items()}
     monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: pytest.fail("timed again"))
     again = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
     assert again.report["gguf_layouts"] == layouts
+    # a cache timed before a row count had its own kernel (no "2") is timed again
+    cache = next(tmp_path.rglob("*.json"))
+    stale = json.loads(cache.read_text())
+    for times in stale["gguf_layouts"]["ms"].values():
+        del times["2"]
+    del stale["gguf_layouts"]["choice"]["2"]
+    cache.write_text(json.dumps(stale))
+    monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: {n: dict.fromkeys(gemm_gguf.LAYOUT_ROWS, 1.0)
+                                                                     for n in gemm_gguf.RUNNABLE})
+    timed = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
+    assert set(timed.report["gguf_layouts"]["choice"]) == {"1", "2", "3", "6"}
 
 
 def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_file_holding_none_is_refused(
