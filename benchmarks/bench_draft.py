@@ -60,8 +60,8 @@ CHAT_PROMPTS = {
 SINGLE = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("suffix", "fixed"), ("suffix", "adaptive"),
           ("draft", "fixed"), ("draft", "adaptive"), ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
 #: --streams runs: (method, draft length)
-CONCURRENT = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("draft", "fixed"),
-              ("draft_hybrid", "fixed")]
+CONCURRENT = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("draft", "fixed"), ("draft", "adaptive"),
+              ("draft_hybrid", "fixed"), ("draft_hybrid", "adaptive")]
 #: with --eagle3
 EAGLE3_SINGLE = [("eagle3", "fixed"), ("eagle3", "adaptive")]
 VLLM_RUNNER = Path(__file__).with_name("vllm_draft.py")
@@ -211,7 +211,7 @@ def main() -> None:
     single = [(m, length) for m, length in SINGLE if args.draft or m not in MODEL_METHODS]
     single += EAGLE3_SINGLE if args.eagle3 else []
     concurrent = [(m, length) for m, length in CONCURRENT if args.draft or m not in MODEL_METHODS]
-    concurrent += [("eagle3", "fixed")] if args.eagle3 else []
+    concurrent += EAGLE3_SINGLE if args.eagle3 else []
 
     tok = load_tokenizer(resolve_model(args.model))
     encode = (lambda t: chat_ids(tok, t)) if getattr(tok, "chat_template", None) else \
