@@ -184,7 +184,7 @@ def reference_attention(seq: Sequence, layer: int, q: torch.Tensor, pos: int, wi
 
 @pytest.mark.parametrize("window", [0, 5, 20])
 @pytest.mark.parametrize("sdpa", [False, True], ids=["paged", "sdpa"])
-@pytest.mark.parametrize("head_dim", [8, 64])  # values summed as scalars / as explicit vectors (16 lanes)
+@pytest.mark.parametrize("head_dim", [8, 48, 64])  # values as scalars / vectors: two chunks and one / two chunks
 def test_attention_matches_softmax_reference(window, sdpa, head_dim):
     heads = 6  # 3 query heads per kv head
     pool = make_pool(256, head_dim=head_dim)
@@ -297,7 +297,7 @@ def test_bf16_pool_stores_keys_and_values_rounded_as_torch_rounds():
 
 
 @pytest.mark.parametrize("window", [0, 5])
-@pytest.mark.parametrize("head_dim", [8, 64])  # values read one by one (simd.element) / as vectors (simd.load)
+@pytest.mark.parametrize("head_dim", [8, 48, 64])  # values read one by one (simd.element) / as vectors (simd.load)
 @pytest.mark.parametrize("num_threads", [1, 2])
 def test_bf16_pool_attends_bitwise_as_a_float32_pool_of_the_rounded_rows(window, head_dim, num_threads):
     """Widening is exact, so a bfloat16 pool's attention is a float32 pool's
