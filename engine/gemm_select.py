@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
 #: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 #: Environment variables that cap the instruction sets the GEMM paths' code
 #: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
 #: same CPU then runs other kernels, so those that are set join the cache key
