@@ -16,7 +16,8 @@ public layout vLLM and SGLang load (and ``proposer_svc.eagle3.load_eagle3``).
   the draft vocabulary and renormalised, summed over ``TTT_STEPS`` chained
   steps (EAGLE-3's training-time test: step s feeds the head's own output of
   step s - 1, attending to the real rows up to its origin and its own chain,
-  as chain drafting does at serving time).
+  as chain drafting does at serving time); a chained step computes only the
+  rows some loss reads (``Pack.keep``: not the prompt's), the same loss.
 """
 from __future__ import annotations
 
@@ -112,8 +113,13 @@ class Eagle3Student(torch.nn.Module):
         values: list[torch.Tensor] = []
         normed = []
         for s in range(steps):
-            e = F.embedding(pack.tokens[s], self.embed)
-            out = self._layer(e, g, pack.local + s, pack, keys, values)
+            keep = pack.keep[s]  # the rows this step computes (None: all; ``Pack.keep``)
+            tokens, positions = pack.tokens[s], pack.local + s
+            if keep is not None:
+                tokens, positions, g = tokens[keep], positions[keep], g[keep]
+            out = self._layer(F.embedding(tokens, self.embed), g, positions, pack, keys, values, keep)
+            if keep is not None:  # back to every packed row (zeros where not computed: never read)
+                out = out.new_zeros(len(pack.local), out.shape[1]).index_copy(0, keep, out)
             normed.append(rms_norm(out, self.p("norm.weight"), self.eps))
             g = out  # the next step feeds this step's own output (row i stays row i)
         return normed
@@ -122,12 +128,14 @@ class Eagle3Student(torch.nn.Module):
         """Draft-vocabulary logits [m, draft_vocab] of final-normed rows [m, hidden]."""
         return F.linear(normed, self.p("lm_head.weight"))
 
-    def _layer(self, e, g, positions, pack: "Pack", keys, values) -> torch.Tensor:
-        """The EAGLE-3 layer (residual g) over all packed rows at once;
-        attention per sequence (padded to [B, H, L, L]) of step s over step
-        0's rows causally and over rows 1..s of its own chain (the
-        diagonal). Padding sits after each sequence's rows, so the causal
-        mask alone keeps a real row from reading it."""
+    def _layer(self, e, g, positions, pack: "Pack", keys, values, keep=None) -> torch.Tensor:
+        """The EAGLE-3 layer (residual g) over the packed rows ``keep`` (None:
+        all) at once; attention per sequence (padded to [B, H, L, L]) of step
+        s over step 0's rows causally and over rows 1..s of its own chain
+        (the diagonal). Padding sits after each sequence's rows, so the
+        causal mask alone keeps a real row from reading it; rows a step does
+        not compute hold zeros there, read by no computed row (a row's chain
+        is computed at every step before one that computes it)."""
         rows, H, Hkv, D = len(e), self.num_heads, self.num_kv_heads, self.head_dim
         gn = rms_norm(g, self.p("midlayer.hidden_norm.weight"), self.eps)
         x = torch.cat([rms_norm(e, self.p("midlayer.input_layernorm.weight"), self.eps), gn], dim=-1)
@@ -136,6 +144,8 @@ class Eagle3Student(torch.nn.Module):
         v = F.linear(x, self.p("midlayer.self_attn.v_proj.weight")).view(rows, Hkv, D)
         cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :])  # [rows, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if keep is not None:  # every packed row again, zeros where not computed
+            q, k, v = (x.new_zeros(len(pack.local), *x.shape[1:]).index_copy(0, keep, x) for x in (q, k, v))
         keys.append(pack.padded(k.repeat_interleave(H // Hkv, 1)))  # [B, H, L, D]
         values.append(pack.padded(v.repeat_interleave(H // Hkv, 1)))
         qh = pack.padded(q * D ** -0.5)  # [B, H, L, D]
@@ -146,7 +156,8 @@ class Eagle3Student(torch.nn.Module):
         out = att[..., :L] @ values[0]
         for j, vv in enumerate(values[1:]):
             out = out + att[..., L + j:L + j + 1] * vv
-        o = F.linear(pack.unpadded(out).reshape(rows, H * D), self.p("midlayer.self_attn.o_proj.weight"))
+        attended = pack.unpadded(out).reshape(len(pack.local), H * D)
+        o = F.linear(attended if keep is None else attended[keep], self.p("midlayer.self_attn.o_proj.weight"))
         h = g + o
         hn = rms_norm(h, self.p("midlayer.post_attention_layernorm.weight"), self.eps)
         mlp = F.linear(F.silu(F.linear(hn, self.p("midlayer.mlp.gate_proj.weight"))) *
@@ -187,7 +198,7 @@ class Pack:
     chained step the token each row reads, and the rows a loss needs with
     their teacher rows."""
 
-    def __init__(self, data: dict, rows: list[int], steps: int) -> None:
+    def __init__(self, data: dict, rows: list[int], steps: int, every_row: bool = False) -> None:
         lengths = [len(data["tokens"][r]) - 1 for r in rows]
         n, L = sum(lengths), max(lengths)
         offsets = np.cumsum([0, *lengths])
@@ -204,6 +215,18 @@ class Pack:
         self.loss_rows: list[torch.Tensor] = []  # per step: packed rows whose position the teacher has
         self.top_ids: list[torch.Tensor] = []  # per step: the teacher's rows of those
         self.top_logp: list[torch.Tensor] = []
+        # per step: the packed rows it computes, None for all. Step 0 computes every row (chained steps
+        # attend to all of its keys); step s > 0 only rows whose output a loss reads, at that step or
+        # through their own chain later: start - steps <= i <= start + answer rows - 2 - s. The prompt's
+        # rows are a quarter of the rows (SmolLM2's chat recipe): ~11 % of a training step's GEMMs.
+        self.keep: list[torch.Tensor | None] = [None] * steps
+        for s in range(1, steps if not every_row else 1):
+            kept = []
+            for b, (r, m) in enumerate(zip(rows, lengths)):
+                start, teacher = data["start"][r], len(data["top_ids"][r])
+                lo, hi = max(start - steps, 0), min(start + teacher - 2 - s, m - 1)
+                kept.append(torch.arange(int(offsets[b]) + lo, int(offsets[b]) + max(hi + 1, lo)))
+            self.keep[s] = torch.cat(kept)
         for s in range(steps):
             tokens, loss_rows, top_ids, top_logp = [], [], [], []
             for b, (r, m) in enumerate(zip(rows, lengths)):
@@ -235,13 +258,13 @@ class Pack:
 
 
 def eagle3_loss(student: Eagle3Student, data: dict, rows: list[int], t2d_index: torch.Tensor,
-                steps: int = TTT_STEPS) -> tuple[torch.Tensor, int]:
+                steps: int = TTT_STEPS, every_row: bool = False) -> tuple[torch.Tensor, int]:
     """Cross-entropy of every chained step against the teacher's top-K
     distribution restricted to the draft vocabulary (renormalised), on the
     answer positions of ``rows`` (all sequences in one packed forward);
     (mean loss, positions). t2d_index: int64 [vocab], the draft id of each
     target id or -1."""
-    pack = Pack(data, rows, steps)
+    pack = Pack(data, rows, steps, every_row)
     total, count = torch.zeros(()), 0
     for s, normed in enumerate(student(pack, steps)):
         d_ids, t_p, ok = head_targets(pack.top_ids[s], pack.top_logp[s], t2d_index)

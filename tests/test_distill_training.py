@@ -77,6 +77,36 @@ def test_a_packed_batch_gives_each_sequence_its_loss_and_gradient_alone(target, 
     torch.testing.assert_close(grad, sum(g * c for _, c, g in alone) / count, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("steps", [2, 3, 5])
+def test_chained_steps_skip_the_rows_no_loss_reads_and_give_the_same_loss_and_gradient(target, steps):
+    """Chained steps compute only rows whose output a loss reads (at that
+    step or through their own chain later): not the prompt's rows before
+    start - steps, nor rows past the answer. Loss and gradient are those of
+    computing every row."""
+    from specdec.distill_eagle3 import Pack, eagle3_loss
+
+    data = _data(target, lengths=(23, 9, 30))
+    student, t2d_index = _student(target, data)
+    rows = [0, 1, 2]
+
+    def loss_and_grad(every_row):
+        student.zero_grad()
+        loss, count = eagle3_loss(student, data, rows, t2d_index, steps, every_row)
+        loss.backward()
+        return loss.detach(), count, torch.cat([p.grad.flatten() for p in student.parameters()])
+
+    pack = Pack(data, rows, steps)
+    n = len(pack.local)
+    assert pack.keep[0] is None and all(len(pack.keep[s]) < n for s in range(1, steps))
+    assert all(set(pack.loss_rows[s].tolist()) <= set(pack.keep[s].tolist()) for s in range(1, steps))
+    assert 0 not in pack.keep[1].tolist()  # a prompt row: its sequence (23 tokens) starts its answer at 7
+    every, count, grad = loss_and_grad(True)
+    skipping, count2, grad2 = loss_and_grad(False)
+    assert count == count2 > 0
+    torch.testing.assert_close(skipping, every, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad2, grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("row", [0, 5, 15])
 def test_the_training_forward_is_what_the_served_head_computes(target, stories_path, tmp_path, row):
     """Step 0 of the training forward is the served head over the real rows;
@@ -93,7 +123,7 @@ def test_the_training_forward_is_what_the_served_head_computes(target, stories_p
     head = load_eagle3(str(tmp_path), stories_path)
     eps = head.spec.rms_norm_eps
     with torch.no_grad():
-        trained = student(Pack(data, [0, 1], TTT_STEPS), TTT_STEPS)  # per step: [N, hidden]
+        trained = student(Pack(data, [0, 1], TTT_STEPS, every_row=True), TTT_STEPS)  # per step: [N, hidden]
     offset = len(data["tokens"][0]) - 1  # packed rows of the first sequence
     tokens = torch.tensor(data["tokens"][1])
     feats = head.fuse(data["features"][1][:len(tokens) - 1].float())
