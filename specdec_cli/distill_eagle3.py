@@ -145,7 +145,7 @@ class Eagle3Student(torch.nn.Module):
         cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :])  # [rows, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if keep is not None:  # every packed row again, zeros where not computed
-            q, k, v = (x.new_zeros(len(pack.local), *x.shape[1:]).index_copy(0, keep, x) for x in (q, k, v))
+            q, k, v = (t.new_zeros(len(pack.local), *t.shape[1:]).index_copy(0, keep, t) for t in (q, k, v))
         keys.append(pack.padded(k.repeat_interleave(H // Hkv, 1)))  # [B, H, L, D]
         values.append(pack.padded(v.repeat_interleave(H // Hkv, 1)))
         qh = pack.padded(q * D ** -0.5)  # [B, H, L, D]
