@@ -545,11 +545,15 @@ def gemm(x: np.ndarray, w: QuantWeight, chunks: int) -> np.ndarray:
     row's outputs never depend on the rows beside it)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     assert x.shape[1] == w.d.shape[1] * BLOCK
-    out = np.empty((x.shape[0], w.d.shape[0]), np.float32)
+    rows = x.shape[0]
+    out = np.empty((rows, w.d.shape[0]), np.float32)
     with LAUNCH_LOCK:
         set_team(chunks)
-        for lo, hi, layout in pieces(x.shape[0]):
-            LAYOUTS[layout][w.kind](x[lo:hi], w.qs, w.d, w.m, out[lo:hi], chunks)
+        if rows < GROUP and len(TAIL_PARTS[rows]) == 1:  # one launch of them all: a decode step's rows
+            LAYOUTS[ROW_LAYOUTS[rows]][w.kind](x, w.qs, w.d, w.m, out, chunks)
+        else:
+            for lo, hi, layout in pieces(rows):
+                LAYOUTS[layout][w.kind](x[lo:hi], w.qs, w.d, w.m, out[lo:hi], chunks)
     return out
 
 

@@ -478,6 +478,7 @@ class LlamaEngine(Engine):
                 self.final_norm = self.final_norm.float()
             self._norm_arrays = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
             self._final_norm_np = self.final_norm.numpy()
+            self._eps_np = np.float32(self.spec.rms_norm_eps)
             # the embedding rows as the stream's float32 (bfloat16 bits widened exactly: a shift)
             self._embed_np = self.embed.view(torch.int16).numpy().view(np.uint16) \
                 if self.embed.dtype == torch.bfloat16 else self.embed.float().numpy()
@@ -562,8 +563,8 @@ class LlamaEngine(Engine):
             self.pool.commit(seq_ids, counts)
             return ForwardOutput(logits, None, features)
         if self.fused:  # numpy from the embedding to the logits (``_decoder_arrays``)
-            h_np, states = self._decoder_arrays(tokens, batch, feature_layers)
-            normed_np = cpu_ops.rms_norm(h_np[rows], self._final_norm_np, self.spec.rms_norm_eps)
+            _, final_np, states = self._decoder_arrays(tokens, batch, feature_layers)
+            normed_np = final_np[rows]
             normed = torch.from_numpy(normed_np)
             logits = torch.from_numpy(self.lm_head.on_array(normed_np)) if len(rows) else \
                 torch.empty(0, self.facts.vocab_size)  # a prefill chunk: no LM head
@@ -662,15 +663,16 @@ class LlamaEngine(Engine):
         return h, [kept[i] for i in feature_layers]
 
     def _decoder_arrays(self, tokens: np.ndarray, batch,
-                        feature_layers: tuple[int, ...]) -> tuple[np.ndarray, list[torch.Tensor]]:
+                        feature_layers: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
         """``_decoder`` on the fused CPU path, the stream returned as a numpy
-        array: the float32 stream as numpy arrays from one numba call to the
+        array, with its final norm (every row's; ``add_rms_norm`` computes it
+        with the last residual add): the float32 stream as numpy arrays from one numba call to the
         next (cpu_ops, the numba GEMMs, the paged attention), no torch op
         inside a layer (each costs about a microsecond of dispatch, ~20 of
         them per layer), nor around the layers (``forward`` takes the final
         norm and the LM head on arrays too). Layers that normalise queries
         and keys take ``_attention``'s torch steps."""
-        eps = self.spec.rms_norm_eps
+        eps = self._eps_np
         T, H, Hkv, D = len(tokens), self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim
         slots = (batch.slot_block, batch.slot_offset)
         h = self._embed_np[tokens]  # [T, hidden]
@@ -678,23 +680,27 @@ class LlamaEngine(Engine):
             h = (h.astype(np.uint32) << 16).view(np.float32)
         kept = {0: h} if 0 in feature_layers else {}
         rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
-        for i, (layer, (input_norm, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
-            x = cpu_ops.rms_norm(h, input_norm, eps)
+        x = cpu_ops.rms_norm(h, self._norm_arrays[0][0], eps)
+        last = len(self.layers) - 1
+        for i, (layer, (_, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
             if layer.q_norm is None:  # RoPE, scale and the KV write in one call
                 qkv = layer.qkv.on_array(x).reshape(T, H + 2 * Hkv, D)
                 q = cpu_ops.rope_scale_write(qkv, H, Hkv, self._cos_np, self._sin_np, batch.row_pos, layer.rope,
                                              self.scale, *self.pool.layer_arrays(i), *slots)
-                h = h + layer.o.on_array(self.pool.attend_array(i, q, batch, layer.window).reshape(T, H * D))
+                attn = layer.o.on_array(self.pool.attend_array(i, q, batch, layer.window).reshape(T, H * D))
             else:
                 if rope is None:
                     positions = torch.from_numpy(batch.row_pos).long()
                     rope = self.cos[positions], self.sin[positions]
-                h = h + self._attention(i, layer, torch.from_numpy(x), *rope, batch).numpy()
-            x = cpu_ops.rms_norm(h, post_norm, eps)
-            h = h + layer.down.on_array(cpu_ops.silu_mul(layer.gate_up.on_array(x)))
+                attn = self._attention(i, layer, torch.from_numpy(x), *rope, batch).numpy()
+            # each residual add with the norm after it, in one call: the next layer's input norm, or the final
+            h, x = cpu_ops.add_rms_norm(h, attn, post_norm, eps)
+            following = self._norm_arrays[i + 1][0] if i < last else self._final_norm_np
+            h, x = cpu_ops.add_rms_norm(h, layer.down.on_array(cpu_ops.silu_mul(layer.gate_up.on_array(x))),
+                                        following, eps)
             if i + 1 in feature_layers:
                 kept[i + 1] = h
-        return h, [torch.from_numpy(kept[i]) for i in feature_layers]
+        return h, x, [torch.from_numpy(kept[i]) for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, batch: PagedBatch | DeviceRows) -> torch.Tensor:

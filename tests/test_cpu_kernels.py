@@ -216,6 +216,24 @@ def test_rms_norm_matches_the_torch_formulation():
     rows_alone_equal_rows_together(norm, x)
 
 
+@pytest.mark.parametrize("width", [576, 960, 8, 13])
+def test_add_rms_norm_gives_the_bits_of_the_add_and_the_norm_apart(width):
+    # the engine's fused path adds each residual and norms the sum in one call: its stream and the next
+    # layer's input must be bit for bit numpy's add and rms_norm's, for every row count (row invariance)
+    rng = np.random.default_rng(width)
+    h = (rng.standard_normal((7, width)) * 3).astype(np.float32)
+    delta = (rng.standard_normal((7, width)) * 5).astype(np.float32)
+    w = rng.standard_normal(width).astype(np.float32)
+    kept = h.copy()
+    for rows in (1, 2, 6, 7):
+        summed, normed = cpu_ops.add_rms_norm(h[:rows], delta[:rows], w, np.float32(1e-5))
+        np.testing.assert_array_equal(summed, h[:rows] + delta[:rows])
+        np.testing.assert_array_equal(normed, cpu_ops.rms_norm(h[:rows] + delta[:rows], w, 1e-5))
+        np.testing.assert_array_equal(normed[-1:], cpu_ops.add_rms_norm(h[rows - 1:rows], delta[rows - 1:rows],
+                                                                          w, np.float32(1e-5))[1])
+    np.testing.assert_array_equal(h, kept)  # the stream given is not written (the engine keeps feature rows)
+
+
 def test_silu_mul_matches_torch_including_large_and_negative_gates():
     gen = torch.Generator().manual_seed(0)
     gate_up = torch.randn(5, 2 * 256, generator=gen) * 6
