@@ -269,6 +269,16 @@ class KVPool:
         for s, n in zip(seq_ids, num_new):
             self._lengths[s] += n
 
+    @property
+    def num_threads(self) -> int:
+        """Threads the CPU attention may split over."""
+        return self._num_threads
+
+    def cache_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every layer's key and value caches as numpy views [layers, ...]
+        (CPU only), for kernels that index them by layer (engine.gguf_layers)."""
+        return _numpy(self.key_cache), _numpy(self.value_cache)
+
     def layer_arrays(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """One layer's key and value caches as numpy views (CPU only), for
         kernels that write them (engine.cpu_ops)."""

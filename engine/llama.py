@@ -76,12 +76,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import cpu_ops
+from specdec.engine import cpu_ops, gguf_layers, kv_pool
 from specdec.engine.base import Engine, ForwardItem, ForwardOutput, ModelFacts, check_feature_layers
 from specdec.engine.checkpoint import Checkpoint, eos_token_ids, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS
 from specdec.engine.cuda_graph import MAX_ROWS, ForwardGraphs
 from specdec.engine.gemm_gguf import GgufBlocks
+from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
 from specdec.engine.gemm_select import (
     GEMM_PATHS,
     SERVING_ROWS,
@@ -479,6 +480,8 @@ class LlamaEngine(Engine):
             self._norm_arrays = [(layer.input_norm.numpy(), layer.post_norm.numpy()) for layer in self.layers]
             self._final_norm_np = self.final_norm.numpy()
             self._eps_np = np.float32(self.spec.rms_norm_eps)
+            self._scale_np = np.float32(self.scale)
+            self._gguf_arrays: gguf_layers.LayerArrays | None | bool = False  # False: not built yet
             # the embedding rows as the stream's float32 (bfloat16 bits widened exactly: a shift)
             self._embed_np = self.embed.view(torch.int16).numpy().view(np.uint16) \
                 if self.embed.dtype == torch.bfloat16 else self.embed.float().numpy()
@@ -530,8 +533,18 @@ class LlamaEngine(Engine):
         with graphs; ForwardGraphs.capture_all, which compiles the kernels on
         the way), so no request waits for a compile or a capture; with
         feature_layers, the graphs of passes asking for those layers' states
-        (the others are captured the first time a batch needs them)."""
+        (the others are captured the first time a batch needs them). On the
+        fused CPU path, one decode step of a scratch sequence loads (or, the
+        first time on a machine, compiles: ~10 s) the one-call layers
+        (``gguf_layers``) where the model takes them."""
         if self.graphs is None:
+            if self.fused and self._gguf_layers() is not None:
+                scratch = "\0prepare"
+                self.ensure_capacity(scratch, 1)
+                try:
+                    self.forward([ForwardItem(scratch, np.zeros(1, np.int32), 1)])
+                finally:
+                    self.release(scratch)
             return
         check_feature_layers(feature_layers, len(self.layers))
         start = time.perf_counter()
@@ -681,6 +694,8 @@ class LlamaEngine(Engine):
         kept = {0: h} if 0 in feature_layers else {}
         rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
         x = cpu_ops.rms_norm(h, self._norm_arrays[0][0], eps)
+        if T <= gguf_layers.MAX_ROWS and self._gguf_layers() is not None:  # every layer in one numba call
+            return self._decoder_gguf(h, x, batch, feature_layers, kept)
         last = len(self.layers) - 1
         for i, (layer, (_, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
             if layer.q_norm is None:  # RoPE, scale and the KV write in one call
@@ -700,6 +715,41 @@ class LlamaEngine(Engine):
                                         following, eps)
             if i + 1 in feature_layers:
                 kept[i + 1] = h
+        return h, x, [torch.from_numpy(kept[i]) for i in feature_layers]
+
+    def _gguf_layers(self) -> gguf_layers.LayerArrays | None:
+        """The layers as ``gguf_layers.decode_layers`` takes them (built on
+        the first call), or None where they cannot go that way."""
+        if self._gguf_arrays is False:
+            self._gguf_arrays = gguf_layers.layer_arrays(self.layers)
+            self._cache_np = self.pool.cache_arrays()
+        return self._gguf_arrays or None
+
+    def _decoder_gguf(self, h: np.ndarray, x: np.ndarray, batch, feature_layers: tuple[int, ...],
+                      kept: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+        """``_decoder_arrays``' layers in one numba call (``gguf_layers``):
+        h the embedded rows, x their first input norm."""
+        arrays = self._gguf_arrays
+        assert arrays
+        T, H, Hkv = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads
+        later = [i for i in feature_layers if i > 0]
+        feature_at = np.full(len(self.layers), -1, dtype=np.int64)
+        for n, i in enumerate(later):
+            feature_at[i - 1] = n
+        features = np.empty((len(later), T, h.shape[1]), np.float32)
+        units = batch.units(H // Hkv, Hkv)
+        threads = self.pool.num_threads
+        attention_chunks = 1 if threads == 1 or batch.attention_work * H < kv_pool.PARALLEL_MIN_WORK else threads
+        chunks = self.layers[0].qkv.threads
+        with LAUNCH_LOCK:
+            set_team(max(chunks, attention_chunks))
+            h, x = gguf_layers.decode_layers(
+                h, x, self._eps_np, arrays.input_norms, arrays.post_norms, self._final_norm_np, arrays.qkv, arrays.o,
+                arrays.gate_up, arrays.down, arrays.kinds, gguf_layers.layouts(T), arrays.out_features, chunks, H, Hkv,
+                self.spec.head_dim, self._cos_np, self._sin_np, batch.row_pos, arrays.rope, self._scale_np,
+                *self._cache_np, batch.slot_block, batch.slot_offset, batch.block_tables,
+                batch.row_seq, arrays.window, units, attention_chunks, feature_at, features)
+        kept.update({i: features[n] for n, i in enumerate(later)})
         return h, x, [torch.from_numpy(kept[i]) for i in feature_layers]
 
     def _attention(self, i: int, layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor,

@@ -605,6 +605,51 @@ def test_smollm_bfloat16_keeps_a_bfloat16_kv_cache_close_to_a_float32_one(smollm
 
 
 @pytest.mark.smollm
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_path, smollm, kv_dtype):
+    """simd-gguf engines run a batch of 1-3 rows' layers in one numba call
+    (engine.gguf_layers); the Python loop runs them otherwise. Both compute
+    the same logits and feature rows, bit for bit: one row, two and three
+    rows of a sequence, and one row each of two sequences (mixed into the
+    same pass), with feature layers asked for and without."""
+    model, prompt, engines = smollm
+    if engines("float32").gemm != "simd-gguf":
+        pytest.skip(f"the selector chose {engines('float32').gemm} on this CPU (not simd-gguf)")
+    engine = engine_of(model, kv_dtype=kv_dtype, gguf=gguf_file_of(smollm_path), gemm="simd-gguf")
+    free = engine.pool.free_tokens()
+    engine.prepare(4)  # the scorer's start-up: loads (or compiles) the one call with a step it then forgets
+    assert engine.pool.free_tokens() == free
+    arrays = engine._gguf_layers()
+    assert arrays is not None, "SmolLM2's GGUF layers should take the one-call path"
+    layers = (0, 3, 15, 30)
+    feed(engine, [("a", prompt[:-8], 0), ("b", prompt[:-5], 0)])
+    batches = [[("a", prompt[-8:-7], 1)], [("a", prompt[-7:-5], 2)], [("a", prompt[-5:-2], 3)],
+               [("a", prompt[-2:-1], 1), ("b", prompt[-5:-4], 1)]]
+    runs = {}
+    for fused in (True, False):
+        engine._gguf_arrays = arrays if fused else None
+        out = []
+        for batch in batches:
+            for fl in ((), layers):
+                for seq, tokens, _ in batch:
+                    engine.ensure_capacity(seq, engine.cached_len(seq) + len(tokens))
+                got = engine.forward([ForwardItem(s, as_ids(t), k) for s, t, k in batch], feature_layers=fl)
+                out.append(got.logits)
+                if fl:
+                    out.append(got.features.float())
+                for seq, tokens, _ in batch:  # the next pass (and the other run) feeds the same rows again
+                    engine.truncate(seq, engine.cached_len(seq) - len(tokens))
+            for seq, tokens, _ in batch:  # then on to the next batch
+                feed(engine, [(seq, tokens, 0)])
+        for seq, n in (("a", 8), ("b", 5)):
+            engine.truncate(seq, len(prompt) - n)
+        runs[fused] = out
+    assert len(runs[True]) == len(runs[False]) == 12
+    for got, want in zip(runs[True], runs[False]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.smollm
 def test_smollm_uses_every_core(smollm):
     assert smollm[2]("float32").num_threads == default_num_threads()
 
