@@ -1,4 +1,4 @@
-"""The decoder layers of a GGUF model's decode step in one numba call.
+"""The decoder layers of a GGUF model's forward pass in one numba call.
 
 The fused CPU path (``LlamaEngine._decoder_arrays``) runs a layer as nine
 kernel calls from Python: four GEMMs, RoPE with the KV write, the
@@ -13,9 +13,10 @@ Python loop), without that time.
 
 It takes the layers it can: every projection read from GGUF blocks
 (``gemm_gguf.QuantWeight``) without a bias, no query/key norms, and
-batches of one to three rows, which one launch of a layout's kernel
-computes (``gemm_gguf.pieces``: more rows are split, and there the GEMMs
-dominate anyway). Each GEMM is chosen inside by codes, its blocks' kind
+batches whose rows one launch of a layout's kernel computes
+(``gemm_gguf.pieces``: on a CPU where one layout serves every row count,
+as AVX2's narrow one, any batch; else those the selector's layouts split
+take the Python loop). Each GEMM is chosen inside by codes, its blocks' kind
 and the layout the selector chose for the row count (``gemm_by``, which
 compiles the "table" layout's kernels only on a CPU that runs them), so the
 loop is compiled once and cached like every other kernel (numba cannot
@@ -37,9 +38,6 @@ from numba import types
 from numba.extending import overload
 
 from specdec.engine import cpu_ops, gemm_gguf, kv_pool
-
-#: Rows ``decode_layers`` takes: one launch per GEMM (``gemm_gguf.TAIL_PARTS``).
-MAX_ROWS = 3
 
 
 @dataclass
@@ -102,9 +100,14 @@ KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 LAYOUT_CODES = {"table": 0, "wide": 1, "narrow": 2}
 
 
-def layouts(rows: int) -> np.ndarray:
-    """The layout code every GEMM of a ``rows``-row batch runs (one launch)."""
-    return np.full(4, LAYOUT_CODES[gemm_gguf.ROW_LAYOUTS[rows]], dtype=np.int64)
+def layouts(rows: int) -> np.ndarray | None:
+    """The layout code every GEMM of a ``rows``-row batch runs, where
+    ``gemm_gguf.gemm`` runs them in one launch (``pieces``: one row count,
+    or neighbouring parts of one layout), else None."""
+    pieces = gemm_gguf.pieces(rows)
+    if len(pieces) != 1:
+        return None
+    return np.full(4, LAYOUT_CODES[pieces[0][2]], dtype=np.int64)
 
 
 def gemm_by(x, qs, d, m, out, chunks, kind, layout):

@@ -481,7 +481,8 @@ class LlamaEngine(Engine):
             self._final_norm_np = self.final_norm.numpy()
             self._eps_np = np.float32(self.spec.rms_norm_eps)
             self._scale_np = np.float32(self.scale)
-            self._gguf_arrays: gguf_layers.LayerArrays | None | bool = False  # False: not built yet
+            self._gguf_arrays: gguf_layers.LayerArrays | None = None
+            self._gguf_built = False
             # the embedding rows as the stream's float32 (bfloat16 bits widened exactly: a shift)
             self._embed_np = self.embed.view(torch.int16).numpy().view(np.uint16) \
                 if self.embed.dtype == torch.bfloat16 else self.embed.float().numpy()
@@ -694,8 +695,9 @@ class LlamaEngine(Engine):
         kept = {0: h} if 0 in feature_layers else {}
         rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
         x = cpu_ops.rms_norm(h, self._norm_arrays[0][0], eps)
-        if T <= gguf_layers.MAX_ROWS and self._gguf_layers() is not None:  # every layer in one numba call
-            return self._decoder_gguf(h, x, batch, feature_layers, kept)
+        layouts = gguf_layers.layouts(T) if self._gguf_layers() is not None else None
+        if layouts is not None:  # every layer in one numba call
+            return self._decoder_gguf(h, x, batch, feature_layers, kept, layouts)
         last = len(self.layers) - 1
         for i, (layer, (_, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
             if layer.q_norm is None:  # RoPE, scale and the KV write in one call
@@ -720,17 +722,19 @@ class LlamaEngine(Engine):
     def _gguf_layers(self) -> gguf_layers.LayerArrays | None:
         """The layers as ``gguf_layers.decode_layers`` takes them (built on
         the first call), or None where they cannot go that way."""
-        if self._gguf_arrays is False:
-            self._gguf_arrays = gguf_layers.layer_arrays(self.layers)
+        if not self._gguf_built:
+            self._gguf_arrays, self._gguf_built = gguf_layers.layer_arrays(self.layers), True
             self._cache_np = self.pool.cache_arrays()
-        return self._gguf_arrays or None
+        return self._gguf_arrays
 
     def _decoder_gguf(self, h: np.ndarray, x: np.ndarray, batch, feature_layers: tuple[int, ...],
-                      kept: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+                      kept: dict[int, np.ndarray],
+                      layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
         """``_decoder_arrays``' layers in one numba call (``gguf_layers``):
-        h the embedded rows, x their first input norm."""
+        h the embedded rows, x their first input norm, layouts the GEMMs'
+        (``gguf_layers.layouts``)."""
         arrays = self._gguf_arrays
-        assert arrays
+        assert arrays is not None
         T, H, Hkv = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads
         later = [i for i in feature_layers if i > 0]
         feature_at = np.full(len(self.layers), -1, dtype=np.int64)
@@ -745,7 +749,7 @@ class LlamaEngine(Engine):
             set_team(max(chunks, attention_chunks))
             h, x = gguf_layers.decode_layers(
                 h, x, self._eps_np, arrays.input_norms, arrays.post_norms, self._final_norm_np, arrays.qkv, arrays.o,
-                arrays.gate_up, arrays.down, arrays.kinds, gguf_layers.layouts(T), arrays.out_features, chunks, H, Hkv,
+                arrays.gate_up, arrays.down, arrays.kinds, layouts, arrays.out_features, chunks, H, Hkv,
                 self.spec.head_dim, self._cos_np, self._sin_np, batch.row_pos, arrays.rope, self._scale_np,
                 *self._cache_np, batch.slot_block, batch.slot_offset, batch.block_tables,
                 batch.row_seq, arrays.window, units, attention_chunks, feature_at, features)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import hf_greedy, hf_layer_states, hf_model, random_model
 
+from specdec.engine import gguf_layers
 from specdec.engine.base import ForwardItem, PoolExhausted
 from specdec.engine.checkpoint import gguf_file_of
 from specdec.engine.config import EngineConfig
@@ -607,11 +608,12 @@ def test_smollm_bfloat16_keeps_a_bfloat16_kv_cache_close_to_a_float32_one(smollm
 @pytest.mark.smollm
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
 def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_path, smollm, kv_dtype):
-    """simd-gguf engines run a batch of 1-3 rows' layers in one numba call
-    (engine.gguf_layers); the Python loop runs them otherwise. Both compute
-    the same logits and feature rows, bit for bit: one row, two and three
-    rows of a sequence, and one row each of two sequences (mixed into the
-    same pass), with feature layers asked for and without."""
+    """simd-gguf engines run the layers in one numba call (engine.gguf_layers)
+    where each GEMM is one launch (always for one row; on AVX2 for any
+    rows); the Python loop runs them otherwise. Both compute the same
+    logits and feature rows, bit for bit: one row, two, three, six and
+    seventeen rows of a sequence, and one row each of two sequences (mixed
+    into the same pass), with feature layers asked for and without."""
     model, prompt, engines = smollm
     if engines("float32").gemm != "simd-gguf":
         pytest.skip(f"the selector chose {engines('float32').gemm} on this CPU (not simd-gguf)")
@@ -622,9 +624,10 @@ def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_pa
     arrays = engine._gguf_layers()
     assert arrays is not None, "SmolLM2's GGUF layers should take the one-call path"
     layers = (0, 3, 15, 30)
-    feed(engine, [("a", prompt[:-8], 0), ("b", prompt[:-5], 0)])
-    batches = [[("a", prompt[-8:-7], 1)], [("a", prompt[-7:-5], 2)], [("a", prompt[-5:-2], 3)],
-               [("a", prompt[-2:-1], 1), ("b", prompt[-5:-4], 1)]]
+    assert gguf_layers.layouts(1) is not None
+    feed(engine, [("a", prompt[:-31], 0), ("b", prompt[:-5], 0)])
+    batches = [[("a", prompt[-31:-14], 17)], [("a", prompt[-14:-8], 6)], [("a", prompt[-8:-7], 1)],
+               [("a", prompt[-7:-5], 2)], [("a", prompt[-5:-2], 3)], [("a", prompt[-2:-1], 1), ("b", prompt[-5:-4], 1)]]
     runs = {}
     for fused in (True, False):
         engine._gguf_arrays = arrays if fused else None
@@ -641,10 +644,10 @@ def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_pa
                     engine.truncate(seq, engine.cached_len(seq) - len(tokens))
             for seq, tokens, _ in batch:  # then on to the next batch
                 feed(engine, [(seq, tokens, 0)])
-        for seq, n in (("a", 8), ("b", 5)):
+        for seq, n in (("a", 31), ("b", 5)):
             engine.truncate(seq, len(prompt) - n)
         runs[fused] = out
-    assert len(runs[True]) == len(runs[False]) == 12
+    assert len(runs[True]) == len(runs[False]) == 18
     for got, want in zip(runs[True], runs[False]):
         assert torch.equal(got, want)
 
