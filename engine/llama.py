@@ -56,7 +56,9 @@ order, not an error.
 In float32 on CPU the small steps between the GEMMs (RMSNorm, RoPE with the
 softmax scale and the KV write, SiLU times up) are single numba calls
 (``cpu_ops``), not eight torch ops each: on one row torch spends more on
-dispatch than on arithmetic.
+dispatch than on arithmetic. Where every projection is read from GGUF
+blocks, the whole stack of layers is one numba call (``gguf_layers``: the
+same kernels in the same order, without ~1.6 ms of Python a SmolLM2 step).
 
 Weights come from ``transformers`` (safetensors, .bin or GGUF, dequantised),
 which also standardises the config; the transformers model is dropped after
