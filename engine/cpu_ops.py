@@ -25,18 +25,23 @@ from specdec.engine.kv_pool import exp_nonpositive, kv_bits
 _FASTMATH = {"reassoc", "contract"}
 
 
+@numba.njit(nogil=True, fastmath=_FASTMATH, cache=True, inline="always")
+def _norm_row(row, weight, eps, out):
+    """out = weight * (row / sqrt(mean(row^2) + eps)), transformers' order."""
+    n = row.shape[0]
+    total = np.float32(0.0)
+    for k in range(n):
+        total += row[k] * row[k]
+    inv = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
+    for k in range(n):
+        out[k] = weight[k] * (row[k] * inv)
+
+
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
 def _rms_norm(x, weight, eps, out):
-    """out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), transformers' order."""
-    n = x.shape[1]
+    """out[r] = ``_norm_row`` of x[r]."""
     for r in range(x.shape[0]):
-        row = x[r]
-        total = np.float32(0.0)
-        for k in range(n):
-            total += row[k] * row[k]
-        inv = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
-        for k in range(n):
-            out[r, k] = weight[k] * (row[k] * inv)
+        _norm_row(x[r], weight, eps, out[r])
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float | np.float32) -> np.ndarray:
@@ -48,19 +53,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float | np.float32) -> np.n
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, cache=True)
 def _add_rms_norm(h, delta, weight, eps, h_out, out):
-    """h_out = h + delta; out = ``_rms_norm`` of h_out (the same loops over
-    the stored sums, so the same bits as the add and the norm apart)."""
-    n = h.shape[1]
+    """h_out = h + delta; out = ``_norm_row`` of each row of h_out (the norm
+    of the stored sums, so the same bits as the add and the norm apart)."""
     for r in range(h.shape[0]):
-        for k in range(n):
+        for k in range(h.shape[1]):
             h_out[r, k] = h[r, k] + delta[r, k]
-        row = h_out[r]
-        total = np.float32(0.0)
-        for k in range(n):
-            total += row[k] * row[k]
-        inv = np.float32(1.0) / np.sqrt(total / np.float32(n) + eps)
-        for k in range(n):
-            out[r, k] = weight[k] * (row[k] * inv)
+        _norm_row(h_out[r], weight, eps, out[r])
 
 
 def add_rms_norm(h: np.ndarray, delta: np.ndarray, weight: np.ndarray,
