@@ -246,6 +246,7 @@ def test_the_teachers_gemm_path_is_chosen_for_its_batch_whatever_is_in_flight(st
     however many answers are in flight (a resumed run answers as the
     uninterrupted one did)."""
     import specdec.distill as mod
+    from specdec.engine import gemm_select
     from specdec.engine.checkpoint import load_hf_model
 
     target = load_hf_model(stories_path)
@@ -255,8 +256,10 @@ def test_the_teachers_gemm_path_is_chosen_for_its_batch_whatever_is_in_flight(st
     for engine in engines:
         assert engine.gemm_report["timed_rows"] == {"128": 1.0} == {str(n): w for n, w in mod.TEACHER_GEMM_ROWS.items()}
         scores = engine.gemm_report["scores"]
-        # the fastest of all at 128 rows: serving's preference for the runner's fused kinds is not applied
-        assert engine.gemm == min(scores, key=scores.__getitem__) and engine.gemm_report["prefer_kinds"] == []
+        # the fastest of all at 128 rows by the selector's rule (a near-tie within TIE_MARGIN goes by TIE_ORDER, not
+        # by the lower timing: a clean-clone CI run chose numba6 over a 128-row onednn timing a little lower);
+        # serving's preference for the runner's fused kinds is not applied
+        assert engine.gemm == gemm_select.fastest(scores) and engine.gemm_report["prefer_kinds"] == []
         assert all(str(128) in engine.gemm_report["paths"][n]["ms"] for n in scores)
 
 
