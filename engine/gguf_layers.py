@@ -58,24 +58,34 @@ class LayerArrays:
     window: np.ndarray  # int64 [L]
 
 
+def not_taken(layers) -> str | None:
+    """Why the layers cannot go through ``decode_layers`` (module doc), or
+    None where they can."""
+    for role in ("qkv", "o", "gate_up", "down"):
+        lins = [getattr(layer, role) for layer in layers]
+        quants = [lin._quant for lin in lins]
+        if any(q is None for q in quants):
+            return f"{role}: not read from GGUF blocks (GEMM path {lins[0].path.name})"
+        if any(lin._bias_array is not None for lin in lins):
+            return f"{role}: a bias"
+        if len({(q.kind, q.qs.dtype, q.qs.shape, q.d.shape, q.m.shape) for q in quants}) != 1:
+            return f"{role}: blocks of several kinds or shapes across layers"
+        if quants[0].d.shape[0] != lins[0].out_features:  # padded outputs: the Python loop cuts them
+            return f"{role}: padded outputs"
+    if any(layer.q_norm is not None for layer in layers):
+        return "query/key norms"
+    return None
+
+
 def layer_arrays(layers) -> LayerArrays | None:
     """The layers as ``decode_layers`` takes them, or None where some layer
-    cannot go that way (module doc). Each projection's blocks move into one
+    cannot go that way (``not_taken``). Each projection's blocks move into one
     array of every layer's (numba indexes it by layer; a typed list of
     arrays compiles its methods for each array type in every process,
     ~0.5 s each), and its layers' weights become views of it: no copy stays."""
-    roles = ("qkv", "o", "gate_up", "down")
-    for role in roles:
-        lins = [getattr(layer, role) for layer in layers]
-        quants = [lin._quant for lin in lins]
-        if any(q is None for q in quants) or any(lin._bias_array is not None for lin in lins):
-            return None
-        if len({(q.kind, q.qs.dtype, q.qs.shape, q.d.shape, q.m.shape) for q in quants}) != 1:
-            return None
-        if quants[0].d.shape[0] != lins[0].out_features:  # padded outputs: the Python loop cuts them
-            return None
-    if any(layer.q_norm is not None for layer in layers):
+    if not_taken(layers) is not None:
         return None
+    roles = ("qkv", "o", "gate_up", "down")
 
     def stacked(role: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lins = [getattr(layer, role) for layer in layers]

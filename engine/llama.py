@@ -727,6 +727,9 @@ class LlamaEngine(Engine):
         if not self._gguf_built:
             self._gguf_arrays, self._gguf_built = gguf_layers.layer_arrays(self.layers), True
             self._cache_np = self.pool.cache_arrays()
+            why = gguf_layers.not_taken(self.layers) if self._gguf_arrays is None else None
+            log.info("LlamaEngine: decoder layers %s", "in one numba call (gguf_layers)" if why is None
+                     else f"in a Python loop of kernel calls ({why})")
         return self._gguf_arrays
 
     def _decoder_gguf(self, h: np.ndarray, x: np.ndarray, batch, feature_layers: tuple[int, ...],

@@ -119,6 +119,20 @@ def test_logits_match_transformers(stories):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+def test_layers_not_read_from_gguf_blocks_take_the_python_loop_and_say_why(stories, caplog):
+    """stories260K's float32 weights come from safetensors: its engine runs
+    the layers as a Python loop of kernel calls (the one-call path reads
+    GGUF blocks only), logs why, and moves no weight."""
+    model, prompt = stories
+    engine = engine_of(model, gemm="simd")
+    assert gguf_layers.not_taken(engine.layers) == "qkv: not read from GGUF blocks (GEMM path simd)"
+    weight = engine.layers[0].qkv._padded
+    with caplog.at_level(logging.INFO, logger="specdec.engine.llama"):
+        feed(engine, [("s", prompt[:4], 1)])
+    assert engine._gguf_layers() is None and engine.layers[0].qkv._padded is weight
+    assert "decoder layers in a Python loop of kernel calls (qkv: not read from GGUF blocks" in caplog.text
+
+
 def test_bfloat16_is_close_to_float32(stories_path, stories):
     from transformers import AutoModelForCausalLM
 
@@ -620,7 +634,7 @@ def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_pa
     engine.prepare(4)  # the scorer's start-up: loads (or compiles) the one call with a step it then forgets
     assert engine.pool.free_tokens() == free
     arrays = engine._gguf_layers()
-    assert arrays is not None, "SmolLM2's GGUF layers should take the one-call path"
+    assert arrays is not None and gguf_layers.not_taken(engine.layers) is None
     layers = (0, 3, 15, 30)
     assert gguf_layers.layouts(1) is not None
     feed(engine, [("a", prompt[:-31], 0), ("b", prompt[:-5], 0)])
