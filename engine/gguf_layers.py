@@ -25,8 +25,9 @@ it again, ~7 s). Anything else takes the Python loop.
 
 SmolLM2 (Q4_1 GGUF) on 2 AVX2 cores of an AMD EPYC (family 25), the Python
 loop and this call in turns in one process, 14 blocks of 48 forwards each
-(``/work/exp/s49/ab_layers.py``): 0.83-0.93x the forward's time at one row
-(median of seven runs ~0.87), 0.86-0.92x at two, 0.90-0.95x at three.
+(``/work/exp/s49/ab_layers.py``): 0.82-0.93x the forward's time at one row
+(median of eight runs ~0.87), 0.86-0.92x at two, 0.90-0.95x at three,
+0.89x at four, 0.91x at six.
 """
 from __future__ import annotations
 
@@ -110,14 +111,12 @@ KINDS = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 LAYOUT_CODES = {"table": 0, "wide": 1, "narrow": 2}
 
 
-def layouts(rows: int) -> np.ndarray | None:
-    """The layout code every GEMM of a ``rows``-row batch runs, where
-    ``gemm_gguf.gemm`` runs them in one launch (``pieces``: one row count,
-    or neighbouring parts of one layout), else None."""
+def layout(rows: int) -> int | None:
+    """The layout code (``LAYOUT_CODES``) every GEMM of a ``rows``-row batch
+    runs, where ``gemm_gguf.gemm`` runs them in one launch (``pieces``: one
+    row count, or neighbouring parts of one layout), else None."""
     pieces = gemm_gguf.pieces(rows)
-    if len(pieces) != 1:
-        return None
-    return np.full(4, LAYOUT_CODES[pieces[0][2]], dtype=np.int64)
+    return LAYOUT_CODES[pieces[0][2]] if len(pieces) == 1 else None
 
 
 def gemm_by(x, qs, d, m, out, chunks, kind, layout):
@@ -166,7 +165,7 @@ def _gemm_by(x, qs, d, m, out, chunks, kind, layout):
 
 
 @numba.njit(nogil=True, cache=True)
-def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_up, down, kinds, layouts,
+def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_up, down, kinds, layout,
                   widths, chunks, heads, kv_heads, head_dim, cos, sin, row_pos, rope, scale, key_caches, value_caches,
                   slot_block, slot_offset, block_tables, row_seq, window, units, attention_chunks, feature_at,
                   features):
@@ -178,7 +177,7 @@ def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_u
     layers = input_norms.shape[0]
     for i in range(layers):
         qkv_out = np.empty((T, widths[0]), np.float32)
-        gemm_by(x, qkv[0][i], qkv[1][i], qkv[2][i], qkv_out, chunks, kinds[0], layouts[0])
+        gemm_by(x, qkv[0][i], qkv[1][i], qkv[2][i], qkv_out, chunks, kinds[0], layout)
         q = np.empty((T, heads, head_dim), np.float32)
         kc = key_caches[i]  # [L, ...] -> the layer's
         vc = value_caches[i]
@@ -191,17 +190,17 @@ def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_u
         else:
             kv_pool._paged_attention(q, kc, vc, block_tables, row_seq, row_pos, window[i], units, 0, 1, attended)
         o_out = np.empty((T, widths[1]), np.float32)
-        gemm_by(attended.reshape(T, heads * head_dim), o[0][i], o[1][i], o[2][i], o_out, chunks, kinds[1], layouts[1])
+        gemm_by(attended.reshape(T, heads * head_dim), o[0][i], o[1][i], o[2][i], o_out, chunks, kinds[1], layout)
         h_next = np.empty_like(h)
         cpu_ops._add_rms_norm(h, o_out, post_norms[i], eps, h_next, x)
         h = h_next
         gate_up_out = np.empty((T, widths[2]), np.float32)
-        gemm_by(x, gate_up[0][i], gate_up[1][i], gate_up[2][i], gate_up_out, chunks, kinds[2], layouts[2])
+        gemm_by(x, gate_up[0][i], gate_up[1][i], gate_up[2][i], gate_up_out, chunks, kinds[2], layout)
         inner = gate_up_out.shape[1] // 2
         act = np.empty((T, inner), np.float32)
         cpu_ops._silu_mul(gate_up_out, act)
         down_out = np.empty((T, widths[3]), np.float32)
-        gemm_by(act, down[0][i], down[1][i], down[2][i], down_out, chunks, kinds[3], layouts[3])
+        gemm_by(act, down[0][i], down[1][i], down[2][i], down_out, chunks, kinds[3], layout)
         h_next = np.empty_like(h)
         following = input_norms[i + 1] if i + 1 < layers else final_norm
         cpu_ops._add_rms_norm(h, down_out, following, eps, h_next, x)

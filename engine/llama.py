@@ -697,9 +697,9 @@ class LlamaEngine(Engine):
         kept = {0: h} if 0 in feature_layers else {}
         rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [T, head_dim], once, for torch steps
         x = cpu_ops.rms_norm(h, self._norm_arrays[0][0], eps)
-        layouts = gguf_layers.layouts(T) if self._gguf_layers() is not None else None
-        if layouts is not None:  # every layer in one numba call
-            return self._decoder_gguf(h, x, batch, feature_layers, kept, layouts)
+        layout = gguf_layers.layout(T) if self._gguf_layers() is not None else None
+        if layout is not None:  # every layer in one numba call
+            return self._decoder_gguf(h, x, batch, feature_layers, kept, layout)
         last = len(self.layers) - 1
         for i, (layer, (_, post_norm)) in enumerate(zip(self.layers, self._norm_arrays)):
             if layer.q_norm is None:  # RoPE, scale and the KV write in one call
@@ -734,10 +734,10 @@ class LlamaEngine(Engine):
 
     def _decoder_gguf(self, h: np.ndarray, x: np.ndarray, batch, feature_layers: tuple[int, ...],
                       kept: dict[int, np.ndarray],
-                      layouts: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
+                      layout: int) -> tuple[np.ndarray, np.ndarray, list[torch.Tensor]]:
         """``_decoder_arrays``' layers in one numba call (``gguf_layers``):
-        h the embedded rows, x their first input norm, layouts the GEMMs'
-        (``gguf_layers.layouts``)."""
+        h the embedded rows, x their first input norm, layout the GEMMs'
+        (``gguf_layers.layout``)."""
         arrays = self._gguf_arrays
         assert arrays is not None
         T, H, Hkv = h.shape[0], self.spec.num_heads, self.spec.num_kv_heads
@@ -754,7 +754,7 @@ class LlamaEngine(Engine):
             set_team(max(chunks, attention_chunks))
             h, x = gguf_layers.decode_layers(
                 h, x, self._eps_np, arrays.input_norms, arrays.post_norms, self._final_norm_np, arrays.qkv, arrays.o,
-                arrays.gate_up, arrays.down, arrays.kinds, layouts, arrays.out_features, chunks, H, Hkv,
+                arrays.gate_up, arrays.down, arrays.kinds, layout, arrays.out_features, chunks, H, Hkv,
                 self.spec.head_dim, self._cos_np, self._sin_np, batch.row_pos, arrays.rope, self._scale_np,
                 *self._cache_np, batch.slot_block, batch.slot_offset, batch.block_tables,
                 batch.row_seq, arrays.window, units, attention_chunks, feature_at, features)

@@ -636,7 +636,7 @@ def test_smollm_layers_in_one_numba_call_compute_the_python_loops_bits(smollm_pa
     arrays = engine._gguf_layers()
     assert arrays is not None and gguf_layers.not_taken(engine.layers) is None
     layers = (0, 3, 15, 30)
-    assert gguf_layers.layouts(1) is not None
+    assert gguf_layers.layout(1) is not None
     feed(engine, [("a", prompt[:-31], 0), ("b", prompt[:-5], 0)])
     batches = [[("a", prompt[-31:-14], 17)], [("a", prompt[-14:-8], 6)], [("a", prompt[-8:-7], 1)],
                [("a", prompt[-7:-5], 2)], [("a", prompt[-5:-2], 3)], [("a", prompt[-2:-1], 1), ("b", prompt[-5:-4], 1)]]
