@@ -37,22 +37,36 @@ Row invariance (what keeps speculation lossless): the attention output of a
 query row depends only on its query vector, its position and its sequence's
 cached keys and values, never on how many other rows (drafts, other
 sequences) share the pass. ``_paged_attention`` guarantees it by
-construction: one serial routine computes each (row, query head) from the
-row's visible keys only, in ascending position order, with loops whose trip
-counts depend on the row's position alone, so the compiled code takes the
-same path (vector body and remainder alike) whatever else is in the batch;
-the scores and the weighted values are explicit vectors (``_block_scores``,
-``_weighted_values``: engine.simd, no fast-math), one fixed order for every
-key. Threads only split the units between them.
+construction: each (row, query head) is computed from the row's visible keys
+only, in ascending position order, with loops whose trip counts depend on the
+row's position alone, so the compiled code takes the same path (vector body
+and remainder alike) whatever else is in the batch. A score is one chain of
+fused multiply-adds over the head dimensions in order, LANES keys at a time
+(``_scores4``); a weighted value is, per dimension, one chain of fused
+multiply-adds over the keys in position order, then times 1 / (sum of the
+weights) (``_values4``, ``_values1``): explicit vectors (engine.simd, no
+fast-math), one fixed order for every key. Threads only split the units
+between them.
 
 Sharing within a sequence: the query heads of one kv head, over all the new
-rows of one sequence (a verification chunk: k + 1 rows), read the same keys.
-A unit is up to ``PACK`` of those queries (``attention_units``); a full pack
-computes its scores together (``_block_scores4``: each key vector loaded
-once for four queries, each score's operations exactly ``_block_scores``'s,
-so the same bits), over the blocks its rows see, and each query then takes
-its own visible part. Fewer queries than a pack (a decode row of a model
-with fewer than PACK query heads per kv head) stay one unit each.
+rows of one sequence (a decode row's query heads; a verification chunk: k + 1
+rows of them), read the same keys and values. A unit is up to ``PACK`` of
+those queries (``attention_units``). Its scores are computed four queries at
+a time (``_scores4``: each key vector loaded once for the four, a unit of
+fewer repeats its last query into the spare chains), and its weighted values
+one query after another over a tile of ``VALUE_TILE`` keys, so a tile's
+values are read from memory once for the unit and from L1 for the rest.
+Whether a query shares its unit changes what is loaded when, never an
+operation on its numbers: the same bits.
+
+Why chains and not partial sums: with LANES-lane vectors (two registers each
+on AVX2) four partial sums per query (the kernels before) left no registers
+to share a key vector between queries, and a lone query's chain of 64 steps
+waits on the multiply-add's latency; four queries' chains side by side keep
+both FMA units busy. SmolLM2's shapes (9 query heads, 3 kv heads, 64
+dimensions, 30 layers; 2 threads of an AMD EPYC of CPU family 25,
+``/work/exp/s50/ab_v2.py``, the old and new kernels in turns in one
+process): see ``PACK``'s comment for the figures.
 """
 from __future__ import annotations
 
@@ -70,7 +84,20 @@ from numba.extending import overload
 from specdec.engine.base import PoolExhausted
 from specdec.engine.config import KV_DTYPE_NAMES
 from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
-from specdec.engine.simd import LANES, add, bits, element, fma, load, mul, pow2, splat, store, zeros
+from specdec.engine.simd import (
+    LANES,
+    bits,
+    element,
+    fma,
+    load,
+    mul,
+    pow2,
+    prefetch_l1,
+    prefetch_l2,
+    splat,
+    store,
+    zeros,
+)
 
 #: Below this many (query row, head, visible key) triples the attention runs
 #: on the calling thread only; a launch of numba's threads costs more than it
@@ -79,9 +106,17 @@ from specdec.engine.simd import LANES, add, bits, element, fma, load, mul, pow2,
 PARALLEL_MIN_WORK = 1 << 10
 #: The pool's storage dtypes by name (``kv_dtype``; bfloat16 on CPU only).
 KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
-#: Queries (rows x query heads of one kv head, one sequence) whose scores a
-#: unit computes together (``_block_scores4``).
+#: Queries (rows x query heads of one kv head, one sequence) a unit holds:
+#: their scores are computed together (``_scores4``), their values tile by
+#: tile. Against the kernels before (a decode row's queries one unit each,
+#: four partial sums per score and per value), the attention of 30 layers took
+#: 0.67x the time at 100 cached tokens and 0.75x at 1000-2000 for a decode row,
+#: 0.56x-0.64x for a six-row verification chunk (2 threads of an AMD EPYC of
+#: CPU family 25, SmolLM2's shapes; ``/work/exp/s50/ab_v2.py``).
 PACK = 4
+#: Keys whose values a unit's queries take one after another (``_paged_attention``):
+#: 64 keys of 64 float32 dimensions are 16 KB, in L1 for the unit's next query.
+VALUE_TILE = 64
 
 # Reassociation lets LLVM vectorize the dot products and sums; every loop a
 # row's result depends on has the same trip count for that row in any batch,
@@ -452,76 +487,65 @@ def exp_nonpositive(x):
     return p * pow2(np.int32(k))  # k >= -126: 2^k is a normal float32
 
 
-@numba.njit(nogil=True, cache=True)
-def _block_scores(q, key_cache, block, g, scores, column):
-    """scores[column:column + bs] = q's scores against the bs keys of one
-    block, kv head g.
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scores4(query, r0, h0, r1, h1, r2, h2, r3, h3, key_cache, value_cache, block, g, ahead, scores, column):
+    """scores[j, column:column + bs] = the scores of query[rj, hj] (j = 0..3)
+    against the bs keys of one block, kv head g.
 
-    q [D]; key_cache [blocks, kv_heads, D, bs] (keys transposed), C-contiguous;
-    scores float32. Each score is the sum over d of q[d] * key[d] in four
-    partial sums (d mod 4) added as (0 + 1) + (2 + 3): explicit vectors
-    without fast-math (engine.simd), so the order is this one for every key,
-    row and batch."""
-    D = q.shape[0]
+    query [T, H, D] float32; key_cache [blocks, kv_heads, D, bs] (keys
+    transposed), value_cache [blocks, kv_heads, bs, D]; scores [4, ...]
+    float32. Each score is one chain of fused multiply-adds over d = 0..D-1
+    in order, LANES keys a vector: each key vector is loaded once for the four
+    queries, and a query's operations are the same whatever its neighbours.
+    Block `ahead`'s keys are fetched into L1 meanwhile (the unit's next block),
+    and this block's values into L2 (the value pass reads them next)."""
+    D = query.shape[2]
     bs = key_cache.shape[3]
     base = (block * key_cache.shape[1] + g) * D * bs
-    whole = D - D % 4
+    fetch = (ahead * key_cache.shape[1] + g) * D * bs
     for lane0 in range(0, bs, LANES):
         a0 = a1 = a2 = a3 = zeros()
-        for d in range(0, whole, 4):
-            at = base + d * bs + lane0
-            a0 = fma(a0, splat(q[d]), load(key_cache, at))
-            a1 = fma(a1, splat(q[d + 1]), load(key_cache, at + bs))
-            a2 = fma(a2, splat(q[d + 2]), load(key_cache, at + 2 * bs))
-            a3 = fma(a3, splat(q[d + 3]), load(key_cache, at + 3 * bs))
-        for d in range(whole, D):
-            a0 = fma(a0, splat(q[d]), load(key_cache, base + d * bs + lane0))
-        store(scores, column + lane0, add(add(a0, a1), add(a2, a3)))
+        for d in range(D):
+            at = d * bs + lane0
+            prefetch_l1(key_cache, fetch + at)
+            prefetch_l2(value_cache, base + at)  # the block's values: D x bs elements too
+            k = load(key_cache, base + at)
+            a0 = fma(a0, splat(query[r0, h0, d]), k)
+            a1 = fma(a1, splat(query[r1, h1, d]), k)
+            a2 = fma(a2, splat(query[r2, h2, d]), k)
+            a3 = fma(a3, splat(query[r3, h3, d]), k)
+        store(scores[0], column + lane0, a0)
+        store(scores[1], column + lane0, a1)
+        store(scores[2], column + lane0, a2)
+        store(scores[3], column + lane0, a3)
 
 
-@numba.njit(nogil=True, cache=True)
-def _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head):
-    """out[row, head] = inv * sum over i < n of weights[i] * the value at flat
-    offset key_rows[i] of value_cache (C-contiguous; D a multiple of LANES).
+@numba.njit(nogil=True, cache=True, inline="always")
+def _values4(weights, lo, hi, key_rows, value_cache, acc, c):
+    """acc[c:c + 4 LANES] += weights[x] * the value at flat offset key_rows[x]
+    + c (its dimensions c..c + 4 LANES - 1), x = lo..hi-1 in order: four
+    vectors, each one chain of fused multiply-adds over the keys."""
+    a0, a1, a2, a3 = load(acc, c), load(acc, c + LANES), load(acc, c + 2 * LANES), load(acc, c + 3 * LANES)
+    for x in range(lo, hi):
+        w = splat(weights[x])
+        at = key_rows[x] + c
+        a0 = fma(a0, w, load(value_cache, at))
+        a1 = fma(a1, w, load(value_cache, at + LANES))
+        a2 = fma(a2, w, load(value_cache, at + 2 * LANES))
+        a3 = fma(a3, w, load(value_cache, at + 3 * LANES))
+    store(acc, c, a0)
+    store(acc, c + LANES, a1)
+    store(acc, c + 2 * LANES, a2)
+    store(acc, c + 3 * LANES, a3)
 
-    Per LANES dimensions, four partial sums (i mod 4), each in key order,
-    added as (0 + 1) + (2 + 3): explicit vectors without fast-math, one
-    order for every row and batch. Two chunks of LANES dimensions go per
-    pass over the keys where D allows (each weight and key offset read once
-    for both, a value row's two cache lines together): the same operations
-    on every lane, so the same bits, in ~0.9x the time at 400-1000 cached
-    keys (SmolLM2's heads, one thread of an AMD EPYC of CPU family 25, paired
-    with the one-chunk loop in one process: ``/work/exp/s48/attn_v.py``)."""
-    D = out.shape[2]
-    at = (row * out.shape[1] + head) * D
-    whole = n - n % 4
-    scale = splat(inv)
-    paired = D - D % (2 * LANES)
-    for c in range(0, paired, 2 * LANES):
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = zeros()
-        for i in range(0, whole, 4):
-            w0, w1, w2, w3 = splat(weights[i]), splat(weights[i + 1]), splat(weights[i + 2]), splat(weights[i + 3])
-            r0, r1, r2, r3 = key_rows[i] + c, key_rows[i + 1] + c, key_rows[i + 2] + c, key_rows[i + 3] + c
-            a0, a1 = fma(a0, w0, load(value_cache, r0)), fma(a1, w1, load(value_cache, r1))
-            a2, a3 = fma(a2, w2, load(value_cache, r2)), fma(a3, w3, load(value_cache, r3))
-            b0, b1 = fma(b0, w0, load(value_cache, r0 + LANES)), fma(b1, w1, load(value_cache, r1 + LANES))
-            b2, b3 = fma(b2, w2, load(value_cache, r2 + LANES)), fma(b3, w3, load(value_cache, r3 + LANES))
-        for i in range(whole, n):
-            w0 = splat(weights[i])
-            a0 = fma(a0, w0, load(value_cache, key_rows[i] + c))
-            b0 = fma(b0, w0, load(value_cache, key_rows[i] + c + LANES))
-        store(out, at + c, mul(add(add(a0, a1), add(a2, a3)), scale))
-        store(out, at + c + LANES, mul(add(add(b0, b1), add(b2, b3)), scale))
-    for c in range(paired, D, LANES):
-        a0 = a1 = a2 = a3 = zeros()
-        for i in range(0, whole, 4):
-            a0 = fma(a0, splat(weights[i]), load(value_cache, key_rows[i] + c))
-            a1 = fma(a1, splat(weights[i + 1]), load(value_cache, key_rows[i + 1] + c))
-            a2 = fma(a2, splat(weights[i + 2]), load(value_cache, key_rows[i + 2] + c))
-            a3 = fma(a3, splat(weights[i + 3]), load(value_cache, key_rows[i + 3] + c))
-        for i in range(whole, n):
-            a0 = fma(a0, splat(weights[i]), load(value_cache, key_rows[i] + c))
-        store(out, at + c, mul(add(add(a0, a1), add(a2, a3)), scale))
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _values1(weights, lo, hi, key_rows, value_cache, acc, c):
+    """``_values4`` for one vector of dimensions (c..c + LANES - 1): the same chain per dimension."""
+    a0 = load(acc, c)
+    for x in range(lo, hi):
+        a0 = fma(a0, splat(weights[x]), load(value_cache, key_rows[x] + c))
+    store(acc, c, a0)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -531,7 +555,7 @@ def attention_units(row_seq, group, kv_heads):
     of equal row_seq) and the `group` query heads of kv head g form R * group
     queries, query i being row first + i // group, head g * group + i %
     group; they go PACK at a time (the last unit of a run and kv head may
-    hold fewer), or one per unit when there are fewer than PACK."""
+    hold fewer)."""
     T = row_seq.shape[0]
     units = np.empty((T * group * kv_heads, 4), np.int32)  # at most one unit per query
     u = 0
@@ -541,54 +565,16 @@ def attention_units(row_seq, group, kv_heads):
         while end < T and row_seq[end] == row_seq[start]:
             end += 1
         queries = (end - start) * group
-        size = 1 if queries < PACK else PACK
         for g in range(kv_heads):
-            for q0 in range(0, queries, size):
+            for q0 in range(0, queries, PACK):
                 units[u, 0] = start
                 units[u, 1] = g
                 units[u, 2] = q0
-                units[u, 3] = min(size, queries - q0)
+                units[u, 3] = min(PACK, queries - q0)
                 u += 1
         start = end
     units = units[:u].copy()
     return units
-
-
-@numba.njit(nogil=True, cache=True)
-def _block_scores4(q0, q1, q2, q3, key_cache, block, g, s0, s1, s2, s3, column):
-    """``_block_scores`` of four queries against one block (kv head g), each
-    key vector loaded once for the four; every score's operations, and so its
-    bits, are ``_block_scores``'s."""
-    D = q0.shape[0]
-    bs = key_cache.shape[3]
-    base = (block * key_cache.shape[1] + g) * D * bs
-    whole = D - D % 4
-    for lane0 in range(0, bs, LANES):
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = zeros()
-        for d in range(0, whole, 4):
-            at = base + d * bs + lane0
-            k0 = load(key_cache, at)
-            k1 = load(key_cache, at + bs)
-            k2 = load(key_cache, at + 2 * bs)
-            k3 = load(key_cache, at + 3 * bs)
-            a0, a1 = fma(a0, splat(q0[d]), k0), fma(a1, splat(q0[d + 1]), k1)
-            a2, a3 = fma(a2, splat(q0[d + 2]), k2), fma(a3, splat(q0[d + 3]), k3)
-            b0, b1 = fma(b0, splat(q1[d]), k0), fma(b1, splat(q1[d + 1]), k1)
-            b2, b3 = fma(b2, splat(q1[d + 2]), k2), fma(b3, splat(q1[d + 3]), k3)
-            c0, c1 = fma(c0, splat(q2[d]), k0), fma(c1, splat(q2[d + 1]), k1)
-            c2, c3 = fma(c2, splat(q2[d + 2]), k2), fma(c3, splat(q2[d + 3]), k3)
-            e0, e1 = fma(e0, splat(q3[d]), k0), fma(e1, splat(q3[d + 1]), k1)
-            e2, e3 = fma(e2, splat(q3[d + 2]), k2), fma(e3, splat(q3[d + 3]), k3)
-        for d in range(whole, D):
-            k0 = load(key_cache, base + d * bs + lane0)
-            a0 = fma(a0, splat(q0[d]), k0)
-            b0 = fma(b0, splat(q1[d]), k0)
-            c0 = fma(c0, splat(q2[d]), k0)
-            e0 = fma(e0, splat(q3[d]), k0)
-        store(s0, column + lane0, add(add(a0, a1), add(a2, a3)))
-        store(s1, column + lane0, add(add(b0, b1), add(b2, b3)))
-        store(s2, column + lane0, add(add(c0, c1), add(c2, c3)))
-        store(s3, column + lane0, add(add(e0, e1), add(e2, e3)))
 
 
 @numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
@@ -602,75 +588,83 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
     D, bs], value_cache [num_blocks, kv_heads, bs, D]; block_tables int32
     [B, max_blocks]; row_seq, row_pos int32 [T]; out [T, H, D] float32.
 
-    Per unit, the scores of the whole blocks its rows see (four queries
-    together in ``_block_scores4`` when the unit is full, else
-    ``_block_scores`` one by one: the same bits); then per query, over its n
-    visible keys first..pos: their max, the weights e^(s - max) and their
-    sum, then the weighted sum of the values (``_weighted_values`` when D is
-    a multiple of LANES), each loop in position order."""
+    Per unit: the scores of the blocks its rows see (``_scores4``); per query,
+    over its n visible keys first..pos, their max, the weights e^(s - max)
+    and their sum, each loop in position order; then the weighted values, a
+    tile of VALUE_TILE keys at a time for each query in turn (``_values4``
+    for four vectors of dimensions, ``_values1`` for the rest, scalar chains
+    in the same order when D is not a multiple of LANES), times 1 / sum."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
     bs = key_cache.shape[3]
     group = H // kv_heads
-    scores = np.empty((PACK, (row_pos.max() // bs + 1) * bs), np.float32)
-    key_rows = np.empty(row_pos.max() + 1, np.int64)  # flat offset of each visible key's value
-    acc = np.empty(D, np.float32)
-    vector_values = D % LANES == 0
+    columns = (row_pos.max() // bs + 1) * bs
+    scores = np.empty((PACK, columns), np.float32)
+    key_rows = np.empty(columns, np.int64)  # flat offset of each column's key's value vector
+    acc = np.empty((PACK, D), np.float32)
     rows = np.empty(PACK, np.int64)
     heads = np.empty(PACK, np.int64)
+    lows = np.empty(PACK, np.int64)  # each query's visible columns: lows[j]..highs[j]-1
+    highs = np.empty(PACK, np.int64)
+    invs = np.empty(PACK, np.float32)
+    four = D - D % (4 * LANES)
+    vector_values = D % LANES == 0
     for unit in range(unit_begin, units.shape[0], unit_step):
         run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
-        for j in range(nq):
-            rows[j] = run + (q0 + j) // group
-            heads[j] = g * group + (q0 + j) % group
+        for j in range(PACK):  # a unit of fewer queries repeats its last into the spare chains
+            i = q0 + min(j, nq - 1)
+            rows[j] = run + i // group
+            heads[j] = g * group + i % group
         table = block_tables[row_seq[rows[0]]]
         lo = row_pos[rows[0]]  # the unit's rows are in position order
-        lo = max(0, lo - window + 1) if window > 0 else 0
-        unit_blk = lo // bs
-        for blk_i in range(unit_blk, row_pos[rows[nq - 1]] // bs + 1):
+        unit_blk = (max(0, lo - window + 1) if window > 0 else 0) // bs
+        last_blk = row_pos[rows[nq - 1]] // bs
+        for blk_i in range(unit_blk, last_blk + 1):
             column = (blk_i - unit_blk) * bs
-            if nq == PACK:
-                _block_scores4(query[rows[0], heads[0]], query[rows[1], heads[1]], query[rows[2], heads[2]],
-                               query[rows[3], heads[3]], key_cache, table[blk_i], g,
-                               scores[0], scores[1], scores[2], scores[3], column)
-            else:
-                for j in range(nq):
-                    _block_scores(query[rows[j], heads[j]], key_cache, table[blk_i], g, scores[j], column)
+            _scores4(query, rows[0], heads[0], rows[1], heads[1], rows[2], heads[2], rows[3], heads[3],
+                     key_cache, value_cache, table[blk_i], g, table[min(blk_i + 1, last_blk)], scores, column)
+            start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
+            for o in range(bs):
+                key_rows[column + o] = start + o * D
         for j in range(nq):
-            row = rows[j]
-            head = heads[j]
-            pos = row_pos[row]
+            pos = row_pos[rows[j]]
             first = max(0, pos - window + 1) if window > 0 else 0
-            n = pos + 1 - first
-            first_blk = first // bs
-            skip = first - unit_blk * bs  # scores[j, skip + i] is key first + i's
-            weights = scores[j, skip:skip + n]
+            lows[j], highs[j] = first - unit_blk * bs, pos + 1 - unit_blk * bs
+            weights = scores[j, lows[j]:highs[j]]  # a view from 0: the loops below vectorise
             m = weights[0]
-            for i in range(1, n):
+            for i in range(1, weights.shape[0]):
                 m = max(m, weights[i])
             total = np.float32(0.0)
-            for i in range(n):
+            for i in range(weights.shape[0]):
                 weights[i] = exp_nonpositive(weights[i] - m)
                 total += weights[i]
-            inv = np.float32(1.0) / total
-            if vector_values:
-                for blk_i in range(first_blk, pos // bs + 1):
-                    base = blk_i * bs - first  # key first + i is at offset i - base of this block
-                    start = (table[blk_i] * kv_heads + g) * bs * D
-                    for jj in range(max(-base, 0), min(n - base, bs)):
-                        key_rows[base + jj] = start + jj * D
-                _weighted_values(weights, n, key_rows, value_cache, inv, out, row, head)
-                continue
-            acc[:] = 0.0
-            for blk_i in range(first_blk, pos // bs + 1):
-                start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
-                base = blk_i * bs - first
-                for jj in range(max(-base, 0), min(n - base, bs)):
-                    w = weights[base + jj]
-                    for d in range(D):
-                        acc[d] += w * element(value_cache, start + jj * D + d)
+            invs[j] = np.float32(1.0) / total
+            acc[j, :] = 0.0
+        if vector_values:
+            for c in range(0, D, LANES):
+                if c < four and c % (4 * LANES):
+                    continue  # inside a group of four that _values4 took
+                for x0 in range(lows[0], highs[nq - 1], VALUE_TILE):
+                    for j in range(nq):
+                        a, b = max(x0, lows[j]), min(x0 + VALUE_TILE, highs[j])
+                        if a >= b:
+                            continue
+                        if c < four:
+                            _values4(scores[j], a, b, key_rows, value_cache, acc[j], c)
+                        else:
+                            _values1(scores[j], a, b, key_rows, value_cache, acc[j], c)
+            for j in range(nq):
+                at = (rows[j] * H + heads[j]) * D
+                inv = splat(invs[j])
+                for c in range(0, D, LANES):
+                    store(out, at + c, mul(load(acc[j], c), inv))
+            continue
+        for j in range(nq):
             for d in range(D):
-                out[row, head, d] = acc[d] * inv
+                v = np.float32(0.0)
+                for x in range(lows[j], highs[j]):
+                    v = v + scores[j, x] * element(value_cache, key_rows[x] + d)
+                out[rows[j], heads[j], d] = v * invs[j]
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)

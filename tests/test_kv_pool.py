@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 
+from specdec.engine import kv_pool
 from specdec.engine.base import PoolExhausted
 from specdec.engine.kv_pool import PACK, PARALLEL_MIN_WORK, KVPool, attention_units
 
@@ -218,31 +219,38 @@ def test_attention_row_is_bitwise_independent_of_the_batch():
 
 
 def test_attention_units_pack_a_sequences_queries_per_kv_head():
-    """A verification chunk's rows x query heads of one kv head go PACK at a
-    time (the last unit of a run holds the rest); a decode row with fewer
-    queries than a pack is one unit per query."""
+    """A sequence's rows x query heads of one kv head go PACK at a time (the
+    last unit of a run holds the rest): a decode row's query heads are one
+    unit, so its keys and values are read once for all of them."""
     row_seq = np.array([0, 1, 1, 1, 1, 1, 1, 2], np.int32)  # a decode row, a 6-row chunk, a decode row
     units = attention_units(row_seq, 3, 2).tolist()  # 3 query heads per kv head, 2 kv heads
-    singles = [[0, g, q, 1] for g in range(2) for q in range(3)]
     chunk = [[1, g, q, min(PACK, 18 - q)] for g in range(2) for q in range(0, 18, PACK)]
-    assert units == singles + chunk + [[7, g, q, 1] for g in range(2) for q in range(3)]
+    assert units == [[0, g, 0, 3] for g in range(2)] + chunk + [[7, g, 0, 3] for g in range(2)]
     assert attention_units(np.zeros(2, np.int32), 2, 1).tolist() == [[0, 0, 0, PACK]]
 
 
-@pytest.mark.parametrize("window", [0, 5, 20])
-@pytest.mark.parametrize("head_dim", [6, 64])  # a dimension tail after the groups of 4 / none
-def test_packed_scores_give_every_row_the_bits_it_gets_alone(window, head_dim):
-    """Rows of a 7-row chunk (21 queries per kv head: five packs, the last
-    partial), with and without a window, equal bitwise the same rows computed
-    one at a time (one query per unit)."""
+@pytest.mark.parametrize("window", [0, 5, 20, 70])
+@pytest.mark.parametrize("head_dim", [6, 48, 64, 80])  # scalar values / three one-vector passes / one group of
+# four vectors / a group and one vector more
+def test_packed_queries_give_every_row_the_bits_it_gets_alone(window, head_dim):
+    """Rows of a 7-row chunk after 143 cached keys (21 queries per kv head:
+    five packs, the last partial; values over three tiles of VALUE_TILE
+    keys), with and without a window (one that starts inside a tile), equal
+    bitwise the same rows computed as decode rows one at a time, and the
+    chunk computed one query per unit."""
     heads = 6
     pool = make_pool(256, head_dim=head_dim)
-    seqs = random_sequences({"a": 40}, heads, head_dim=head_dim, seed=5)
-    batch, q = feed(pool, seqs, {"a": (33, 40)})
+    seqs = random_sequences({"a": 150}, heads, head_dim=head_dim, seed=5)
+    batch, q = feed(pool, seqs, {"a": (143, 150)})
     assert max(u[3] for u in batch.units(heads // KV_HEADS, KV_HEADS)) == PACK  # the packed kernel runs
     together = pool.attend(1, q, batch, window)
+    singles = np.array([[0, g, i, 1] for g in range(KV_HEADS) for i in range(7 * heads // KV_HEADS)], np.int32)
+    apart = np.empty_like(q.numpy())
+    kv_pool._paged_attention(q.numpy(), *pool.layer_arrays(1), batch.block_tables, batch.row_seq, batch.row_pos,
+                             window, singles, 0, 1, apart)
+    assert torch.equal(torch.from_numpy(apart), together)
     for r in range(7):
-        one, q1 = feed(pool, seqs, {"a": (33 + r, 34 + r)})
+        one, q1 = feed(pool, seqs, {"a": (143 + r, 144 + r)})
         assert torch.equal(pool.attend(1, q1, one, window)[0], together[r]), f"row {r}"
 
 
