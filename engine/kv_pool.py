@@ -44,9 +44,12 @@ and remainder alike) whatever else is in the batch. A score is one chain of
 fused multiply-adds over the head dimensions in order, LANES keys at a time
 (``_scores4``); a weighted value is, per dimension, one chain of fused
 multiply-adds over the keys in position order, then times 1 / (sum of the
-weights) (``_values4``, ``_values1``): explicit vectors (engine.simd, no
-fast-math), one fixed order for every key. Threads only split the units
-between them.
+weights) (``_values4``, ``_values1``): explicit vectors (engine.simd), one
+fixed order for every key. They are inlined into ``_paged_attention``, whose
+fast-math flags (for the softmax's loops) numba puts on scalar float calls
+and on binary float operations: the vector FMA calls keep none, and the one
+vector operation that takes them, the product by 1 / sum, is a lone rounding
+stored as it is. Threads only split the units between them.
 
 Sharing within a sequence: the query heads of one kv head, over all the new
 rows of one sequence (a decode row's query heads; a verification chunk: k + 1
@@ -63,10 +66,7 @@ Why chains and not partial sums: with LANES-lane vectors (two registers each
 on AVX2) four partial sums per query (the kernels before) left no registers
 to share a key vector between queries, and a lone query's chain of 64 steps
 waits on the multiply-add's latency; four queries' chains side by side keep
-both FMA units busy. SmolLM2's shapes (9 query heads, 3 kv heads, 64
-dimensions, 30 layers; 2 threads of an AMD EPYC of CPU family 25,
-``/work/exp/s50/ab_v2.py``, the old and new kernels in turns in one
-process): see ``PACK``'s comment for the figures.
+both FMA units busy (figures: ``PACK``'s comment).
 """
 from __future__ import annotations
 
@@ -109,10 +109,11 @@ KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 #: Queries (rows x query heads of one kv head, one sequence) a unit holds:
 #: their scores are computed together (``_scores4``), their values tile by
 #: tile. Against the kernels before (a decode row's queries one unit each,
-#: four partial sums per score and per value), the attention of 30 layers took
-#: 0.67x the time at 100 cached tokens and 0.75x at 1000-2000 for a decode row,
-#: 0.56x-0.64x for a six-row verification chunk (2 threads of an AMD EPYC of
-#: CPU family 25, SmolLM2's shapes; ``/work/exp/s50/ab_v2.py``).
+#: four partial sums per score and per value), SmolLM2's attention (9 query
+#: heads, 3 kv heads of 64 dimensions, 30 layers) took 0.66-0.73x the time
+#: for a decode row after 100-2000 cached tokens, 0.55-0.77x for two rows and
+#: 0.48-0.67x for six (2 threads of an AMD EPYC of CPU family 25, the two
+#: modules in turns in one process: ``/work/exp/s50/ab_mod.py``).
 PACK = 4
 #: Keys whose values a unit's queries take one after another (``_paged_attention``):
 #: 64 keys of 64 float32 dimensions are 16 KB, in L1 for the unit's next query.
