@@ -20,6 +20,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from specdec.engine import kernel_cache
 from specdec.engine.kv_pool import exp_nonpositive, kv_bits
 
 _FASTMATH = {"reassoc", "contract"}
@@ -166,3 +167,6 @@ def warm_up(kv_dtype: type[np.float32] | type[np.uint16] = np.float32) -> None:
     value_cache: np.ndarray = np.zeros((1, 1, 1, 4), kv_dtype)
     rope_scale_write(np.zeros((1, 3, 4), np.float32), 1, 1, table, table, np.zeros(1, np.int32), True, 1.0,
                      key_cache, value_cache, np.zeros(1, np.int64), np.zeros(1, np.int64))
+
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

@@ -58,6 +58,7 @@ import numba
 import numpy as np
 import torch
 
+from specdec.engine import kernel_cache
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
 from specdec.engine.gemm_simd import OUTS
 from specdec.engine.simd import (
@@ -756,3 +757,6 @@ class GgufBlocks:
         if not np.array_equal(q.dequantized().view(np.uint32), w.view(np.uint32)):
             raise NoBlocks(f"the blocks found for a weight {tuple(w.shape)} do not dequantise to it bit for bit")
         return q
+
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

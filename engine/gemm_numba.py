@@ -60,6 +60,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from specdec.engine import kernel_cache
+
 #: Outputs computed together (weight rows streamed side by side; ``_block`` is written for 8).
 OUT_BLOCK = 8
 #: Rows per kernel pass of each path's kernel ("numba", "numba1": ``_block``, "numba6": ``_k6x2``).
@@ -345,3 +347,5 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, path: str = "numba") ->
             _gemm(x, weight, out, chunks, path == "numba1")
     return out
 
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

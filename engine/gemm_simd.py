@@ -71,6 +71,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from specdec.engine import kernel_cache
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
 from specdec.engine.simd import LANES, mac, operand, prefetch_l1, prefetch_l2, total, width, zeros
 
@@ -348,3 +349,6 @@ def gemm(x: np.ndarray, weight: np.ndarray, chunks: int, pairs: bool = False, l1
         set_team(chunks)
         (_gemm_l1 if l1 else _gemm_l2)(x, weight, out, chunks)
     return out
+
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

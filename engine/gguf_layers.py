@@ -38,7 +38,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from specdec.engine import cpu_ops, gemm_gguf, kv_pool
+from specdec.engine import cpu_ops, gemm_gguf, kernel_cache, kv_pool
 
 
 @dataclass
@@ -208,3 +208,6 @@ def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_u
         if feature_at[i] >= 0:
             features[feature_at[i]] = h
     return h, x
+
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

@@ -81,6 +81,7 @@ import torch.nn.functional as F
 from numba.core import types
 from numba.extending import overload
 
+from specdec.engine import kernel_cache
 from specdec.engine.base import PoolExhausted
 from specdec.engine.config import KV_DTYPE_NAMES
 from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
@@ -676,3 +677,6 @@ def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_s
     for c in numba.prange(chunks):
         _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, c, chunks,
                          out)
+
+
+kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed
