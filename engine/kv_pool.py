@@ -94,7 +94,6 @@ from specdec.engine.simd import (
     mul,
     pow2,
     prefetch_l1,
-    prefetch_l2,
     splat,
     store,
     zeros,
@@ -490,17 +489,15 @@ def exp_nonpositive(x):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _scores4(query, r0, h0, r1, h1, r2, h2, r3, h3, key_cache, value_cache, block, g, ahead, scores, column):
+def _scores4(query, r0, h0, r1, h1, r2, h2, r3, h3, key_cache, block, g, ahead, scores, column):
     """scores[j, column:column + bs] = the scores of query[rj, hj] (j = 0..3)
     against the bs keys of one block, kv head g.
 
     query [T, H, D] float32; key_cache [blocks, kv_heads, D, bs] (keys
-    transposed), value_cache [blocks, kv_heads, bs, D]; scores [4, ...]
-    float32. Each score is one chain of fused multiply-adds over d = 0..D-1
+    transposed); scores [4, ...] float32. Each score is one chain of fused multiply-adds over d = 0..D-1
     in order, LANES keys a vector: each key vector is loaded once for the four
     queries, and a query's operations are the same whatever its neighbours.
-    Block `ahead`'s keys are fetched into L1 meanwhile (the unit's next block),
-    and this block's values into L2 (the value pass reads them next)."""
+    Block `ahead`'s keys are fetched into L1 meanwhile (the unit's next block)."""
     D = query.shape[2]
     bs = key_cache.shape[3]
     base = (block * key_cache.shape[1] + g) * D * bs
@@ -510,7 +507,6 @@ def _scores4(query, r0, h0, r1, h1, r2, h2, r3, h3, key_cache, value_cache, bloc
         for d in range(D):
             at = d * bs + lane0
             prefetch_l1(key_cache, fetch + at)
-            prefetch_l2(value_cache, base + at)  # the block's values: D x bs elements too
             k = load(key_cache, base + at)
             a0 = fma(a0, splat(query[r0, h0, d]), k)
             a1 = fma(a1, splat(query[r1, h1, d]), k)
@@ -601,11 +597,11 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
     bs = key_cache.shape[3]
     group = H // kv_heads
     columns = (row_pos.max() // bs + 1) * bs
-    scores = np.empty((PACK, columns), np.float32)
+    scores = np.empty((PACK + 3, columns), np.float32)  # + 3: a last group of four's spare chains
     key_rows = np.empty(columns, np.int64)  # flat offset of each column's key's value vector
     acc = np.empty((PACK, D), np.float32)
-    rows = np.empty(PACK, np.int64)
-    heads = np.empty(PACK, np.int64)
+    rows = np.empty(PACK + 3, np.int64)
+    heads = np.empty(PACK + 3, np.int64)
     lows = np.empty(PACK, np.int64)  # each query's visible columns: lows[j]..highs[j]-1
     highs = np.empty(PACK, np.int64)
     invs = np.empty(PACK, np.float32)
@@ -613,7 +609,7 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
     vector_values = D % LANES == 0
     for unit in range(unit_begin, units.shape[0], unit_step):
         run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
-        for j in range(PACK):  # a unit of fewer queries repeats its last into the spare chains
+        for j in range(PACK + 3):  # past the unit's queries its last is repeated (spare chains)
             i = q0 + min(j, nq - 1)
             rows[j] = run + i // group
             heads[j] = g * group + i % group
@@ -623,8 +619,10 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
         last_blk = row_pos[rows[nq - 1]] // bs
         for blk_i in range(unit_blk, last_blk + 1):
             column = (blk_i - unit_blk) * bs
-            _scores4(query, rows[0], heads[0], rows[1], heads[1], rows[2], heads[2], rows[3], heads[3],
-                     key_cache, value_cache, table[blk_i], g, table[min(blk_i + 1, last_blk)], scores, column)
+            for j in range(0, nq, 4):  # the block's keys from L1 after the first four
+                _scores4(query, rows[j], heads[j], rows[j + 1], heads[j + 1], rows[j + 2], heads[j + 2], rows[j + 3],
+                         heads[j + 3], key_cache, table[blk_i], g, table[min(blk_i + 1, last_blk)], scores[j:j + 4],
+                         column)
             start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
             for o in range(bs):
                 key_rows[column + o] = start + o * D
