@@ -110,10 +110,12 @@ KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 #: their scores are computed together (``_scores4``), their values tile by
 #: tile. Against the kernels before (a decode row's queries one unit each,
 #: four partial sums per score and per value), SmolLM2's attention (9 query
-#: heads, 3 kv heads of 64 dimensions, 30 layers) took 0.66-0.73x the time
-#: for a decode row after 100-2000 cached tokens, 0.55-0.77x for two rows and
-#: 0.48-0.67x for six (2 threads of an AMD EPYC of CPU family 25, the two
-#: modules in turns in one process: ``/work/exp/s50/ab_mod.py``).
+#: heads, 3 kv heads of 64 dimensions, 30 layers) took 0.61-0.69x the time
+#: for a decode row after 100-2000 cached tokens, 0.58-0.78x for two rows and
+#: 0.53-0.63x for six (2 threads of an AMD EPYC of CPU family 25, the two
+#: modules in turns in one process: ``benchmarks/bench_attention.py
+#: --baseline``). Larger packs (6, 9, 12, 18 queries: each key and value read
+#: by fewer units, fewer units to share out) measured within the noise.
 PACK = 4
 #: Keys whose values a unit's queries take one after another (``_paged_attention``):
 #: 64 keys of 64 float32 dimensions are 16 KB, in L1 for the unit's next query.
