@@ -30,13 +30,15 @@ from types import ModuleType
 import numba
 import numpy as np
 import torch
+from bench_forward import copy_bandwidth_gbs
 
 from specdec.engine import kv_pool
+from specdec.engine.config import EngineConfig
 from specdec.engine.gemm_numba import LAUNCH_LOCK, set_team
 from specdec.engine.gemm_select import cpu_model
 from specdec.engine.simd import fma, load, store, zeros
 
-BLOCK = 16
+BLOCK = EngineConfig.block_size  # the engine's default KV block
 
 
 def load_baseline(path: str) -> ModuleType:
@@ -48,14 +50,6 @@ def load_baseline(path: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def copy_bandwidth_gbs(mib: int = 256, reps: int = 5) -> float:
-    """Read + write GB/s of a large numpy copy (fastest of reps)."""
-    a = np.ones(mib << 18, np.float32)
-    b = np.empty_like(a)
-    best = min(_timed(lambda: np.copyto(b, a)) for _ in range(reps))
-    return 2 * a.nbytes / best / 1e9
 
 
 @numba.njit(nogil=True)
