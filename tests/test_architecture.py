@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
+import os
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -118,3 +122,33 @@ def test_parts_import_one_way(part):
 
 def test_package_root_is_the_cli_folder():
     assert Path(specdec.__file__).resolve().parent == (ROOT / PACKAGE_DIRS["specdec"]).resolve()
+
+
+CHECKOUT_NAMES = sorted({PACKAGE_DIRS[p] for p in PACKAGE_DIRS if "/" not in PACKAGE_DIRS[p]} - {"specdec_cli"})
+
+
+@pytest.mark.parametrize("launch", ["-c", "-m"])
+def test_the_checkouts_folders_never_hide_pypi_packages_of_their_name(launch, tmp_path):
+    """From the checkout's root, `python -c`/`python -m` put the root first on
+    sys.path, where `kernels/` hid the PyPI `kernels` package that transformers
+    >= 5.25 imports (every model load failed). Once specdec is imported, no
+    top-level folder of the checkout answers to its bare name, and
+    transformers' own modules import."""
+    probe = ("import importlib.util, json, specdec; "
+             f"names = {CHECKOUT_NAMES!r}; "
+             "specs = {n: importlib.util.find_spec(n) for n in names}; "
+             "import transformers.activations; "
+             "print(json.dumps({n: s.origin if s else None for n, s in specs.items()}))")
+    if launch == "-c":
+        argv = [sys.executable, "-c", probe]
+    else:
+        (tmp_path / "probe_main.py").write_text(probe)
+        argv = [sys.executable, "-m", "probe_main"]
+        # -m puts the current folder first; the probe module comes from tmp_path on PYTHONPATH
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    origins = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(origins) == set(CHECKOUT_NAMES) and "kernels" in origins
+    for name, origin in origins.items():
+        assert origin is None or not Path(origin).resolve().is_relative_to(ROOT / name), (name, origin)
