@@ -102,6 +102,8 @@ def attend_all(module: ModuleType, pool: kv_pool.KVPool, batch: kv_pool.PagedBat
     PARALLEL_MIN_WORK)."""
     units = module.attention_units(batch.row_seq, query.shape[1] // pool.num_kv_heads, pool.num_kv_heads)
     parallel = threads > 1 and batch.attention_work * query.shape[1] >= module.PARALLEL_MIN_WORK
+    # versions before the key pieces (KEY_CHUNK) took the units to run as (first, step)
+    old_split = () if hasattr(module, "KEY_CHUNK") else (0, 1)
     outs = []
     for layer in range(pool.key_cache.shape[0]):
         out = np.empty_like(query)
@@ -111,7 +113,7 @@ def attend_all(module: ModuleType, pool: kv_pool.KVPool, batch: kv_pool.PagedBat
                 set_team(threads)
                 module._paged_attention_parallel(*args, threads, out)
         else:
-            module._paged_attention(*args, 0, 1, out)
+            module._paged_attention(*args, *old_split, out)
         outs.append(out)
     return outs
 

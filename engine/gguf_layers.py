@@ -188,7 +188,7 @@ def decode_layers(h, x, eps, input_norms, post_norms, final_norm, qkv, o, gate_u
             kv_pool._paged_attention_parallel(q, kc, vc, block_tables, row_seq, row_pos, window[i], units,
                                               attention_chunks, attended)
         else:
-            kv_pool._paged_attention(q, kc, vc, block_tables, row_seq, row_pos, window[i], units, 0, 1, attended)
+            kv_pool._paged_attention(q, kc, vc, block_tables, row_seq, row_pos, window[i], units, attended)
         o_out = np.empty((T, widths[1]), np.float32)
         gemm_by(attended.reshape(T, heads * head_dim), o[0][i], o[1][i], o[2][i], o_out, chunks, kinds[1], layout)
         h_next = np.empty_like(h)

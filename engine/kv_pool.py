@@ -49,7 +49,11 @@ fixed order for every key. They are inlined into ``_paged_attention``, whose
 fast-math flags (for the softmax's loops) numba puts on scalar float calls
 and on binary float operations: the vector FMA calls keep none, and the one
 vector operation that takes them, the product by 1 / sum, is a lone rounding
-stored as it is. Threads only split the units between them.
+stored as it is. Keys are cut at fixed absolute positions (``KEY_CHUNK``):
+a query that sees keys of several chunks gets each piece's max, sum and
+weighted values, merged in key order (``_merge_pieces``); whether and where
+it is cut depends on its position and window alone. Threads only split the
+pieces between them.
 
 Sharing within a sequence: the query heads of one kv head, over all the new
 rows of one sequence (a decode row's query heads; a verification chunk: k + 1
@@ -120,6 +124,16 @@ PACK = 4
 #: Keys whose values a unit's queries take one after another (``_paged_attention``):
 #: 64 keys of 64 float32 dimensions are 16 KB, in L1 for the unit's next query.
 VALUE_TILE = 64
+#: Keys are cut into pieces of work at the multiples of this many absolute
+#: positions (``key_chunk``: whole blocks): a query whose visible keys span
+#: pieces gets each piece's max, sum and weighted values, merged in key order
+#: (``_merge_pieces``), so its bits depend on its position alone, and the
+#: pieces of a decode row's few units share out over the threads. A query
+#: that sees keys of one chunk only is computed as before the cut. A decode
+#: row after 1000 / 2000 tokens took 0.86x / 0.80x the time of whole units
+#: (SmolLM2's shapes, 2 threads of an AMD EPYC, ``bench_attention.py
+#: --baseline``); 256 was no better there and cost six-row chunks 4-25%.
+KEY_CHUNK = 512
 
 # Reassociation lets LLVM vectorize the dot products and sums; every loop a
 # row's result depends on has the same trip count for that row in any batch,
@@ -371,7 +385,7 @@ class KVPool:
         units = batch.units(query.shape[1] // self.num_kv_heads, self.num_kv_heads)
         args = (query, *self._layer_arrays[layer], batch.block_tables, batch.row_seq, batch.row_pos, window, units)
         if self._num_threads == 1 or batch.attention_work * query.shape[1] < PARALLEL_MIN_WORK:
-            _paged_attention(*args, 0, 1, out)
+            _paged_attention(*args, out)
         else:
             with LAUNCH_LOCK:
                 set_team(self._num_threads)
@@ -451,7 +465,7 @@ def _warm_up(caches: tuple[np.ndarray, np.ndarray]) -> None:
     args = (one, key_cache, value_cache,
             np.zeros((1, 1), np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), 0,
             attention_units(np.zeros(1, np.int32), 1, 1))
-    _paged_attention(*args, 0, 1, one)
+    _paged_attention(*args, one)
     with LAUNCH_LOCK:
         set_team(1)
         _paged_attention_parallel(*args, 1, one)
@@ -577,61 +591,140 @@ def attention_units(row_seq, group, kv_heads):
     return units
 
 
+@numba.njit(nogil=True, cache=True)
+def _attention_pieces(units, row_seq, row_pos, window, bs, group):
+    """The pieces of work of a call: int64 [P, 3] rows (unit, first key,
+    end key), each unit's keys cut at the multiples of ``key_chunk(bs)``
+    (absolute positions: a query's cut never depends on the batch), the
+    unit's pieces in key order and one after another."""
+    chunk = key_chunk(bs)
+    count = 0
+    for u in range(units.shape[0]):
+        first, last = _unit_keys(units, u, row_pos, window, bs, group)
+        count += last // chunk - first // chunk + 1
+    pieces = np.empty((count, 3), np.int64)
+    p = 0
+    for u in range(units.shape[0]):
+        first, last = _unit_keys(units, u, row_pos, window, bs, group)
+        for c in range(first // chunk, last // chunk + 1):
+            pieces[p, 0] = u
+            pieces[p, 1] = max(c * chunk, first)
+            pieces[p, 2] = min((c + 1) * chunk, last + 1)
+            p += 1
+    return pieces
+
+
+@numba.njit(nogil=True, cache=True)
+def _shares(units, pieces, chunks):
+    """int64 [chunks + 1]: share c is pieces bounds[c]..bounds[c + 1]-1, runs
+    in order whose work (keys x (queries + PACK): each key's value is read
+    once for a unit, its score and weighted value computed per query) is
+    each as near to an equal part of the whole as a cut between pieces gets."""
+    cost = np.empty(pieces.shape[0] + 1, np.float64)  # cost[p]: the work of pieces 0..p-1
+    cost[0] = 0.0
+    for p in range(pieces.shape[0]):
+        cost[p + 1] = cost[p] + (pieces[p, 2] - pieces[p, 1]) * (units[pieces[p, 0], 3] + PACK)
+    bounds = np.empty(chunks + 1, np.int64)
+    bounds[0] = 0
+    p = 0
+    for c in range(1, chunks):
+        goal = cost[pieces.shape[0]] * c / chunks
+        while p < pieces.shape[0] and cost[p + 1] <= goal:
+            p += 1
+        if p < pieces.shape[0] and goal - cost[p] > cost[p + 1] - goal:
+            p += 1  # the cut after piece p is nearer the goal
+        bounds[c] = p
+    bounds[chunks] = pieces.shape[0]
+    return bounds
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _unit_keys(units, u, row_pos, window, bs, group):
+    """(first key, last key) a unit reads: from the block of its first
+    query's first visible key to its last query's position (the unit's rows
+    are in position order, so are their windows)."""
+    run, q0, nq = units[u, 0], units[u, 2], units[u, 3]
+    lo = row_pos[run + q0 // group]
+    first = (max(0, lo - window + 1) if window > 0 else 0) // bs * bs
+    return first, row_pos[run + (q0 + nq - 1) // group]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def key_chunk(bs):
+    """Keys a piece of work spans at most: KEY_CHUNK rounded down to whole
+    blocks, at least one block."""
+    return max(1, KEY_CHUNK // bs) * bs
+
+
 @numba.njit(nogil=True, fastmath=_FASTMATH, error_model="numpy", cache=True)
-def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units,
-                     unit_begin, unit_step, out):
-    """Softmax attention for the units unit_begin, unit_begin + unit_step,
-    ... of ``units`` (``attention_units``: up to PACK queries, rows x query
-    heads of one kv head and sequence).
+def _attend_pieces(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, pieces,
+                   piece_begin, piece_end, out, part_max, part_sum, part_acc):
+    """Softmax attention over the pieces piece_begin..piece_end-1 of
+    ``pieces`` (``_attention_pieces``: keys first..end-1 of a unit, up to
+    PACK queries, rows x query heads of one kv head and sequence).
 
     query [T, H, D] float32 (pre-scaled); key_cache [num_blocks, kv_heads,
     D, bs], value_cache [num_blocks, kv_heads, bs, D]; block_tables int32
     [B, max_blocks]; row_seq, row_pos int32 [T]; out [T, H, D] float32.
 
-    Per unit: the scores of the blocks its rows see (``_scores4``); per query,
-    over its n visible keys first..pos, their max, the weights e^(s - max)
-    and their sum, each loop in position order; then the weighted values, a
-    tile of VALUE_TILE keys at a time for each query in turn (``_values4``
-    for four vectors of dimensions, ``_values1`` for the rest, scalar chains
-    in the same order when D is not a multiple of LANES), times 1 / sum."""
+    Per piece: the scores of its blocks (``_scores4``); per query, over its
+    n visible keys in the piece, in position order, their max, the weights
+    e^(s - max) and their sum; then the weighted values, a tile of
+    VALUE_TILE keys at a time for each query in turn (``_values4`` for four
+    vectors of dimensions, ``_values1`` for the rest, scalar chains in the
+    same order when D is not a multiple of LANES). A query whose visible keys
+    lie in one chunk has them all here: it is written to ``out``, times
+    1 / sum. Any other query leaves its max, sum and weighted values (not
+    divided) in part_max[p, j], part_sum[p, j] (0: no visible key here) and
+    part_acc[p, j] for ``_merge_pieces``."""
     T, H, D = query.shape
     kv_heads = key_cache.shape[1]
     bs = key_cache.shape[3]
+    chunk = key_chunk(bs)
     group = H // kv_heads
-    columns = (row_pos.max() // bs + 1) * bs
-    scores = np.empty((PACK + 3, columns), np.float32)  # + 3: a last group of four's spare chains
-    key_rows = np.empty(columns, np.int64)  # flat offset of each column's key's value vector
+    scores = np.empty((PACK + 3, chunk), np.float32)  # + 3: a last group of four's spare chains
+    key_rows = np.empty(chunk, np.int64)  # flat offset of each column's key's value vector
     acc = np.empty((PACK, D), np.float32)
     rows = np.empty(PACK + 3, np.int64)
     heads = np.empty(PACK + 3, np.int64)
     lows = np.empty(PACK, np.int64)  # each query's visible columns: lows[j]..highs[j]-1
     highs = np.empty(PACK, np.int64)
     invs = np.empty(PACK, np.float32)
+    whole = np.empty(PACK, np.bool_)  # the query's visible keys all lie in this piece
     four = D - D % (4 * LANES)
     vector_values = D % LANES == 0
-    for unit in range(unit_begin, units.shape[0], unit_step):
+    for p in range(piece_begin, piece_end):
+        unit, k_lo, k_hi = pieces[p, 0], pieces[p, 1], pieces[p, 2]
         run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
         for j in range(PACK + 3):  # past the unit's queries its last is repeated (spare chains)
             i = q0 + min(j, nq - 1)
             rows[j] = run + i // group
             heads[j] = g * group + i % group
         table = block_tables[row_seq[rows[0]]]
-        lo = row_pos[rows[0]]  # the unit's rows are in position order
-        unit_blk = (max(0, lo - window + 1) if window > 0 else 0) // bs
-        last_blk = row_pos[rows[nq - 1]] // bs
-        for blk_i in range(unit_blk, last_blk + 1):
-            column = (blk_i - unit_blk) * bs
+        first_blk = k_lo // bs
+        last_blk = (k_hi - 1) // bs
+        for blk_i in range(first_blk, last_blk + 1):
+            column = (blk_i - first_blk) * bs
+            start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
             for j in range(0, nq, 4):  # the block's keys from L1 after the first four
                 _scores4(query, rows[j], heads[j], rows[j + 1], heads[j + 1], rows[j + 2], heads[j + 2], rows[j + 3],
                          heads[j + 3], key_cache, table[blk_i], g, table[min(blk_i + 1, last_blk)], scores[j:j + 4],
                          column)
-            start = (table[blk_i] * kv_heads + g) * bs * D  # flat offset of the block's values [bs, D]
             for o in range(bs):
                 key_rows[column + o] = start + o * D
+        tile_lo, tile_hi = chunk, 0
         for j in range(nq):
             pos = row_pos[rows[j]]
             first = max(0, pos - window + 1) if window > 0 else 0
-            lows[j], highs[j] = first - unit_blk * bs, pos + 1 - unit_blk * bs
+            whole[j] = first // chunk == pos // chunk
+            a, b = max(first, k_lo), min(pos + 1, k_hi)
+            acc[j, :] = 0.0
+            if a >= b:  # none of its keys in this piece
+                lows[j], highs[j] = 0, 0
+                part_sum[p, j] = 0.0
+                continue
+            lows[j], highs[j] = a - first_blk * bs, b - first_blk * bs
+            tile_lo, tile_hi = min(tile_lo, lows[j]), max(tile_hi, highs[j])
             weights = scores[j, lows[j]:highs[j]]  # a view from 0: the loops below vectorise
             m = weights[0]
             for i in range(1, weights.shape[0]):
@@ -641,12 +734,13 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
                 weights[i] = exp_nonpositive(weights[i] - m)
                 total += weights[i]
             invs[j] = np.float32(1.0) / total
-            acc[j, :] = 0.0
+            part_max[p, j] = m
+            part_sum[p, j] = total
         if vector_values:
             for c in range(0, D, LANES):
                 if c < four and c % (4 * LANES):
                     continue  # inside a group of four that _values4 took
-                for x0 in range(lows[0], highs[nq - 1], VALUE_TILE):
+                for x0 in range(tile_lo, tile_hi, VALUE_TILE):
                     for j in range(nq):
                         a, b = max(x0, lows[j]), min(x0 + VALUE_TILE, highs[j])
                         if a >= b:
@@ -656,27 +750,114 @@ def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_p
                         else:
                             _values1(scores[j], a, b, key_rows, value_cache, acc[j], c)
             for j in range(nq):
-                at = (rows[j] * H + heads[j]) * D
-                inv = splat(invs[j])
-                for c in range(0, D, LANES):
-                    store(out, at + c, mul(load(acc[j], c), inv))
+                if highs[j] == lows[j]:
+                    continue
+                if whole[j]:
+                    at = (rows[j] * H + heads[j]) * D
+                    inv = splat(invs[j])
+                    for c in range(0, D, LANES):
+                        store(out, at + c, mul(load(acc[j], c), inv))
+                else:
+                    part_acc[p, j, :] = acc[j]
             continue
         for j in range(nq):
+            if highs[j] == lows[j]:
+                continue
             for d in range(D):
                 v = np.float32(0.0)
                 for x in range(lows[j], highs[j]):
                     v = v + scores[j, x] * element(value_cache, key_rows[x] + d)
-                out[rows[j], heads[j], d] = v * invs[j]
+                if whole[j]:
+                    out[rows[j], heads[j], d] = v * invs[j]
+                else:
+                    part_acc[p, j, d] = v
+
+
+@numba.njit(nogil=True, error_model="numpy", cache=True)
+def _merge_pieces(units, pieces, row_pos, window, bs, group, part_max, part_sum, part_acc, out):
+    """Every query whose visible keys span chunks (``_attend_pieces`` left
+    its pieces' parts): with M the largest of its pieces' maxima and s_p =
+    e^(max_p - M), out = (sum_p s_p acc_p) / (sum_p s_p sum_p), both sums
+    over its pieces in key order (per dimension one chain of fused
+    multiply-adds, LANES dimensions a vector; separate products and sums
+    for a remainder of D % LANES), then times 1 / the sum. No fast-math:
+    each operation rounds as written."""
+    chunk = key_chunk(bs)
+    D = out.shape[2]
+    vectors = D - D % LANES  # dimensions taken LANES at a time (fused multiply-adds); the rest one by one
+    p0 = 0
+    while p0 < pieces.shape[0]:
+        unit = pieces[p0, 0]
+        p1 = p0 + 1
+        while p1 < pieces.shape[0] and pieces[p1, 0] == unit:
+            p1 += 1
+        run, g, q0, nq = units[unit, 0], units[unit, 1], units[unit, 2], units[unit, 3]
+        for j in range(nq):
+            i = q0 + j
+            row, head = run + i // group, g * group + i % group
+            pos = row_pos[row]
+            first = max(0, pos - window + 1) if window > 0 else 0
+            if first // chunk == pos // chunk:
+                continue  # written whole by its one piece
+            top = np.float32(-np.inf)
+            for p in range(p0, p1):
+                if part_sum[p, j] > 0.0:
+                    top = max(top, part_max[p, j])
+            total = np.float32(0.0)
+            dst = out[row, head]
+            dst[:] = 0.0
+            for p in range(p0, p1):
+                if part_sum[p, j] > 0.0:
+                    s = exp_nonpositive(part_max[p, j] - top)
+                    total = total + part_sum[p, j] * s
+                    part = part_acc[p, j]
+                    sv = splat(s)
+                    for c in range(0, vectors, LANES):
+                        store(dst, c, fma(load(dst, c), sv, load(part, c)))
+                    for d in range(vectors, D):
+                        dst[d] = dst[d] + part[d] * s
+            inv = np.float32(1.0) / total
+            iv = splat(inv)
+            for c in range(0, vectors, LANES):
+                store(dst, c, mul(load(dst, c), iv))
+            for d in range(vectors, D):
+                dst[d] = dst[d] * inv
+        p0 = p1
+
+
+@numba.njit(nogil=True, cache=True)
+def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, out):
+    """Softmax attention of every unit (``attention_units``: up to PACK
+    queries, rows x query heads of one kv head and sequence) on the calling
+    thread: ``_attend_pieces`` then ``_merge_pieces``. Arrays as there."""
+    bs = key_cache.shape[3]
+    group = query.shape[1] // key_cache.shape[1]
+    pieces = _attention_pieces(units, row_seq, row_pos, window, bs, group)
+    part_max = np.empty((pieces.shape[0], PACK), np.float32)
+    part_sum = np.empty((pieces.shape[0], PACK), np.float32)
+    part_acc = np.empty((pieces.shape[0], PACK, query.shape[2]), np.float32)
+    _attend_pieces(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, pieces, 0,
+                   pieces.shape[0], out, part_max, part_sum, part_acc)
+    _merge_pieces(units, pieces, row_pos, window, bs, group, part_max, part_sum, part_acc, out)
 
 
 @numba.njit(nogil=True, parallel=True, cache=True)
 def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units,
                               chunks, out):
-    """``_paged_attention`` of every unit, the units dealt round-robin to
-    `chunks` parallel calls (numba threads)."""
+    """``_paged_attention`` with the pieces shared out to `chunks` parallel
+    calls (numba threads), each a run of pieces of about equal work
+    (``_shares``), merged after on the calling thread."""
+    bs = key_cache.shape[3]
+    group = query.shape[1] // key_cache.shape[1]
+    pieces = _attention_pieces(units, row_seq, row_pos, window, bs, group)
+    part_max = np.empty((pieces.shape[0], PACK), np.float32)
+    part_sum = np.empty((pieces.shape[0], PACK), np.float32)
+    part_acc = np.empty((pieces.shape[0], PACK, query.shape[2]), np.float32)
+    bounds = _shares(units, pieces, chunks)
     for c in numba.prange(chunks):
-        _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, c, chunks,
-                         out)
+        _attend_pieces(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, pieces,
+                       bounds[c], bounds[c + 1], out, part_max, part_sum, part_acc)
+    _merge_pieces(units, pieces, row_pos, window, bs, group, part_max, part_sum, part_acc, out)
 
 
 kernel_cache.refresh(globals())  # numba keys its cache by this file only: flush it when any kernel source changed

@@ -247,11 +247,67 @@ def test_packed_queries_give_every_row_the_bits_it_gets_alone(window, head_dim):
     singles = np.array([[0, g, i, 1] for g in range(KV_HEADS) for i in range(7 * heads // KV_HEADS)], np.int32)
     apart = np.empty_like(q.numpy())
     kv_pool._paged_attention(q.numpy(), *pool.layer_arrays(1), batch.block_tables, batch.row_seq, batch.row_pos,
-                             window, singles, 0, 1, apart)
+                             window, singles, apart)
     assert torch.equal(torch.from_numpy(apart), together)
     for r in range(7):
         one, q1 = feed(pool, seqs, {"a": (143 + r, 144 + r)})
         assert torch.equal(pool.attend(1, q1, one, window)[0], together[r]), f"row {r}"
+
+
+CHUNK = kv_pool.KEY_CHUNK
+
+
+@pytest.mark.parametrize("window", [0, 20, CHUNK + 44, 3 * CHUNK])  # none / in one chunk / from an earlier one / all
+@pytest.mark.parametrize("head_dim", [6, 64])  # scalar values / one group of four vectors
+@pytest.mark.parametrize("rows", [(CHUNK - 3, CHUNK + 4), (2 * CHUNK + 78, 2 * CHUNK + 85)])  # across a cut / past two
+def test_queries_across_key_chunks_get_their_bits_alone_and_the_softmax(rows, head_dim, window):
+    """Past KEY_CHUNK keys a query's attention is merged from pieces cut at
+    absolute positions: a 7-row chunk's rows (some of them within one chunk,
+    some across a cut) equal bitwise the rows computed one query per unit,
+    as decode rows one at a time and on two threads, and stay within float32
+    rounding of the float64 softmax."""
+    heads = 6
+    pool = make_pool(3 * CHUNK, head_dim=head_dim)
+    threaded = make_pool(3 * CHUNK, num_threads=2, head_dim=head_dim)
+    seqs = random_sequences({"a": 2 * CHUNK + 100}, heads, head_dim=head_dim, seed=9)
+    batch, q = feed(pool, seqs, {"a": rows})
+    b2, _ = feed(threaded, seqs, {"a": rows})
+    together = pool.attend(1, q, batch, window)
+    assert b2.attention_work * heads >= PARALLEL_MIN_WORK  # the threaded path really runs
+    assert torch.equal(threaded.attend(1, q, b2, window), together)
+    n = rows[1] - rows[0]
+    singles = np.array([[0, g, i, 1] for g in range(KV_HEADS) for i in range(n * heads // KV_HEADS)], np.int32)
+    apart = np.empty_like(q.numpy())
+    kv_pool._paged_attention(q.numpy(), *pool.layer_arrays(1), batch.block_tables, batch.row_seq, batch.row_pos,
+                             window, singles, apart)
+    assert torch.equal(torch.from_numpy(apart), together)
+    for r in range(n):
+        pos = rows[0] + r
+        one, q1 = feed(pool, seqs, {"a": (pos, pos + 1)})
+        assert torch.equal(pool.attend(1, q1, one, window)[0], together[r]), f"row {r}"
+        want = reference_attention(seqs["a"], 1, q[r], pos, window)
+        torch.testing.assert_close(together[r], want, atol=1e-5, rtol=1e-5)
+
+
+def test_key_pieces_are_cut_at_absolute_positions_and_shared_in_runs_of_equal_work():
+    """A decode row's units (one per kv head) after 2 KEY_CHUNK + 276 keys
+    are cut at the multiples of KEY_CHUNK, in key order (with a window, from
+    the block of its first key); two or three threads get runs of pieces
+    whose work differs by less than one piece's."""
+    chunk = CHUNK
+    n = 2 * chunk + 276
+    row_seq, row_pos = np.zeros(1, np.int32), np.array([n - 1], np.int32)
+    units = attention_units(row_seq, 3, 3)
+    pieces = kv_pool._attention_pieces(units, row_seq, row_pos, 0, BS, 3)
+    cuts = [(0, chunk), (chunk, 2 * chunk), (2 * chunk, n)]
+    assert pieces.tolist() == [[u, a, b] for u in range(3) for a, b in cuts]
+    window = kv_pool._attention_pieces(units, row_seq, row_pos, n - 40, BS, 3)  # first key 40: block 2 (BS 16)
+    assert window[:3].tolist() == [[0, 32, chunk], [0, chunk, 2 * chunk], [0, 2 * chunk, n]]
+    for threads in (2, 3):
+        bounds = kv_pool._shares(units, pieces, threads).tolist()
+        assert bounds[0] == 0 and bounds[-1] == len(pieces) and bounds == sorted(bounds)
+        work = [sum(int(pieces[p, 2] - pieces[p, 1]) for p in range(a, b)) for a, b in zip(bounds, bounds[1:])]
+        assert max(work) - min(work) <= chunk, (threads, work)
 
 
 def test_threads_split_work_without_changing_results():
