@@ -826,16 +826,26 @@ def _merge_pieces(units, pieces, row_pos, window, bs, group, part_max, part_sum,
 
 
 @numba.njit(nogil=True, cache=True)
-def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, out):
-    """Softmax attention of every unit (``attention_units``: up to PACK
-    queries, rows x query heads of one kv head and sequence) on the calling
-    thread: ``_attend_pieces`` then ``_merge_pieces``. Arrays as there."""
+def _pieces_and_parts(query, key_cache, row_seq, row_pos, window, units):
+    """(block size, query heads per kv head, ``_attention_pieces``, and the
+    parts ``_attend_pieces`` leaves for ``_merge_pieces``: max, sum [P, PACK]
+    and weighted values [P, PACK, D] of each piece's queries)."""
     bs = key_cache.shape[3]
     group = query.shape[1] // key_cache.shape[1]
     pieces = _attention_pieces(units, row_seq, row_pos, window, bs, group)
     part_max = np.empty((pieces.shape[0], PACK), np.float32)
     part_sum = np.empty((pieces.shape[0], PACK), np.float32)
     part_acc = np.empty((pieces.shape[0], PACK, query.shape[2]), np.float32)
+    return bs, group, pieces, part_max, part_sum, part_acc
+
+
+@numba.njit(nogil=True, cache=True)
+def _paged_attention(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, out):
+    """Softmax attention of every unit (``attention_units``: up to PACK
+    queries, rows x query heads of one kv head and sequence) on the calling
+    thread: ``_attend_pieces`` then ``_merge_pieces``. Arrays as there."""
+    bs, group, pieces, part_max, part_sum, part_acc = _pieces_and_parts(query, key_cache, row_seq, row_pos, window,
+                                                                        units)
     _attend_pieces(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, pieces, 0,
                    pieces.shape[0], out, part_max, part_sum, part_acc)
     _merge_pieces(units, pieces, row_pos, window, bs, group, part_max, part_sum, part_acc, out)
@@ -847,12 +857,8 @@ def _paged_attention_parallel(query, key_cache, value_cache, block_tables, row_s
     """``_paged_attention`` with the pieces shared out to `chunks` parallel
     calls (numba threads), each a run of pieces of about equal work
     (``_shares``), merged after on the calling thread."""
-    bs = key_cache.shape[3]
-    group = query.shape[1] // key_cache.shape[1]
-    pieces = _attention_pieces(units, row_seq, row_pos, window, bs, group)
-    part_max = np.empty((pieces.shape[0], PACK), np.float32)
-    part_sum = np.empty((pieces.shape[0], PACK), np.float32)
-    part_acc = np.empty((pieces.shape[0], PACK, query.shape[2]), np.float32)
+    bs, group, pieces, part_max, part_sum, part_acc = _pieces_and_parts(query, key_cache, row_seq, row_pos, window,
+                                                                        units)
     bounds = _shares(units, pieces, chunks)
     for c in numba.prange(chunks):
         _attend_pieces(query, key_cache, value_cache, block_tables, row_seq, row_pos, window, units, pieces,
