@@ -45,7 +45,7 @@ fused multiply-adds over the head dimensions in order, LANES keys at a time
 (``_scores4``); a weighted value is, per dimension, one chain of fused
 multiply-adds over the keys in position order, then times 1 / (sum of the
 weights) (``_values4``, ``_values1``): explicit vectors (engine.simd), one
-fixed order for every key. They are inlined into ``_paged_attention``, whose
+fixed order for every key. They are inlined into ``_attend_pieces``, whose
 fast-math flags (for the softmax's loops) numba puts on scalar float calls
 and on binary float operations: the vector FMA calls keep none, and the one
 vector operation that takes them, the product by 1 / sum, is a lone rounding
@@ -121,7 +121,7 @@ KV_DTYPES = {name: getattr(torch, name) for name in KV_DTYPE_NAMES}
 #: --baseline``). Larger packs (6, 9, 12, 18 queries: each key and value read
 #: by fewer units, fewer units to share out) measured within the noise.
 PACK = 4
-#: Keys whose values a unit's queries take one after another (``_paged_attention``):
+#: Keys whose values a unit's queries take one after another (``_attend_pieces``):
 #: 64 keys of 64 float32 dimensions are 16 KB, in L1 for the unit's next query.
 VALUE_TILE = 64
 #: Keys are cut into pieces of work at the multiples of this many absolute
