@@ -3,10 +3,25 @@
 Weights come through ``transformers`` (safetensors, .bin or GGUF, which it
 dequantises), which also standardises the config. ``load_hf_model`` is the
 one place a model is read from disk or the hub; both engines start from it.
+
+Remembered checkpoints. Importing transformers and building its model takes
+~4.5 s of a service's start on 2 cores (its config classes import
+torch.distributed and its modeling torch._dynamo), for a runner that needs
+only the config's values and the tensors. So after transformers has loaded a
+local directory's safetensors, ``remember_checkpoint`` writes down what it
+gave (``models.checkpoint_cache_entry``, keyed by every file of the
+directory, the transformers version and the dtype): the config's values, and
+for each tensor of its state dict the file tensor it is, bit for bit once
+cast to the dtype transformers gave it (checked then, tensor by tensor), or
+the tensor it is tied to. ``remembered_checkpoint`` reads the files by that
+record, without transformers; a directory whose tensors transformers renames
+or changes, a .bin checkpoint, a GGUF file not yet dequantised or a hub id
+are never remembered and load through transformers as before.
 """
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
@@ -16,7 +31,14 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import ModelSource, gguf_cache_max_bytes, load_tokenizer, resolve_model
+from specdec.models import (
+    ModelSource,
+    checkpoint_cache_entry,
+    gguf_cache_max_bytes,
+    load_tokenizer,
+    resolve_model,
+    write_json_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +74,10 @@ def load_hf_model(model: str, dtype: str = "float32", cached: bool = True):
         entry = write_gguf_copy(src)
         if entry is not None:
             src = ModelSource(str(entry))
-    return AutoModelForCausalLM.from_pretrained(src.path, dtype=torch_dtype(dtype), **src.hf_kwargs()).eval()
+    model = AutoModelForCausalLM.from_pretrained(src.path, dtype=torch_dtype(dtype), **src.hf_kwargs()).eval()
+    if not src.gguf_file:
+        remember_checkpoint(src, dtype, model)
+    return model
 
 
 def write_gguf_copy(src: ModelSource) -> Path | None:
@@ -111,6 +136,124 @@ def write_gguf_copy(src: ModelSource) -> Path | None:
     return entry
 
 
+#: The config values LlamaEngine reads (``llama.LlamaSpec``, ``unsupported_reason``,
+#: ``eos_token_ids``), remembered as transformers gives them (``getattr``: properties too).
+ENGINE_CONFIG_FIELDS = (
+    "model_type", "hidden_act", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+    "layer_types", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "sliding_window",
+    "no_rope_layers", "vocab_size", "hidden_size", "head_dim", "rms_norm_eps", "max_position_embeddings",
+    "eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings",
+)
+
+
+class RememberedConfig:
+    """A config's values as ``remember_checkpoint`` wrote them down, read as
+    attributes (one it did not hold raises AttributeError, as a transformers
+    config does)."""
+
+    def __init__(self, values: dict) -> None:
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        return f"RememberedConfig({self.__dict__!r})"
+
+
+def _config_values(config) -> dict:
+    """A transformers config's values as JSON types: its dict, and the
+    ENGINE_CONFIG_FIELDS as ``getattr`` gives them (raises TypeError where
+    one is not a JSON value)."""
+    values = json.loads(config.to_json_string(use_diff=False))
+    for name in ENGINE_CONFIG_FIELDS:
+        if hasattr(config, name):
+            values[name] = json.loads(json.dumps(getattr(config, name)))
+    return values
+
+
+def _weight_files(directory: Path) -> list[str] | None:
+    """The safetensors files transformers reads from `directory` (the
+    index's, else model.safetensors), or None where it reads others (.bin)."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return ["model.safetensors"] if (directory / "model.safetensors").is_file() else None
+
+
+def remember_checkpoint(src: ModelSource, dtype: str, model) -> None:
+    """Writes down what transformers loaded from `src` (a local directory of
+    safetensors) in `dtype` as `model`, when every tensor of its state dict is
+    a file tensor cast to its dtype, bit for bit, or tied to one of them
+    (module doc). Anything else, or a cache that cannot be written, is only
+    logged: the model then loads through transformers every time."""
+    from safetensors import safe_open
+
+    entry = checkpoint_cache_entry(src, dtype)
+    files = _weight_files(Path(src.path)) if entry is not None else None
+    if entry is None or files is None or entry.is_file():
+        return
+    try:
+        state = model.state_dict()
+        where: dict[str, str] = {}
+        tensors: dict[str, list] = {}
+        for name in files:
+            with safe_open(str(Path(src.path) / name), framework="pt") as f:
+                for key in f.keys():
+                    if key in state:
+                        value = f.get_tensor(key)
+                        if value.shape != state[key].shape or not torch.equal(value.to(state[key].dtype), state[key]):
+                            log.info("%s: %s is not the file's tensor as loaded; not remembered", src.path, key)
+                            return
+                        where[key] = name
+        owners = {t.data_ptr(): key for key, t in state.items() if key in where}
+        for key, t in state.items():
+            owner = key if key in where else owners.get(t.data_ptr())
+            if owner is None:
+                log.info("%s: %s is in no file of it; not remembered", src.path, key)
+                return
+            tensors[key] = [owner, where[owner], str(t.dtype).removeprefix("torch.")]
+        facts = {"config": _config_values(model.config), "tensors": tensors,
+                 "generation_config": (json.loads(model.generation_config.to_json_string(use_diff=False))
+                                       if getattr(model, "generation_config", None) is not None else None)}
+        write_json_atomically(entry, facts)
+    except (OSError, TypeError, ValueError) as e:
+        log.info("%s: could not remember what transformers loaded (%s)", src.path, e)
+
+
+def remembered_checkpoint(model: str, dtype: str = "float32") -> "Checkpoint | None":
+    """The Checkpoint transformers gave for `model` in `dtype`, read from
+    its files by ``remember_checkpoint``'s record without transformers, or
+    None where there is none (or it no longer reads: the caller loads through
+    transformers, which writes it again)."""
+    from safetensors import safe_open
+
+    src = resolve_model(model)
+    entry = checkpoint_cache_entry(src, dtype) if not src.gguf_file else None
+    if entry is None or not entry.is_file():
+        return None
+    try:
+        facts = json.loads(entry.read_text())
+        files: dict[str, list[str]] = {}
+        for key, (owner, name, _) in facts["tensors"].items():
+            if owner == key:
+                files.setdefault(name, []).append(key)
+        loaded = {}
+        for name, keys in files.items():
+            with safe_open(str(Path(src.path) / name), framework="pt") as f:
+                for key in keys:
+                    loaded[key] = f.get_tensor(key)
+        state = {}
+        for key, (owner, _, kind) in facts["tensors"].items():
+            if owner == key:
+                loaded[key] = loaded[key].to(getattr(torch, kind))
+        for key, (owner, _, _) in facts["tensors"].items():
+            state[key] = loaded[owner]
+        generation = facts["generation_config"]
+        return Checkpoint(model, RememberedConfig(facts["config"]),
+                          RememberedConfig(generation) if generation is not None else None, state, gguf_file_of(model))
+    except Exception as e:  # any record that does not read (the safetensors reader raises its own errors)
+        log.info("%s: the record in %s did not read (%s); loading through transformers", model, entry, e)
+        return None
+
+
 @dataclass
 class Checkpoint:
     """A causal LM's config and weights, as transformers loaded them."""
@@ -123,8 +266,10 @@ class Checkpoint:
 
     @classmethod
     def load(cls, model: str, dtype: str = "float32") -> "Checkpoint":
-        """Loads through transformers in ``dtype`` (GGUF weights are dequantised)."""
-        return cls.of_model(load_hf_model(model, dtype), model)
+        """Loads in ``dtype`` as transformers does (GGUF weights are
+        dequantised): by its record where one is remembered
+        (``remembered_checkpoint``), else through transformers."""
+        return remembered_checkpoint(model, dtype) or cls.of_model(load_hf_model(model, dtype), model)
 
     @classmethod
     def of_model(cls, hf_model, name: str, gguf: str | None = None) -> "Checkpoint":

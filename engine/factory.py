@@ -3,17 +3,18 @@
 Llama-family models run on the project's own runner (``llama.LlamaEngine``);
 anything else, or ``engine="hf"``, on the transformers engine
 (``hf_engine.HFEngine``), with one warning saying why when it was not asked
-for. The model is read once (``checkpoint.load_hf_model``) and its config
-decides. Every option reaches the engine that runs, or is refused with a
-message naming it: options of the Llama runner are refused on the
-transformers engine.
+for. The model is read once (``checkpoint.load_hf_model``, or without
+transformers from the record of an earlier load:
+``checkpoint.remembered_checkpoint``) and its config decides. Every option
+reaches the engine that runs, or is refused with a message naming it:
+options of the Llama runner are refused on the transformers engine.
 """
 from __future__ import annotations
 
 import logging
 
 from specdec.engine.base import Engine
-from specdec.engine.checkpoint import Checkpoint, load_hf_model, torch_dtype
+from specdec.engine.checkpoint import Checkpoint, load_hf_model, remembered_checkpoint, torch_dtype
 from specdec.engine.config import DEFAULT_KV_CAPACITY_TOKENS, EngineConfig
 from specdec.engine.kv_pool import KVPool
 
@@ -34,17 +35,20 @@ def build_engine(config: EngineConfig) -> Engine:
 
     config.check()
     check_device(config.device)
-    hf_model = load_hf_model(config.model, config.dtype)
-    reason = unsupported_reason(hf_model.config)
-    if config.engine == "llama" and reason:
-        raise ValueError(f"engine 'llama' cannot run {config.model}: {reason}")
-    if config.engine == "hf" or reason:
-        if reason:
-            log.warning("build_engine: %s runs on the transformers fallback engine (HFEngine), not the "
-                        "Llama runner: %s", config.model, reason)
-        return _hf_engine(hf_model, config)
+    checkpoint = remembered_checkpoint(config.model, config.dtype) if config.engine != "hf" else None
+    if checkpoint is None or unsupported_reason(checkpoint.config):
+        hf_model = load_hf_model(config.model, config.dtype)
+        reason = unsupported_reason(hf_model.config)
+        if config.engine == "llama" and reason:
+            raise ValueError(f"engine 'llama' cannot run {config.model}: {reason}")
+        if config.engine == "hf" or reason:
+            if reason:
+                log.warning("build_engine: %s runs on the transformers fallback engine (HFEngine), not the "
+                            "Llama runner: %s", config.model, reason)
+            return _hf_engine(hf_model, config)
+        checkpoint = Checkpoint.of_model(hf_model, config.model)
     return LlamaEngine(
-        Checkpoint.of_model(hf_model, config.model), config.dtype,
+        checkpoint, config.dtype,
         kv_capacity_tokens=config.kv_capacity_tokens, kv_memory_fraction=config.kv_memory_fraction,
         max_model_len=config.max_model_len, device=config.device, gemm=config.gemm,
         attention=config.attention, num_threads=config.num_threads, block_size=config.block_size,

@@ -145,15 +145,21 @@ def resolve_model(model: str, cached: bool = True) -> ModelSource:
 TOKENIZER_CACHE_ENV = "SPECDEC_TOKENIZER_CACHE_DIR"
 #: Bumped when what an entry holds changes: older entries are then never read.
 TOKENIZER_CACHE_FORMAT = 1
+#: Where ``engine.checkpoint`` remembers what transformers loaded from a model
+#: directory (the config's values, which tensors of which files, in which
+#: dtype), so later loads read the files without importing transformers ("off": nowhere).
+CHECKPOINT_CACHE_ENV = "SPECDEC_CHECKPOINT_CACHE_DIR"
+#: Bumped when what a checkpoint entry holds changes.
+CHECKPOINT_CACHE_FORMAT = 1
 
 
-def tokenizer_cache_entry(source: ModelSource) -> Path | None:
-    """The file that names the class AutoTokenizer chose for a local model
-    directory (None: a hub id, or ``$SPECDEC_TOKENIZER_CACHE_DIR`` is "off";
-    default ~/.cache/specdec/tokenizers). Keyed by the directory, the name,
-    size and modification time of every file in it, the GGUF file named and
-    the transformers version: any change there chooses again."""
-    root = _cache_root(TOKENIZER_CACHE_ENV, "tokenizers")
+def directory_cache_entry(source: ModelSource, env_name: str, name: str, *key: object) -> Path | None:
+    """The JSON file under ``$env_name`` (default ~/.cache/specdec/<name>;
+    "off": None) that remembers something of a local model directory (None:
+    a hub id). Keyed by the directory, the name, size and modification time
+    of every file in it, the GGUF file named, the transformers version and
+    `key`: any change there reads the model again."""
+    root = _cache_root(env_name, name)
     if root is None or not Path(source.path).is_dir():
         return None
     directory = Path(source.path).resolve()
@@ -162,8 +168,35 @@ def tokenizer_cache_entry(source: ModelSource) -> Path | None:
         version = metadata.version("transformers")
     except (OSError, metadata.PackageNotFoundError):
         return None
-    key = json.dumps([str(directory), files, source.gguf_file, version, TOKENIZER_CACHE_FORMAT])
-    return root / f"{directory.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    digest = json.dumps([str(directory), files, source.gguf_file, version, *key])
+    return root / f"{directory.name}-{hashlib.sha256(digest.encode()).hexdigest()[:16]}.json"
+
+
+def tokenizer_cache_entry(source: ModelSource) -> Path | None:
+    """The file that names the class AutoTokenizer chose for a local model
+    directory (``directory_cache_entry`` under ``$SPECDEC_TOKENIZER_CACHE_DIR``,
+    default ~/.cache/specdec/tokenizers)."""
+    return directory_cache_entry(source, TOKENIZER_CACHE_ENV, "tokenizers", TOKENIZER_CACHE_FORMAT)
+
+
+def checkpoint_cache_entry(source: ModelSource, dtype: str) -> Path | None:
+    """The file that remembers what transformers loaded from a local model
+    directory in `dtype` (``directory_cache_entry`` under
+    ``$SPECDEC_CHECKPOINT_CACHE_DIR``, default ~/.cache/specdec/checkpoints)."""
+    return directory_cache_entry(source, CHECKPOINT_CACHE_ENV, "checkpoints", dtype, CHECKPOINT_CACHE_FORMAT)
+
+
+def write_json_atomically(entry: Path, value: object) -> None:
+    """Writes `value` as JSON to `entry` beside it, then renames it into
+    place (a reader never sees half of it); raises OSError."""
+    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, entry)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _cached_tokenizer(entry: Path, source: ModelSource):
@@ -193,13 +226,9 @@ def _remember_tokenizer(entry: Path, tokenizer, gguf: bool) -> None:
     cls = type(tokenizer)
     if not cls.__module__.startswith("transformers."):
         return
-    tmp = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"module": cls.__module__, "class": cls.__qualname__, "gguf": gguf}))
-        os.replace(tmp, entry)
+        write_json_atomically(entry, {"module": cls.__module__, "class": cls.__qualname__, "gguf": gguf})
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         log.info("could not remember the tokenizer class in %s (%s)", entry, e)
 
 

@@ -466,6 +466,8 @@ def test_model_volume_is_mounted_read_only_where_the_model_is_loaded():
     # and the tokenizer classes AutoTokenizer chose, so a gateway pod's later starts skip torch
     gateway = docs_of(render("minimal-cpu.yaml"), "Deployment")["gateway"]
     assert {"name": "SPECDEC_TOKENIZER_CACHE_DIR", "value": "/cache/specdec-tokenizers"} in container(gateway)["env"]
+    # and the records of checkpoint loads, so a model runner's later starts skip transformers
+    assert {"name": "SPECDEC_CHECKPOINT_CACHE_DIR", "value": "/cache/specdec-checkpoints"} in container(minimal)["env"]
 
 
 def test_extra_args_and_env_are_appended():

@@ -176,8 +176,9 @@ A component's Deployment. Context keys besides root/component/values:
   args                the specdec sub-command and its flags (strings); values.extraArgs follow
   gpu                 true for model runners (scorer, draft proposer): GPU and "-cuda" image when gpu.enabled
   mountModel          mount the model volume and the Hugging Face cache, set HF_HOME,
-                      SPECDEC_GGUF_CACHE_DIR (dequantised GGUF copies) and
-                      SPECDEC_TOKENIZER_CACHE_DIR (tokenizer classes) into it
+                      SPECDEC_GGUF_CACHE_DIR (dequantised GGUF copies),
+                      SPECDEC_TOKENIZER_CACHE_DIR (tokenizer classes) and
+                      SPECDEC_CHECKPOINT_CACHE_DIR (records of checkpoint loads) into it
   serviceAccountName  set for pods that call the Kubernetes API; others get no token
 */}}
 {{- define "specdec.deployment" -}}
@@ -191,6 +192,7 @@ A component's Deployment. Context keys besides root/component/values:
 {{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $root.Values.model.cache.mountPath)) -}}
 {{- $env = append $env (dict "name" "SPECDEC_GGUF_CACHE_DIR" "value" (printf "%s/specdec-gguf" $root.Values.model.cache.mountPath)) -}}
 {{- $env = append $env (dict "name" "SPECDEC_TOKENIZER_CACHE_DIR" "value" (printf "%s/specdec-tokenizers" $root.Values.model.cache.mountPath)) -}}
+{{- $env = append $env (dict "name" "SPECDEC_CHECKPOINT_CACHE_DIR" "value" (printf "%s/specdec-checkpoints" $root.Values.model.cache.mountPath)) -}}
 {{- end -}}
 {{- $env = concat $env $v.extraEnv -}}
 {{- $nodeSelector := deepCopy (default (dict) $v.nodeSelector) -}}

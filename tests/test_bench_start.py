@@ -1,0 +1,28 @@
+"""benchmarks/bench_start.py on stories260K: real scorer processes started
+both ways in turns, the table printed, the JSON written, the record kept
+where asked."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_start.py"
+
+
+def test_bench_start_starts_scorers_both_ways_in_turns_and_writes_json(stories_path, tmp_path):
+    out, records = tmp_path / "start.json", tmp_path / "records"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--models", stories_path, "--rounds", "1",
+                           "--records", str(records), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert row["model"] == stories_path and result["rounds"] == 1
+    assert len(row["rounds"]["transformers"]) == len(row["rounds"]["record"]) == 1
+    assert all(s > 0 for s in (*row["rounds"]["transformers"], *row["rounds"]["record"]))
+    assert row["record_over_transformers"] > 0
+    assert len(list(records.glob("stories260K-*.json"))) == 1  # the record the "record" starts read
+    assert "record / transformers" in proc.stdout and "CPU:" in proc.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr
