@@ -115,16 +115,85 @@ class QuantWeight:
         return self.qs.nbytes + self.d.nbytes + (self.m.nbytes if self.kind == "Q4_1" else 0)
 
     def dequantized(self) -> np.ndarray:
-        """float32 [out, in] as gguf-py dequantises (unpadded)."""
-        n = self.out_features
-        d = np.repeat(self.d[:n], BLOCK, axis=1)
-        if self.kind == "Q8_0":
-            return self.qs[:n].astype(np.float32) * d
-        b = self.qs[:n].reshape(n, -1, 16)
-        q = np.concatenate([b & 15, b >> 4], axis=2).reshape(n, -1).astype(np.float32)
-        if self.kind == "Q4_0":
-            return d * (q - np.float32(8))
-        return d * q + np.repeat(self.m[:n], BLOCK, axis=1)
+        """float32 [out, in] as gguf-py dequantises (unpadded; ``_dequantize``)."""
+        out = np.empty((self.out_features, self.d.shape[1] * BLOCK), np.float32)
+        _dequantize(KIND_CODES[self.kind], self.qs, self.d, self.m, out)
+        return out
+
+
+#: ``_dequantize``'s codes of the kinds.
+KIND_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+@numba.njit(nogil=True, cache=True)
+def _dequantize_row(kind, qs, d, m, r, out):
+    """Row r of blocks as gguf-py dequantises it, into out (float32 [in]):
+    Q4_1 ``d * q + m``, Q4_0 ``d * (q - 8)``, Q8_0 ``q * d``, each product
+    exact in float32 (module doc), so no order of operations changes a bit."""
+    for b in range(d.shape[1]):
+        scale = d[r, b]
+        k = b * BLOCK
+        if kind == 2:
+            for j in range(BLOCK):
+                out[k + j] = np.float32(qs[r, k + j]) * scale
+        else:
+            low = m[r, b] if kind == 1 else np.float32(0.0)
+            for j in range(16):
+                byte = qs[r, b * 16 + j]
+                q0, q1 = np.float32(byte & 15), np.float32(byte >> 4)
+                if kind == 1:
+                    out[k + j], out[k + 16 + j] = scale * q0 + low, scale * q1 + low
+                else:
+                    out[k + j] = scale * (q0 - np.float32(8.0))
+                    out[k + 16 + j] = scale * (q1 - np.float32(8.0))
+
+
+@numba.njit(nogil=True, cache=True)
+def _dequantize(kind, qs, d, m, out):
+    """out (float32 [rows, in]) = the first rows of the blocks, dequantised (``_dequantize_row``)."""
+    for r in range(out.shape[0]):
+        _dequantize_row(kind, qs, d, m, r, out[r])
+
+
+@numba.njit(nogil=True, cache=True)
+def _first_difference(kind, qs, d, m, want):
+    """The first row of want (float32 [rows, in]) whose bits the blocks'
+    row does not dequantise to, or -1 (a row at a time: no copy of the whole)."""
+    row = np.empty(want.shape[1], np.float32)
+    for r in range(want.shape[0]):
+        _dequantize_row(kind, qs, d, m, r, row)
+        if not np.array_equal(row.view(np.uint32), want[r].view(np.uint32)):
+            return r
+    return -1
+
+
+@numba.njit(nogil=True, cache=True)
+def _key_row(bits, salt, keys, r):
+    """keys[r] = two salted sums (mod 2^64) of a row's float32 bit patterns."""
+    k0 = np.uint64(0)
+    k1 = np.uint64(0)
+    for j in range(bits.shape[0]):
+        v = np.uint64(bits[j])
+        k0 += v * salt[0, j]
+        k1 += v * salt[1, j]
+    keys[r, 0], keys[r, 1] = k0, k1
+
+
+@numba.njit(nogil=True, cache=True)
+def _keys_of_rows(rows, salt, keys):
+    """keys [R, 2] of float32 rows [R, in] (``_key_row``)."""
+    for r in range(rows.shape[0]):
+        _key_row(rows[r].view(np.uint32), salt, keys, r)
+
+
+@numba.njit(nogil=True, cache=True)
+def _keys_of_blocks(kind, qs, d, m, salt, keys):
+    """keys [R, 2] of the blocks' rows as dequantised (``_key_row`` of
+    ``_dequantize_row``'s values), one row at a time."""
+    row = np.empty(d.shape[1] * BLOCK, np.float32)
+    for r in range(keys.shape[0]):
+        _dequantize_row(kind, qs, d, m, r, row)
+        _key_row(row.view(np.uint32), salt, keys, r)
 
 
 # ---- kernels ----------------------------------------------------------------------
@@ -643,9 +712,7 @@ def _row_keys(rows: np.ndarray, salt: np.ndarray) -> np.ndarray:
     """A 128-bit key per float32 row (bit patterns; two salted sums mod 2^64):
     the index's keys. A match is then checked bit for bit."""
     keys = np.empty((len(rows), 2), np.uint64)
-    for start in range(0, len(rows), KEY_ROWS):  # a slice at a time: the uint64 copies of a large head are big
-        bits = np.ascontiguousarray(rows[start:start + KEY_ROWS], dtype=np.float32).view(np.uint32).astype(np.uint64)
-        keys[start:start + len(bits)] = (bits[:, None, :] * salt[None, :, :bits.shape[1]]).sum(axis=2)
+    _keys_of_rows(np.ascontiguousarray(rows, dtype=np.float32), salt, keys)
     return keys
 
 
@@ -669,15 +736,17 @@ class GgufBlocks:
 
     def _rows(self) -> dict[tuple[int, int], tuple[int, int]]:
         """key -> (tensor, row), built on the first lookup (indexing SmolLM2's
-        ~200k rows takes ~1.2 s)."""
+        ~200k rows, dequantised and keyed a row at a time by ``_keys_of_blocks``, ~0.5 s)."""
         with self._lock:
             if self._index is None:
                 self.tensors = [(kind, raw) for _, kind, raw in quantized_tensors(self.path)]
                 index: dict[tuple[int, int], tuple[int, int]] = {}
                 for t, (kind, raw) in enumerate(self.tensors):
-                    rows = self._weight(kind, raw, np.arange(raw.shape[0])).dequantized()
-                    for r, key in enumerate(map(tuple, _row_keys(rows, self._salt).tolist())):
-                        index.setdefault(key, (t, r))
+                    q = self._weight(kind, raw, np.arange(raw.shape[0]))
+                    keys = np.empty((raw.shape[0], 2), np.uint64)
+                    _keys_of_blocks(KIND_CODES[kind], q.qs, q.d, q.m, self._salt, keys)
+                    for r, (k0, k1) in enumerate(keys.tolist()):
+                        index.setdefault((k0, k1), (t, r))
                 self._index = index
             return self._index
 
@@ -731,9 +800,9 @@ class GgufBlocks:
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % BLOCK:
             raise NoBlocks(f"GGUF blocks hold float32 weights of whole {BLOCK}-value blocks, not a "
                            f"{weight.dtype} weight {tuple(weight.shape)}")
-        w = weight.detach().cpu().numpy()
+        w = np.ascontiguousarray(weight.detach().cpu().numpy())
         index = self._rows()
-        zero: list[bool] = [not row.any() for row in w]
+        zero = np.asarray(w.any(axis=1) == 0).tolist()  # all-zero rows
         found = [index.get(key) for key in map(tuple, _row_keys(w, self._salt).tolist())]
         missing = [r for r, (f, z) in enumerate(zip(found, zero)) if f is None and not z]
         if missing:
@@ -746,15 +815,20 @@ class GgufBlocks:
         out = -(-len(w) // OUT_BLOCK) * OUT_BLOCK
         nb, per = w.shape[1] // BLOCK, KINDS[kind]
         raw = np.zeros((out, nb * per), np.uint8)  # zero blocks: d = m = 0, every value +0
+        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
         for r, f in enumerate(found):
             if f is not None:
-                tensor = self.tensors[f[0]][1]
-                if tensor.shape[1] != nb * per:
-                    raise NoBlocks(f"row {r} of a weight {tuple(w.shape)} matched a row of another width")
-                raw[r] = tensor[f[1]]
+                mine, theirs = by_tensor.setdefault(f[0], ([], []))
+                mine.append(r)
+                theirs.append(f[1])
+        for t, (mine, theirs) in by_tensor.items():
+            tensor = self.tensors[t][1]
+            if tensor.shape[1] != nb * per:
+                raise NoBlocks(f"row {mine[0]} of a weight {tuple(w.shape)} matched a row of another width")
+            raw[mine] = tensor[theirs]
         q = self._weight(kind, raw, np.arange(out))
         q = QuantWeight(kind, q.qs, q.d, q.m, len(w))
-        if not np.array_equal(q.dequantized().view(np.uint32), w.view(np.uint32)):
+        if _first_difference(KIND_CODES[kind], q.qs, q.d, q.m, w) >= 0:
             raise NoBlocks(f"the blocks found for a weight {tuple(w.shape)} do not dequantise to it bit for bit")
         return q
 

@@ -63,7 +63,7 @@ def test_blocks_give_simd_s_bits_on_the_dequantised_weight_at_every_row_count(gg
     w = dequantized(blocks, index)
     quant = blocks.find(torch.from_numpy(w))
     assert quant.kind == ("Q4_1", "Q8_0", "Q4_0")[index] and quant.nbytes < w.nbytes / 3
-    assert np.array_equal(quant.dequantized(), w)
+    assert np.array_equal(quant.dequantized().view(np.uint32), w.view(np.uint32))  # gguf-py's bits, zeros' signs too
     padded = gemm_simd.pad_weight(w)
     rng = np.random.default_rng(2)
     for rows in ROWS:
@@ -273,3 +273,49 @@ def test_a_checkpoint_knows_the_gguf_file_its_weights_came_from(smollm_path, sto
     gguf = gguf_file_of(smollm_path)
     assert gguf is not None and gguf.endswith(".gguf") and gguf_file_of(gguf) == gguf  # a directory or the file
     assert gguf_file_of(stories_path) is None and gguf_file_of("no/such-model") is None  # not a GGUF: none
+
+
+def _numpy_dequantized(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """gguf-py's formulas written out in numpy (float32, product then sum)."""
+    n = len(d)
+    scale = np.repeat(d, gemm_gguf.BLOCK, axis=1)
+    if kind == "Q8_0":
+        return qs.astype(np.float32) * scale
+    b = qs.reshape(n, -1, 16)
+    q = np.concatenate([b & 15, b >> 4], axis=2).reshape(n, -1).astype(np.float32)
+    if kind == "Q4_0":
+        return scale * (q - np.float32(8))
+    return scale * q + np.repeat(m, gemm_gguf.BLOCK, axis=1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_the_dequantising_kernels_give_the_formulas_bits_and_find_a_changed_bit(kind):
+    """``_dequantize`` (what ``find`` checks a weight against), the keys of
+    dequantised blocks and ``_first_difference``, on random blocks with
+    negative, zero and negative-zero scales (the signs of zeros count)."""
+    rng = np.random.default_rng(5)
+    rows, nb = 37, 5
+    d = rng.standard_normal((rows, nb)).astype(np.float16).astype(np.float32)
+    d[0, 0], d[1, 1], d[2, :] = 0.0, -0.0, -1.5
+    m = rng.standard_normal((rows, nb)).astype(np.float16).astype(np.float32) if kind == "Q4_1" else \
+        np.zeros((1, 1), np.float32)
+    if kind == "Q4_1":
+        m[3, 2] = -0.0
+    qs = rng.integers(0, 256, (rows, nb * (32 if kind == "Q8_0" else 16)), dtype=np.uint8)
+    if kind == "Q8_0":
+        qs = qs.view(np.int8)
+    want = _numpy_dequantized(kind, qs, d, m)
+    assert np.signbit(want).any() and (want == 0).any()
+    quant = gemm_gguf.QuantWeight(kind, qs, d, m, rows)
+    got = quant.dequantized()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    code = gemm_gguf.KIND_CODES[kind]
+    assert gemm_gguf._first_difference(code, qs, d, m, want) == -1
+    changed = want.copy()
+    changed[29, 77] = -changed[29, 77] if changed[29, 77] else np.float32(1.0)
+    assert gemm_gguf._first_difference(code, qs, d, m, changed) == 29
+    salt = np.random.default_rng(0).integers(1, 2**63, size=(2, 1 << 16), dtype=np.uint64) | np.uint64(1)
+    keys = np.empty((rows, 2), np.uint64)
+    gemm_gguf._keys_of_blocks(code, qs, d, m, salt, keys)
+    assert np.array_equal(keys, gemm_gguf._row_keys(want, salt))
+    assert not np.array_equal(keys[29], gemm_gguf._row_keys(changed, salt)[29])
