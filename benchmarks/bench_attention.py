@@ -41,9 +41,11 @@ from specdec.engine.simd import fma, load, store, zeros
 BLOCK = EngineConfig.block_size  # the engine's default KV block
 
 
-def load_baseline(path: str) -> ModuleType:
-    """A kv_pool.py from another checkout, as its own module (it imports this tree's other engine modules)."""
-    spec = importlib.util.spec_from_file_location("kv_pool_baseline", path)
+def load_baseline(path: str, name: str = "kv_pool_baseline") -> ModuleType:
+    """An engine file from another checkout (a kv_pool.py here) as its own
+    module `name` (it imports this tree's other engine modules; numba caches
+    its kernels beside that file, apart from this tree's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"--baseline {path}: not a Python file")
     module = importlib.util.module_from_spec(spec)

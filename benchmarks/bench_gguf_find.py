@@ -15,33 +15,18 @@ bench_results/gguf_find.json).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from bench_attention import load_baseline
 
 from specdec.engine import gemm_gguf
 from specdec.engine.checkpoint import Checkpoint
 from specdec.engine.gemm_select import cpu_model
 from specdec.models import default_model
-
-
-def load_baseline(path: str):
-    """The baseline file as a module of its own (its kernels cached apart:
-    numba keys its cache by the file), without the cache-flushing line."""
-    source = Path(path).read_text().replace("kernel_cache.refresh(globals())", "pass")
-    copy = Path(tempfile.mkdtemp(prefix="gguf-find-")) / "gemm_gguf_baseline.py"
-    copy.write_text(source)
-    spec = importlib.util.spec_from_file_location("gemm_gguf_baseline", copy)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gemm_gguf_baseline"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def find_seconds(module, gguf: str, weights: list) -> float:
@@ -68,7 +53,7 @@ def main() -> None:
     weights = [t for name, t in checkpoint.state_dict.items() if t.dim() == 2 and "embed_tokens" not in name]
     versions = {"this": gemm_gguf}
     if args.baseline:
-        versions["baseline"] = load_baseline(args.baseline)
+        versions["baseline"] = load_baseline(args.baseline, "gemm_gguf_baseline")
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores); {checkpoint.gguf}, {len(weights)} weights", flush=True)
     rounds: dict[str, list[float]] = {name: [] for name in versions}
     order = list(versions)

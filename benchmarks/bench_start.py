@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,21 +28,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.engine.gemm_select import cpu_model
+from specdec.launcher import free_port
 from specdec.models import CHECKPOINT_CACHE_ENV
 
 WAYS = ("transformers", "record")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_seconds(model: str, records: str, timeout_s: float) -> float:
     """Seconds from spawning a scorer of `model` (checkpoint records in
     `records`, or "off") to its health check answering SERVING; stops it."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, **{CHECKPOINT_CACHE_ENV: records})
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "scorer", "--model", model, "--port", str(port)],

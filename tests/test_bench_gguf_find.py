@@ -4,6 +4,7 @@ printed, the JSON written."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,11 @@ SCRIPT = ROOT / "benchmarks" / "bench_gguf_find.py"
 
 @pytest.mark.smollm
 def test_bench_gguf_find_times_this_code_and_a_baseline_in_turns(smollm_path, tmp_path):
-    out = tmp_path / "gguf_find.json"
+    out, baseline = tmp_path / "gguf_find.json", tmp_path / "old" / "gemm_gguf.py"
+    baseline.parent.mkdir()
+    shutil.copy(ROOT / "engine" / "gemm_gguf.py", baseline)  # as `git show C:engine/gemm_gguf.py > F` gives it
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", smollm_path, "--rounds", "2",
-                           "--baseline", str(ROOT / "engine" / "gemm_gguf.py"), "--out", str(out)],
+                           "--baseline", str(baseline), "--out", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
