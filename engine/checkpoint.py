@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from specdec.models import (
     ModelSource,
@@ -184,7 +185,6 @@ def remember_checkpoint(src: ModelSource, dtype: str, model) -> None:
     a file tensor cast to its dtype, bit for bit, or tied to one of them
     (module doc). Anything else, or a cache that cannot be written, is only
     logged: the model then loads through transformers every time."""
-    from safetensors import safe_open
 
     entry = checkpoint_cache_entry(src, dtype)
     files = _weight_files(Path(src.path)) if entry is not None else None
@@ -218,40 +218,85 @@ def remember_checkpoint(src: ModelSource, dtype: str, model) -> None:
         log.info("%s: could not remember what transformers loaded (%s)", src.path, e)
 
 
+def _record(model: str, dtype: str) -> tuple[ModelSource, Path] | None:
+    """`model`'s source and its record in `dtype`, where one is written."""
+    src = resolve_model(model)
+    entry = checkpoint_cache_entry(src, dtype) if not src.gguf_file else None
+    return (src, entry) if entry is not None and entry.is_file() else None
+
+
+def _stored_tensors(src: ModelSource, facts: dict, keys) -> dict[str, torch.Tensor]:
+    """The state-dict tensors `keys` as the record's files store them (not
+    cast): each read once, a tied key given its owner's tensor object."""
+    owners: dict[str, set[str]] = {}
+    for key in keys:
+        owner, name, _ = facts["tensors"][key]
+        owners.setdefault(name, set()).add(owner)
+    loaded = {}
+    for name, wanted in owners.items():
+        with safe_open(str(Path(src.path) / name), framework="pt") as f:
+            for owner in wanted:
+                loaded[owner] = f.get_tensor(owner)
+    return {key: loaded[facts["tensors"][key][0]] for key in keys}
+
+
 def remembered_checkpoint(model: str, dtype: str = "float32") -> "Checkpoint | None":
     """The Checkpoint transformers gave for `model` in `dtype`, read from
     its files by ``remember_checkpoint``'s record without transformers, or
     None where there is none (or it no longer reads: the caller loads through
     transformers, which writes it again)."""
-    from safetensors import safe_open
-
-    src = resolve_model(model)
-    entry = checkpoint_cache_entry(src, dtype) if not src.gguf_file else None
-    if entry is None or not entry.is_file():
+    found = _record(model, dtype)
+    if found is None:
         return None
+    src, entry = found
     try:
         facts = json.loads(entry.read_text())
-        files: dict[str, list[str]] = {}
-        for key, (owner, name, _) in facts["tensors"].items():
-            if owner == key:
-                files.setdefault(name, []).append(key)
-        loaded = {}
-        for name, keys in files.items():
-            with safe_open(str(Path(src.path) / name), framework="pt") as f:
-                for key in keys:
-                    loaded[key] = f.get_tensor(key)
+        stored = _stored_tensors(src, facts, facts["tensors"])
+        cast: dict[str, torch.Tensor] = {}  # by owner: a tie stays one tensor
         state = {}
         for key, (owner, _, kind) in facts["tensors"].items():
-            if owner == key:
-                loaded[key] = loaded[key].to(getattr(torch, kind))
-        for key, (owner, _, _) in facts["tensors"].items():
-            state[key] = loaded[owner]
+            if owner not in cast:
+                cast[owner] = stored[key].to(getattr(torch, kind))
+            state[key] = cast[owner]
         generation = facts["generation_config"]
         return Checkpoint(model, RememberedConfig(facts["config"]),
                           RememberedConfig(generation) if generation is not None else None, state, gguf_file_of(model))
     except Exception as e:  # any record that does not read (the safetensors reader raises its own errors)
         log.info("%s: the record in %s did not read (%s); loading through transformers", model, entry, e)
         return None
+
+
+def remembered_config(model: str) -> RememberedConfig | None:
+    """`model`'s config values from a record of any dtype (the values are
+    the same but for the dtype's own), without transformers; None where no
+    record reads."""
+    for dtype in DTYPES:
+        found = _record(model, dtype)
+        if found is not None:
+            try:
+                return RememberedConfig(json.loads(found[1].read_text())["config"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.info("%s: the record in %s did not read (%s)", model, found[1], e)
+    return None
+
+
+def remembered_tensors(model: str, names: list[str]) -> dict[str, torch.Tensor] | None:
+    """The state-dict tensors `names` of `model` as its files store them (not
+    cast to a dtype; a tied name, e.g. embeddings saved only as the LM head,
+    as its owner), by a record of any dtype, without transformers; None where
+    no record holds them all or reads."""
+    for dtype in DTYPES:
+        found = _record(model, dtype)
+        if found is None:
+            continue
+        src, entry = found
+        try:
+            facts = json.loads(entry.read_text())
+            if all(n in facts["tensors"] for n in names):
+                return _stored_tensors(src, facts, names)
+        except Exception as e:  # as remembered_checkpoint
+            log.info("%s: the record in %s did not read (%s)", model, entry, e)
+    return None
 
 
 @dataclass

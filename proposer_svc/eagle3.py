@@ -298,10 +298,17 @@ def read_tensors(directory: Path, keep=lambda name: True) -> dict[str, torch.Ten
 
 
 def target_tensors(target: str, names: list[str]) -> dict[str, torch.Tensor]:
-    """Named tensors of the target (HF names), read straight from its
-    safetensors when it has them, else through transformers (GGUF, hub)."""
+    """Named tensors of the target (HF names), as its files store them: by
+    the target's checkpoint record where one holds them (engine.checkpoint:
+    tied names too, e.g. the embeddings of a GGUF model's copy, saved as its
+    LM head only), else read straight from its safetensors, else through
+    transformers (GGUF, hub)."""
+    from specdec.engine.checkpoint import load_hf_model, remembered_tensors
     from specdec.models import resolve_model
 
+    remembered = remembered_tensors(target, names)
+    if remembered is not None:
+        return remembered
     src = resolve_model(target)
     path = Path(src.path)
     if path.is_dir() and not src.gguf_file:
@@ -310,14 +317,18 @@ def target_tensors(target: str, names: list[str]) -> dict[str, torch.Tensor]:
             found["lm_head.weight"] = found["model.embed_tokens.weight"]  # tied embeddings
         if all(n in found for n in names):
             return found
-    from specdec.engine.checkpoint import load_hf_model
-
     sd = load_hf_model(target).state_dict()
     return {n: sd[n] for n in names}
 
 
 def target_config(target: str):
-    """The target's transformers config."""
+    """The target's config: its checkpoint record's values where one is
+    written (engine.checkpoint; no transformers import), else transformers'."""
+    from specdec.engine.checkpoint import remembered_config
+
+    remembered = remembered_config(target)
+    if remembered is not None:
+        return remembered
     from transformers import AutoConfig
 
     from specdec.models import resolve_model

@@ -1,12 +1,14 @@
 """benchmarks/bench_start.py on stories260K: real scorer processes started
 both ways in turns, the table printed, the JSON written, the record kept
-where asked."""
+where asked; then an eagle3 proposer's starts."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from feature_heads import write_eagle3_head
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_start.py"
 
@@ -24,5 +26,12 @@ def test_bench_start_starts_scorers_both_ways_in_turns_and_writes_json(stories_p
     assert row["record_over_transformers"] > 0
     assert len(list(records.glob("stories260K-*.json"))) == 1  # the record the "record" starts read
     assert "record / transformers" in proc.stdout and "CPU:" in proc.stdout
+    head = write_eagle3_head(tmp_path / "head", Path(stories_path), None)
+    e3 = subprocess.run([sys.executable, str(SCRIPT), "--models", stories_path, "--rounds", "1", "--eagle3", str(head),
+                         "--records", str(records), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert e3.returncode == 0, e3.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["service"] == f"eagle3 proposer of {head}" and all(len(v) == 1 for v in row["rounds"].values())
+    assert "starting an eagle3 proposer" in e3.stdout
     bad = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--rounds" in bad.stderr

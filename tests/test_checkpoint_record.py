@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from feature_heads import write_eagle3_head
 
 from specdec.engine import checkpoint
 from specdec.engine.base import ForwardItem
@@ -26,10 +27,13 @@ from specdec.engine.checkpoint import (
     load_hf_model,
     remember_checkpoint,
     remembered_checkpoint,
+    remembered_config,
+    remembered_tensors,
 )
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
 from specdec.models import CHECKPOINT_CACHE_ENV, checkpoint_cache_entry, resolve_model
+from specdec.proposer_svc.eagle3 import load_eagle3
 
 
 @pytest.fixture
@@ -77,6 +81,55 @@ def test_a_remembered_checkpoint_is_what_transformers_loaded(which, dtype, recor
     assert Checkpoint.load(model, dtype).config.__class__ is checkpoint.RememberedConfig
     other = "bfloat16" if dtype == "float32" else "float32"
     assert remembered_checkpoint(model, other) is None  # a record is kept per dtype
+
+
+@pytest.mark.parametrize("which", ["stories", pytest.param("smollm", marks=pytest.mark.smollm)])
+def test_any_dtypes_record_gives_the_config_and_the_files_tensors(which, records, stories_path, smollm_path):
+    """What a proposer reads of its target (an EAGLE-3 head's config checks
+    and shared embeddings): the config values and named tensors as the files
+    store them, by a record of either dtype; SmolLM2's copy stores its tied
+    embeddings as the LM head only."""
+    from transformers import AutoConfig
+
+    model = stories_path if which == "stories" else smollm_path
+    names = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"]
+    assert remembered_config(model) is None and remembered_tensors(model, names) is None
+    load_hf_model(model, "bfloat16")  # a bfloat16 record only
+    src = resolve_model(model)
+    want_config = AutoConfig.from_pretrained(src.path, **src.hf_kwargs())
+    got_config = remembered_config(model)
+    assert isinstance(got_config, checkpoint.RememberedConfig)
+    for name in ENGINE_CONFIG_FIELDS:
+        assert getattr(got_config, name, None) == getattr(want_config, name, None), name
+    got = remembered_tensors(model, names)
+    want = load_hf_model(model, "float32").state_dict()
+    assert got is not None
+    for name in names:
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], want[name]), name  # the files: float32
+    assert remembered_tensors(model, [*names, "model.missing.weight"]) is None
+
+
+@pytest.mark.smollm
+def test_an_eagle3_head_of_a_remembered_target_loads_as_through_transformers_without_it(records, smollm_path,
+                                                                                          tmp_path, monkeypatch):
+    load_hf_model(smollm_path)  # the scorer's first start: writes the record
+    head = write_eagle3_head(tmp_path / "head", Path(resolve_model(smollm_path).path), None)
+    code = ("import sys, torch\n"
+            "from specdec.proposer_svc.eagle3 import load_eagle3\n"
+            f"head = load_eagle3({str(head)!r}, {smollm_path!r})\n"
+            f"torch.save({{'w': head.w, 'spec': repr(head.spec)}}, {str(tmp_path / 'head.pt')!r})\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]", run.stdout
+    got = torch.load(tmp_path / "head.pt")
+    monkeypatch.setenv(CHECKPOINT_CACHE_ENV, "off")  # through transformers: AutoConfig and the whole model
+    want = load_eagle3(str(head), smollm_path)
+    assert got["spec"] == repr(want.spec)
+    assert got["w"].keys() == want.w.keys()
+    for name, t in want.w.items():
+        assert torch.equal(got["w"][name], t), name
 
 
 def test_an_engine_from_the_record_computes_the_same_bits_without_transformers(records, model_dir, monkeypatch):
