@@ -92,8 +92,6 @@ GROUP = 6
 TAIL_PARTS = ((), (1,), (2,), (3,), (3, 1), (3, 2))
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
 PREFETCH_AHEAD = 1024
-#: Rows keyed at a time (``_row_keys``).
-KEY_ROWS = 2048
 #: GGUF tensor types read (gguf.GGMLQuantizationType names) -> bytes per block.
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -155,15 +153,24 @@ def _dequantize(kind, qs, d, m, out):
         _dequantize_row(kind, qs, d, m, r, out[r])
 
 
-@numba.njit(nogil=True, cache=True)
-def _first_difference(kind, qs, d, m, want):
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _first_difference(kind, qs, d, m, want, chunks):
     """The first row of want (float32 [rows, in]) whose bits the blocks'
-    row does not dequantise to, or -1 (a row at a time: no copy of the whole)."""
-    row = np.empty(want.shape[1], np.float32)
-    for r in range(want.shape[0]):
-        _dequantize_row(kind, qs, d, m, r, row)
-        if not np.array_equal(row.view(np.uint32), want[r].view(np.uint32)):
-            return r
+    row does not dequantise to, or -1 (a row at a time: no copy of the
+    whole; the rows split into `chunks` ranges run in parallel)."""
+    rows = want.shape[0]
+    per = (rows + chunks - 1) // chunks
+    firsts = np.full(chunks, -1, np.int64)
+    for c in numba.prange(chunks):
+        row = np.empty(want.shape[1], np.float32)
+        for r in range(c * per, min(rows, (c + 1) * per)):
+            _dequantize_row(kind, qs, d, m, r, row)
+            if not np.array_equal(row.view(np.uint32), want[r].view(np.uint32)):
+                firsts[c] = r
+                break
+    for c in range(chunks):
+        if firsts[c] >= 0:
+            return firsts[c]
     return -1
 
 
@@ -179,21 +186,38 @@ def _key_row(bits, salt, keys, r):
     keys[r, 0], keys[r, 1] = k0, k1
 
 
-@numba.njit(nogil=True, cache=True)
-def _keys_of_rows(rows, salt, keys):
-    """keys [R, 2] of float32 rows [R, in] (``_key_row``)."""
-    for r in range(rows.shape[0]):
-        _key_row(rows[r].view(np.uint32), salt, keys, r)
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _keys_of_rows(rows, salt, keys, chunks):
+    """keys [R, 2] of float32 rows [R, in] (``_key_row``; `chunks` ranges of rows in parallel)."""
+    count = rows.shape[0]
+    per = (count + chunks - 1) // chunks
+    for c in numba.prange(chunks):
+        for r in range(c * per, min(count, (c + 1) * per)):
+            _key_row(rows[r].view(np.uint32), salt, keys, r)
 
 
-@numba.njit(nogil=True, cache=True)
-def _keys_of_blocks(kind, qs, d, m, salt, keys):
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _keys_of_blocks(kind, qs, d, m, salt, keys, chunks):
     """keys [R, 2] of the blocks' rows as dequantised (``_key_row`` of
-    ``_dequantize_row``'s values), one row at a time."""
-    row = np.empty(d.shape[1] * BLOCK, np.float32)
-    for r in range(keys.shape[0]):
-        _dequantize_row(kind, qs, d, m, r, row)
-        _key_row(row.view(np.uint32), salt, keys, r)
+    ``_dequantize_row``'s values), a row at a time, `chunks` ranges of rows
+    in parallel."""
+    count = keys.shape[0]
+    per = (count + chunks - 1) // chunks
+    for c in numba.prange(chunks):
+        row = np.empty(d.shape[1] * BLOCK, np.float32)
+        for r in range(c * per, min(count, (c + 1) * per)):
+            _dequantize_row(kind, qs, d, m, r, row)
+            _key_row(row.view(np.uint32), salt, keys, r)
+
+
+def _on_threads(kernel, *args):
+    """Runs a row-chunked kernel (``_keys_of_rows``, ``_keys_of_blocks``,
+    ``_first_difference``) as one chunk per thread torch runs on (the
+    runner's ``--threads``); every row's result is the same at any count."""
+    chunks = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    with LAUNCH_LOCK:
+        set_team(chunks)
+        return kernel(*args, chunks)
 
 
 # ---- kernels ----------------------------------------------------------------------
@@ -712,7 +736,7 @@ def _row_keys(rows: np.ndarray, salt: np.ndarray) -> np.ndarray:
     """A 128-bit key per float32 row (bit patterns; two salted sums mod 2^64):
     the index's keys. A match is then checked bit for bit."""
     keys = np.empty((len(rows), 2), np.uint64)
-    _keys_of_rows(np.ascontiguousarray(rows, dtype=np.float32), salt, keys)
+    _on_threads(_keys_of_rows, np.ascontiguousarray(rows, dtype=np.float32), salt, keys)
     return keys
 
 
@@ -724,7 +748,7 @@ class GgufBlocks:
         self.path = Path(path)
         #: (kind, raw blocks uint8 [out, blocks * bytes]) of each quantised 2-D tensor (read on the first lookup)
         self.tensors: list[tuple[str, np.ndarray]] = []
-        self._index: dict[tuple[int, int], tuple[int, int]] | None = None
+        self._index: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None  # ``_rows``
         self._salt = np.random.default_rng(0).integers(1, 2**63, size=(2, 1 << 16), dtype=np.uint64) | np.uint64(1)
         self._lock = threading.Lock()
         self._found: dict[tuple, QuantWeight | NoBlocks] = {}  # find's answers by weight
@@ -734,21 +758,44 @@ class GgufBlocks:
         st = self.path.stat()
         return f"{self.path.name}:{st.st_size}:{st.st_mtime_ns}"
 
-    def _rows(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """key -> (tensor, row), built on the first lookup (indexing SmolLM2's
-        ~200k rows, dequantised and keyed a row at a time by ``_keys_of_blocks``, ~0.5 s)."""
+    def _rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The index, built on the first lookup: every quantised row's key
+        (dequantised and keyed a row at a time by ``_keys_of_blocks``; SmolLM2's
+        ~200k rows) with its tensor and row, as arrays sorted by key (first
+        halves, then second halves), equal keys in file order: (first halves,
+        second halves, tensors, rows)."""
         with self._lock:
             if self._index is None:
                 self.tensors = [(kind, raw) for _, kind, raw in quantized_tensors(self.path)]
-                index: dict[tuple[int, int], tuple[int, int]] = {}
+                keys, tensors, rows = [np.empty((0, 2), np.uint64)], [np.empty(0, np.int64)], [np.empty(0, np.int64)]
                 for t, (kind, raw) in enumerate(self.tensors):
                     q = self._weight(kind, raw, np.arange(raw.shape[0]))
-                    keys = np.empty((raw.shape[0], 2), np.uint64)
-                    _keys_of_blocks(KIND_CODES[kind], q.qs, q.d, q.m, self._salt, keys)
-                    for r, (k0, k1) in enumerate(keys.tolist()):
-                        index.setdefault((k0, k1), (t, r))
-                self._index = index
+                    keys.append(np.empty((raw.shape[0], 2), np.uint64))
+                    _on_threads(_keys_of_blocks, KIND_CODES[kind], q.qs, q.d, q.m, self._salt, keys[-1])
+                    tensors.append(np.full(raw.shape[0], t, np.int64))
+                    rows.append(np.arange(raw.shape[0], dtype=np.int64))
+                key = np.concatenate(keys)
+                order = np.lexsort((key[:, 1], key[:, 0]))  # stable: equal keys stay in file order
+                self._index = (key[order, 0], key[order, 1], np.concatenate(tensors)[order],
+                               np.concatenate(rows)[order])
             return self._index
+
+    def _locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tensor, row) of the file's first row with each key [R, 2] (the
+        lowest tensor, then row, as a dict filled in file order would give);
+        tensor -1 where the file has none."""
+        first, second, tensors, rows = self._rows()
+        if len(first) == 0:
+            return np.full(len(keys), -1, np.int64), np.zeros(len(keys), np.int64)
+        lo = np.searchsorted(first, keys[:, 0], "left")
+        hi = np.searchsorted(first, keys[:, 0], "right")
+        at = np.minimum(lo, len(first) - 1)
+        match = (hi > lo) & (second[at] == keys[:, 1])
+        for r in np.nonzero((hi > lo) & ~match)[0].tolist():  # the same first half, another second: look on
+            p = lo[r] + int(np.searchsorted(second[lo[r]:hi[r]], keys[r, 1], "left"))
+            if p < hi[r] and second[p] == keys[r, 1]:
+                at[r], match[r] = p, True
+        return np.where(match, tensors[at], -1), rows[at]
 
     @staticmethod
     def _weight(kind: str, raw: np.ndarray, rows: np.ndarray) -> QuantWeight:
@@ -801,34 +848,28 @@ class GgufBlocks:
             raise NoBlocks(f"GGUF blocks hold float32 weights of whole {BLOCK}-value blocks, not a "
                            f"{weight.dtype} weight {tuple(weight.shape)}")
         w = np.ascontiguousarray(weight.detach().cpu().numpy())
-        index = self._rows()
-        zero = np.asarray(w.any(axis=1) == 0).tolist()  # all-zero rows
-        found = [index.get(key) for key in map(tuple, _row_keys(w, self._salt).tolist())]
-        missing = [r for r, (f, z) in enumerate(zip(found, zero)) if f is None and not z]
-        if missing:
+        tensor, row = self._locate(_row_keys(w, self._salt))
+        missing = np.nonzero((tensor < 0) & w.any(axis=1))[0]  # an all-zero row needs no file row
+        if len(missing):
             raise NoBlocks(f"row {missing[0]} of a weight {tuple(w.shape)} is not a Q4_1 or Q8_0 row of "
                            f"{self.path.name}")
-        kinds = {self.tensors[t][0] for t, _ in filter(None, found)} or {"Q4_1"}  # all zero: zero blocks
+        used = np.unique(tensor[tensor >= 0]).tolist()
+        kinds = {self.tensors[t][0] for t in used} or {"Q4_1"}  # all zero: zero blocks
         if len(kinds) != 1:
             raise NoBlocks(f"a weight {tuple(w.shape)} mixes quantisations ({', '.join(sorted(kinds))})")
         kind = kinds.pop()
         out = -(-len(w) // OUT_BLOCK) * OUT_BLOCK
         nb, per = w.shape[1] // BLOCK, KINDS[kind]
         raw = np.zeros((out, nb * per), np.uint8)  # zero blocks: d = m = 0, every value +0
-        by_tensor: dict[int, tuple[list[int], list[int]]] = {}
-        for r, f in enumerate(found):
-            if f is not None:
-                mine, theirs = by_tensor.setdefault(f[0], ([], []))
-                mine.append(r)
-                theirs.append(f[1])
-        for t, (mine, theirs) in by_tensor.items():
-            tensor = self.tensors[t][1]
-            if tensor.shape[1] != nb * per:
+        for t in used:
+            mine = np.nonzero(tensor == t)[0]
+            blocks = self.tensors[t][1]
+            if blocks.shape[1] != nb * per:
                 raise NoBlocks(f"row {mine[0]} of a weight {tuple(w.shape)} matched a row of another width")
-            raw[mine] = tensor[theirs]
+            raw[mine] = blocks[row[mine]]
         q = self._weight(kind, raw, np.arange(out))
         q = QuantWeight(kind, q.qs, q.d, q.m, len(w))
-        if _first_difference(KIND_CODES[kind], q.qs, q.d, q.m, w) >= 0:
+        if _on_threads(_first_difference, KIND_CODES[kind], q.qs, q.d, q.m, w) >= 0:
             raise NoBlocks(f"the blocks found for a weight {tuple(w.shape)} do not dequantise to it bit for bit")
         return q
 

@@ -310,12 +310,32 @@ def test_the_dequantising_kernels_give_the_formulas_bits_and_find_a_changed_bit(
     got = quant.dequantized()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     code = gemm_gguf.KIND_CODES[kind]
-    assert gemm_gguf._first_difference(code, qs, d, m, want) == -1
-    changed = want.copy()
+    changed, later = want.copy(), want.copy()
     changed[29, 77] = -changed[29, 77] if changed[29, 77] else np.float32(1.0)
-    assert gemm_gguf._first_difference(code, qs, d, m, changed) == 29
+    later[35, 3] = np.nextafter(later[35, 3], np.float32(np.inf))
+    changed[35] = later[35]
     salt = GgufBlocks("unread.gguf")._salt  # the index's salt (the file is read on the first lookup only)
-    keys = np.empty((rows, 2), np.uint64)
-    gemm_gguf._keys_of_blocks(code, qs, d, m, salt, keys)
-    assert np.array_equal(keys, gemm_gguf._row_keys(want, salt))
-    assert not np.array_equal(keys[29], gemm_gguf._row_keys(changed, salt)[29])
+    for chunks in (1, 3, rows + 2):  # the rows' ranges on the threads: the same answers at any split
+        assert gemm_gguf._first_difference(code, qs, d, m, want, chunks) == -1
+        assert gemm_gguf._first_difference(code, qs, d, m, changed, chunks) == 29  # the first, not 35
+        assert gemm_gguf._first_difference(code, qs, d, m, later, chunks) == 35
+        keys = np.empty((rows, 2), np.uint64)
+        gemm_gguf._keys_of_blocks(code, qs, d, m, salt, keys, chunks)
+        assert np.array_equal(keys, gemm_gguf._row_keys(want, salt))
+        assert not np.array_equal(keys[29], gemm_gguf._row_keys(changed, salt)[29])
+
+
+def test_a_lookup_takes_a_keys_first_row_in_file_order_where_first_halves_collide():
+    """``_locate`` on an index whose keys share first halves (identical rows,
+    or a 64-bit collision of the first sums): the row whose whole key
+    matches, the first in file order among equal keys, and none for a key
+    the index lacks."""
+    blocks = GgufBlocks("unread.gguf")
+    blocks._index = (np.array([1, 5, 5, 5, 9], np.uint64), np.array([0, 2, 7, 7, 1], np.uint64),
+                     np.array([0, 1, 2, 3, 4]), np.array([10, 11, 12, 13, 14]))
+    keys = np.array([[5, 7], [5, 2], [5, 3], [9, 1], [4, 0], [10, 0], [1, 0]], np.uint64)
+    tensor, row = blocks._locate(keys)
+    assert tensor.tolist() == [2, 1, -1, 4, -1, -1, 0]
+    assert row[tensor >= 0].tolist() == [12, 11, 14, 10]
+    blocks._index = tuple(np.empty(0, dt) for dt in (np.uint64, np.uint64, np.int64, np.int64))
+    assert blocks._locate(keys)[0].tolist() == [-1] * len(keys)
