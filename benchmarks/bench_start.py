@@ -1,7 +1,8 @@
 """How long a scorer takes to start: seconds from spawning ``specdec scorer``
 (with ``--eagle3 HEAD``: an eagle3 proposer, ``specdec proposer --methods
 eagle3``, which reads the target's config and embeddings) to its gRPC health
-check answering SERVING, without a checkpoint record
+check answering SERVING (``launcher.wait_serving``: a fresh channel every
+0.1 s), without a checkpoint record
 (``SPECDEC_CHECKPOINT_CACHE_DIR=off``: the model loads through transformers,
 as every start did before records) and with one (the start reads the
 safetensors by the record, never importing transformers; engine/checkpoint.py).
@@ -27,11 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from specdec.engine.gemm_select import cpu_model
-from specdec.launcher import free_port
+from specdec.launcher import free_port, wait_serving
 from specdec.models import CHECKPOINT_CACHE_ENV
 
 WAYS = ("transformers", "record")
@@ -48,24 +46,13 @@ def start_seconds(model: str, records: str, timeout_s: float, eagle3: str | None
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", *service, "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{service[0]} of {model} exited ({proc.returncode}): "
-                                   f"{proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
-            if time.perf_counter() - started > timeout_s:
-                raise RuntimeError(f"{service[0]} of {model} did not serve within {timeout_s:.0f} s")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return time.perf_counter() - started
-            except grpc.RpcError:
-                pass
-            time.sleep(0.02)
+        try:
+            wait_serving(f"127.0.0.1:{port}", proc, timeout_s, f"{service[0]} of {model}")
+        except RuntimeError as e:  # it exited: say why
+            raise RuntimeError(f"{e}: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}") from None
+        return time.perf_counter() - started
     finally:
-        channel.close()
         proc.terminate()
         try:
             proc.wait(timeout=30)

@@ -130,28 +130,36 @@ class StackTls:
         return ["--upstream-tls-ca", self.ca, "--tls-client-cert", self.cert, "--tls-client-key", self.key]
 
 
+#: Seconds between ``wait_serving``'s health checks.
+SERVING_POLL_S = 0.1
+
+
 def wait_serving(addr: str, proc: subprocess.Popen | None, timeout_s: float, name: str,
                  tls: ClientTls | None = None) -> None:
     """Polls the health service until SERVING; fails early if proc exits.
-    The channel reconnects every 0.2-1 s (RECONNECT_OPTIONS): with gRPC's
-    default backoff (1 s, growing 1.6x) an ngram,suffix proposer was seen
-    serving 1.2-2.8 s after its start (3 starts), with these 1.0-1.2 s
-    (AMD EPYC)."""
+    Each check opens a fresh channel: a channel whose connection failed
+    (nothing listens yet) waits out gRPC's reconnect backoff before it tries
+    again, 0.2-1 s even with RECONNECT_OPTIONS (the default: 1 s, growing
+    1.6x), so a service could serve for up to a second before a long-lived
+    channel saw it; a fresh one sees it within SERVING_POLL_S. A stories260K
+    stack's whole start did not measurably change (14 rounds in turns with the
+    one-channel wait: 4.29 s against 4.46, paired ratio 0.99; AMD EPYC, a
+    throwaway script); a start's own timing (``bench_start.py``) did."""
     deadline = time.monotonic() + timeout_s
-    with sync_channel(addr, tls, RECONNECT_OPTIONS) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode} before serving")
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} before serving")
+        with sync_channel(addr, tls, RECONNECT_OPTIONS) as channel:
             try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                   timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} at {addr} not SERVING after {timeout_s:.0f} s")
-            time.sleep(0.2)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} at {addr} not SERVING after {timeout_s:.0f} s")
+        time.sleep(SERVING_POLL_S)
 
 
 @dataclass
