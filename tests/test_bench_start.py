@@ -1,6 +1,6 @@
 """benchmarks/bench_start.py on stories260K: real scorer processes started
 both ways in turns, the table printed, the JSON written, the record kept
-where asked; then an eagle3 proposer's starts."""
+where asked; then an eagle3 proposer's starts, and a draft proposer's."""
 from __future__ import annotations
 
 import json
@@ -33,5 +33,13 @@ def test_bench_start_starts_scorers_both_ways_in_turns_and_writes_json(stories_p
     [row] = json.loads(out.read_text())["rows"]
     assert row["service"] == f"eagle3 proposer of {head}" and all(len(v) == 1 for v in row["rounds"].values())
     assert "starting an eagle3 proposer" in e3.stdout
+    draft = subprocess.run([sys.executable, str(SCRIPT), "--models", stories_path, "--rounds", "1", "--draft",
+                            stories_path, "--records", str(records), "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert draft.returncode == 0, draft.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["service"] == f"draft proposer of {stories_path}" and set(row["rounds"]) == {"checked", "remembered"}
+    assert row["remembered_over_checked"] > 0 and "remembered / checked" in draft.stdout
+    assert len(list((records / "tokenizers").glob("stories260K-*.json"))) == 2  # its class, the pair's check
     bad = subprocess.run([sys.executable, str(SCRIPT), "--rounds", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--rounds" in bad.stderr

@@ -8,12 +8,14 @@ refused."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from specdec.engine.config import EngineConfig
+from specdec.models import resolve_model
 from specdec.proposer_svc.base import SeqOptions
 from specdec.proposer_svc.draft import DraftConfig, DraftModelProposer, choose_tokens, seeded_uniform
 from specdec.proposer_svc.hybrid import ngram_score
@@ -163,6 +165,42 @@ def test_a_small_head_without_mapping_and_a_bad_mapping_are_refused(stories_path
         _built(_draft_dir(stories_path, tmp_path, "dup", [5, 5, 6]), stories_path)
     with pytest.raises(ValueError, match="draft_vocab.json: target_ids must be distinct ids in"):
         _built(_draft_dir(stories_path, tmp_path, "out", [5, 512]), stories_path)
+
+
+def test_a_matching_tokenizer_pair_is_remembered_and_a_changed_one_checked_again(stories_path, smollm_path,
+                                                                                  tmp_path, monkeypatch):
+    """A draft found to share its target's tokenizer is remembered: later
+    starts load neither tokenizer (no transformers import for it), with the
+    same vocabulary limit and drafts; a change to the target's files checks
+    again; a pair that differs is refused every time and never remembered."""
+    import os
+
+    from specdec.models import TOKENIZER_CACHE_ENV
+    from specdec.proposer_svc import draft_model
+
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV, str(tmp_path / "tokenizers"))
+    draft, target = _draft_dir(stories_path, tmp_path, "draft"), _draft_dir(stories_path, tmp_path, "target")
+    first = _built(draft, target)
+    entry = draft_model.tokenizer_pair_entry(resolve_model(draft), resolve_model(target))
+    assert entry is not None and json.loads(entry.read_text()) == {"target_vocab": 512}
+
+    def no_tokenizer(*args, **kwargs):
+        raise AssertionError("loaded a tokenizer")
+
+    monkeypatch.setattr(draft_model, "load_tokenizer", no_tokenizer)
+    again = _built(draft, target)
+    assert again.config.vocab_limit == first.config.vocab_limit == 512
+    assert _drafts(again).token_ids.tolist() == _drafts(first).token_ids.tolist()
+    stat = (Path(target) / "tokenizer.json").stat()
+    os.utime(Path(target) / "tokenizer.json", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    with pytest.raises(AssertionError, match="loaded a tokenizer"):  # another key: checked again
+        _built(draft, target)
+    monkeypatch.undo()
+    monkeypatch.setenv(TOKENIZER_CACHE_ENV, str(tmp_path / "tokenizers"))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="does not share the tokenizer.*vocabulary size 512 .draft. vs 49152"):
+            draft_model.shared_target_vocab(draft, smollm_path)
+    assert not draft_model.tokenizer_pair_entry(resolve_model(draft), resolve_model(smollm_path)).exists()
 
 
 def test_draft_threads_flag_reaches_the_draft_engine():
