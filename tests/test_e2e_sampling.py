@@ -139,7 +139,16 @@ def test_sampled_tokens_follow_the_target_distribution(stories_stack, stories_pa
     if method != "none":  # speculation really happened and was sometimes rejected
         drafted = sum(s.draft_tokens for _, s in results)
         accepted = sum(s.accepted_tokens for _, s in results)
-        assert drafted >= n and 0 < accepted < drafted
+        # Rejection sampling's samples all verify drafts (their first touch carries them). target_match
+        # drafts ahead (its output cannot depend on the drafts): a first touch goes without, a draft
+        # ahead the first token contradicts is dropped, and a fresh one is waited for only where the
+        # measured times say it pays, so how many samples verify drafts depends on the machine's pace
+        # (600 samples: 442 with drafts on an idle AMD EPYC; 3000: 2136 draft tokens beside another suite)
+        if options.get("verify_strategy") == pb.VERIFY_STRATEGY_TARGET_MATCH:
+            assert sum(1 for _, s in results if s.draft_tokens) >= n // 4
+        else:
+            assert drafted >= n
+        assert 0 < accepted < drafted
     p_values = _p_values(results, joint)
     assert min(p_values.values()) > ALPHA, p_values
 
