@@ -18,6 +18,9 @@ between blocks). "overlapped" counts the gateway's overlapped steps in a
 run (median), and the JSON keeps the gateway's fitted Verify cost after each
 run (what ``--overlap on`` decides with). Prints a table with the CPU model and writes JSON.
 
+``--method none`` measures plain decoding the same way (the proposer, serving
+ngram, is never asked): the cohorts then have nothing to overlap.
+
 ``--requests-per-stream N`` has each stream send N requests one after
 another, through the prompts in turn: at one stream, 8 covers every
 prompt (most of SmolLM2's are chat: 1.85 tokens a round lock-step) where 1 sends only
@@ -74,6 +77,8 @@ STORY_PROMPTS = ["Once upon a time", "Tom saw a big dog. The dog was happy. Tom 
                  "Ben had a red ball. He liked to play with it every day."]
 MODES = ["off", "on", "always", "ahead"]
 BASELINE = "@baseline"  # a mode's row measured on --baseline-src's gateway package
+#: with --method none: what the (never asked) proposer serves, so that every row's services are alike
+PLAIN_PROPOSER_METHOD = "ngram"
 
 
 def cpu_model() -> str:
@@ -95,9 +100,10 @@ def start_services(stack: Stack, latencies: list[float], modes: list[str], basel
     stack's scorer (modes named ``MODE@baseline`` run the gateway package in
     baseline_src); returns their gateway addresses."""
     scorer = stack.by_name("scorer")[0].addr
+    served = PLAIN_PROPOSER_METHOD if method == "none" else method  # plain decoding asks no proposer
     gateways = {}
     for latency in latencies:
-        proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", method,
+        proposer = stack._spawn(f"proposer-{latency:g}ms", ["proposer", "--methods", served,
                                                              "--added-latency-ms", str(latency),
                                                              *(proposer_args or [])], free_port())
         wait_serving(proposer.addr, proposer.proc, 300, proposer.name, None)
@@ -106,7 +112,7 @@ def start_services(stack: Stack, latencies: list[float], modes: list[str], basel
             command = ([sys.executable, "-c", load_package("gateway") + RUN_CLI, str(baseline_src)]
                        if mode.endswith(BASELINE) else None)
             gateway = stack._spawn(f"gateway-{latency:g}ms-{mode}", [
-                "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"{method}={proposer.addr}",
+                "gateway", "--model", stack.model, "--scorer", scorer, "--proposer", f"{served}={proposer.addr}",
                 "--default-method", method, "--overlap", overlap], free_port(), command)
             gateways[latency, mode] = gateway.addr
     for service in stack.by_name("gateway-"):
@@ -233,8 +239,9 @@ def main() -> None:
     ap.add_argument("--latencies", default="0,5,20", help="proposer's added latency per message, ms")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--method", default="ngram", choices=COPY_METHODS,
-                    help="the copy method every stream asks for (the proposer serves it alone)")
+    ap.add_argument("--method", default="ngram", choices=["none", *COPY_METHODS],
+                    help="the copy method every stream asks for (the proposer serves it alone); none: plain "
+                         "decoding (the proposer is never asked)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
     ap.add_argument("--requests-per-stream", type=int, default=1,
                     help="requests each stream sends one after another, through the prompts in turn (8 at one "

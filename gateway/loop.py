@@ -30,10 +30,11 @@ weights, dominates), so cohorts pay only when the proposer takes longer than
 that fixed part. So with ``--overlap on`` (the default) the loop splits only
 while ``costs.overlap_pays`` says so, from the measured propose time and the
 scorer's fitted Verify cost (``always`` splits regardless: tests, and
-benchmarks of the split itself); with one live sequence there is nothing to
-overlap. Where cohorts do not pay, ``on`` drafts ahead (below) while the
-proposer takes a share of the Verify's time worth hiding
-(``costs.ahead_pays``), for copy methods; else rounds are lock-step.
+benchmarks of the split itself); with one live sequence, or none that asks
+a proposer (plain decoding), there is nothing to overlap. Where cohorts do
+not pay, ``on`` drafts ahead (below) while the proposer takes a share of the
+Verify's time worth hiding (``costs.ahead_pays``), for copy methods; else
+rounds are lock-step.
 
 Drafting ahead (``--overlap ahead``). Cohorts halve the batch, which a
 scorer whose Verify is bound by reading the weights (a GPU, and this CPU:
@@ -508,18 +509,33 @@ class SpecLoop:
                 and not self._overlap_pays(live))
 
     def _overlap_pays(self, live: list[Sequence]) -> bool:
-        """Two sequences or more, and overlap always, or on and the cost model
-        of the busiest scorer replica says two cohorts are faster (until there
-        are figures to tell, they are tried)."""
+        """Two sequences or more, and overlap always, or on, some sequence
+        may ask a proposer for drafts this round (``_may_propose``: else a
+        half batch overlaps nothing), and the cost model of the busiest
+        scorer replica says two cohorts are faster (until there are figures
+        to tell, they are tried)."""
         if self.config.overlap is Overlap.OFF or len(live) < 2:
             return False
         if self.config.overlap is Overlap.ALWAYS:
             return True
+        if not any(self._may_propose(s) for s in live):
+            return False
         busiest = _busiest_scorer(live)
         verify = None if busiest is None else self.costs.wall_estimate(busiest[0])
         if self._propose_s is None or busiest is None or verify is None:
             return True
         return overlap_pays(self._propose_s, verify, busiest[1] * self._tokens_per_seq)
+
+    def _may_propose(self, seq: Sequence) -> bool:
+        """Whether a sequence may ask a proposer for drafts this round: a
+        method some proposer serves, a draft budget left, and not a copy
+        that ``CopyGates`` planned to decode plainly. (Plain decoding, method
+        none, never asks: without this, its propose time never measured, two
+        cohorts were tried for good, each Verify carrying half the batch:
+        ``bench_overlap.py --method none``, 8 streams of SmolLM2, 0.86x
+        lock-step's tokens/s.)"""
+        return (seq.params.method in self.placement.proposers and seq.num_speculative_tokens() > 0
+                and not seq.copies_plainly)
 
     # -------------------------------------------------------------- propose
 

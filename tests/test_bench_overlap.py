@@ -76,3 +76,19 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     bad = subprocess.run([sys.executable, str(SCRIPT), "--scorer-cpus", "0-100000"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "--scorer-cpus" in bad.stderr
+
+
+def test_bench_overlap_measures_plain_decoding_which_on_never_splits(stories_path, tmp_path):
+    """--method none: streams of plain decoding through real processes; the
+    proposer is never asked, and ``on`` runs them lock-step (no overlapped
+    step: a cohort would overlap nothing)."""
+    out = tmp_path / "overlap.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "4",
+                           "--modes", "off,on", "--repeats", "1", "--max-tokens", "16", "--method", "none",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["method"] == "none" and [r["mode"] for r in result["rows"]] == ["off", "on"]
+    for row in result["rows"]:
+        assert row["identical_to_lock_step"] and row["tokens"] == 4 * 16, row
+        assert row["overlapped_steps"] == 0 and row["draft_tokens_per_round"] == 0, row

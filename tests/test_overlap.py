@@ -251,6 +251,19 @@ def test_overlap_on_follows_the_measured_costs(latency_s, fixed_s, per_token_s, 
     assert bool(late) == overlaps
 
 
+@pytest.mark.parametrize("overlap,halves", [(Overlap.ON, False), (Overlap.ALWAYS, True)])
+def test_plain_decoding_is_never_split_into_cohorts_unless_always(overlap, halves):
+    """Sequences that ask no proposer (method none) have nothing to overlap:
+    with ``on`` every Verify carries all of them (before, their propose time
+    was never measured, so two cohorts were tried for good: half batches);
+    ``always`` still splits, as asked."""
+    outputs, calls = _generate(overlap, num_seqs=6, max_tokens=24, k=0, method="none")
+    assert outputs == [_expected([5 + i, 7, 11 + i], 24) for i in range(6)]
+    assert not [c for c in calls.log if c[0] == "propose"]
+    sizes = [len(seq_ids) for kind, seq_ids, *_ in calls.log if kind == "verify"]
+    assert (max(sizes) == 3) if halves else (set(sizes) == {6}), sizes
+
+
 def test_overlap_pays_when_the_proposer_fits_between_a_verify_s_fixed_cost_and_its_whole():
     cpu = (0.001, 0.0001)  # 1 ms + 0.1 ms per row
     assert overlap_pays(0.005, cpu, 200)  # 5 ms proposer, 21 ms Verify: hidden behind half of it
