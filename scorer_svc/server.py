@@ -255,8 +255,11 @@ def serve(args) -> None:
     thread = threading.Thread(target=grpc_thread, name="scorer-grpc", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: scheduler.stop())
-    thread.start()
+    # Every port is bound before the health service can say SERVING: a metrics port that another socket took
+    # ends the process before a launcher (or a readiness probe) sees it serve and goes on without it. Bound
+    # after the gRPC thread's start, the scorer served for a moment, then died (a gateway waited for it 300 s).
     start_metrics(args.metrics_port)
+    thread.start()
     scheduler.run()  # until SIGINT / SIGTERM
     log.info("stopping")
     if "loop" in state:

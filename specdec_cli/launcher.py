@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -135,8 +136,10 @@ SERVING_POLL_S = 0.1
 
 
 def wait_serving(addr: str, proc: subprocess.Popen | None, timeout_s: float, name: str,
-                 tls: ClientTls | None = None) -> None:
-    """Polls the health service until SERVING; fails early if proc exits.
+                 tls: ClientTls | None = None, needs: Sequence[Service] = ()) -> None:
+    """Polls the health service until SERVING; fails early if proc exits, or
+    one of the services it ``needs`` does (a gateway whose scorer died would
+    wait for it until --scorer-wait-s, 600 s by default, and never serve).
     Each check opens a fresh channel: a channel whose connection failed
     (nothing listens yet) waits out gRPC's reconnect backoff before it tries
     again, 0.2-1 s even with RECONNECT_OPTIONS (the default: 1 s, growing
@@ -149,6 +152,9 @@ def wait_serving(addr: str, proc: subprocess.Popen | None, timeout_s: float, nam
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"{name} exited with code {proc.returncode} before serving")
+        for dead in [s for s in needs if s.proc.poll() is not None]:
+            raise RuntimeError(f"{name} waits for {dead.name}, which exited with code {dead.proc.returncode}"
+                               + (f" (its log: {dead.log_path})" if dead.log_path else ""))
         with sync_channel(addr, tls, RECONNECT_OPTIONS) as channel:
             try:
                 status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
@@ -283,13 +289,14 @@ class Stack:
         self.services.remove(gateway)
         return self._spawn_gateway(*backends)
 
-    def _wait(self, service: Service, timeout_s: float, tls: ClientTls | None, fixed_port: bool = False) -> None:
+    def _wait(self, service: Service, timeout_s: float, tls: ClientTls | None, fixed_port: bool = False,
+              needs: Sequence[Service] = ()) -> None:
         """Waits until the service serves; a service that lost one of its
         ports to another socket before binding it is started again on new
-        ones (twice at most)."""
+        ones (twice at most). Fails as soon as one it ``needs`` exits."""
         for attempt in range(3):
             try:
-                wait_serving(service.addr, service.proc, timeout_s, service.name, tls)
+                wait_serving(service.addr, service.proc, timeout_s, service.name, tls, needs)
                 return
             except RuntimeError:
                 if attempt == 2 or not lost_port_race(service):
@@ -399,7 +406,7 @@ class Stack:
                 gateway = respawn()
             try:
                 self._wait(gateway, timeout_s, self.tls.client() if self.tls else None,
-                           fixed_port=bool(self.gateway_port))
+                           fixed_port=bool(self.gateway_port), needs=backends)
             except RuntimeError:
                 if gateway.proc.poll() is None:
                     raise
@@ -407,7 +414,7 @@ class Stack:
                 # serve (a gateway that fails for another reason fails again)
                 gateway = respawn()
                 self._wait(gateway, timeout_s, self.tls.client() if self.tls else None,
-                           fixed_port=bool(self.gateway_port))
+                           fixed_port=bool(self.gateway_port), needs=backends)
         except BaseException:
             self.stop()
             raise

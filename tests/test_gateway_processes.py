@@ -212,6 +212,55 @@ def test_a_service_whose_port_is_taken_before_it_binds_starts_again_on_new_ones(
         squatter.close()
 
 
+def test_a_scorer_binds_its_metrics_port_before_its_grpc_server_starts(stories_path, monkeypatch):
+    """The CI failure of the test above: the scorer started its gRPC thread,
+    said SERVING, and only then found its metrics port taken and exited; the
+    launcher had seen it serve and started no new one, and the gateway waited
+    for it until the launcher gave up (300 s). Every port is bound before
+    the health service can say SERVING: when the metrics port is taken, no
+    gRPC server ever started."""
+    import threading
+
+    from specdec import servers
+    from specdec.cli import build_parser
+    from specdec.scorer_svc import server as scorer_server
+
+    grpc_threads_then = []
+
+    def taken(port: int) -> None:
+        grpc_threads_then.extend(t.name for t in threading.enumerate() if t.name == "scorer-grpc")
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(servers, "start_metrics", taken)
+    args = build_parser().parse_args(["scorer", "--model", stories_path, "--port", str(free_port()),
+                                      "--metrics-port", "1"])
+    with pytest.raises(OSError, match="Address already in use"):
+        scorer_server.serve(args)
+    assert grpc_threads_then == []
+    assert not any(t.name == "scorer-grpc" for t in threading.enumerate())
+
+
+def test_waiting_for_a_gateway_fails_at_once_when_a_service_it_needs_has_exited(tmp_path):
+    """A gateway whose scorer died would wait for it for --scorer-wait-s
+    (600 s) and never serve; the launcher says which service exited instead
+    of timing out."""
+    from specdec import launcher
+
+    gateway = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    scorer_proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    scorer_proc.wait()
+    scorer = launcher.Service("scorer0", f"127.0.0.1:{free_port()}", scorer_proc, log_path=str(tmp_path / "s.log"))
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"gateway waits for scorer0, which exited with code 3 \(its log: "):
+            wait_serving(f"127.0.0.1:{free_port()}", gateway, 60, "gateway", needs=[scorer])
+        assert time.monotonic() - start < 30
+        assert gateway.poll() is None
+    finally:
+        gateway.kill()
+        gateway.wait()
+
+
 def test_a_gateway_started_before_its_scorer_serves_once_the_scorer_is_up(stories_path, tmp_path):
     """The launcher starts the gateway beside the scorer: a gateway whose
     scorer is not listening yet asks again every 0.2 s (logging the wait at
@@ -256,12 +305,12 @@ def test_a_gateway_that_exits_only_after_the_scorer_serves_is_started_again(stor
 
     ended = []
 
-    def wait(addr, proc, timeout_s, name, tls=None):
+    def wait(addr, proc, timeout_s, name, tls=None, needs=()):
         if name == "gateway" and not ended:
             ended.append(proc)
             proc.kill()
             proc.wait()
-        return wait_serving(addr, proc, timeout_s, name, tls)
+        return wait_serving(addr, proc, timeout_s, name, tls, needs)
 
     monkeypatch.setattr(launcher, "wait_serving", wait)
     stack = launcher.Stack(model=stories_path, methods="ngram", log_dir=str(tmp_path))
