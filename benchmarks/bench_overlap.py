@@ -20,6 +20,9 @@ run (what ``--overlap on`` decides with). Prints a table with the CPU model and 
 
 ``--method none`` measures plain decoding the same way (the proposer, serving
 ngram, is never asked): the cohorts then have nothing to overlap.
+``--plain-share 0.5`` has the first half of the streams decode plainly beside
+the others' ``--method``: a mixed batch, whose plain sequences ``on`` lets
+ride in every Verify while the others form the two cohorts.
 
 ``--requests-per-stream N`` has each stream send N requests one after
 another, through the prompts in turn: at one stream, 8 covers every
@@ -152,12 +155,19 @@ def stream_prompts(prompts: list[list[int]], streams: int, per_stream: int) -> l
     return [[prompts[(i + m * streams) % len(prompts)] for m in range(per_stream)] for i in range(streams)]
 
 
+def stream_methods(method: str, streams: int, plain_share: float) -> list[str]:
+    """The method each stream asks for: the first floor(plain_share x
+    streams) decode plainly (none), the others ask ``method``."""
+    plain = int(plain_share * streams)
+    return ["none"] * plain + [method] * (streams - plain)
+
+
 def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int, per_stream: int = 1,
-        method: str = "ngram") -> dict:
-    jobs = stream_prompts(prompts, streams, per_stream)
+        method: str = "ngram", plain_share: float = 0.0) -> dict:
+    jobs = list(zip(stream_prompts(prompts, streams, per_stream), stream_methods(method, streams, plain_share)))
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        gens = [g for gs in pool.map(lambda seq: [stream(addr, request(ids, k, max_tokens, method)) for ids in seq],
+        gens = [g for gs in pool.map(lambda job: [stream(addr, request(ids, k, max_tokens, job[1])) for ids in job[0]],
                                      jobs) for g in gs]
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
@@ -242,6 +252,9 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", choices=["none", *COPY_METHODS],
                     help="the copy method every stream asks for (the proposer serves it alone); none: plain "
                          "decoding (the proposer is never asked)")
+    ap.add_argument("--plain-share", type=float, default=0.0,
+                    help="the share of the streams that decode plainly (method none) beside the others, e.g. 0.5: "
+                         "a mixed batch (--overlap on lets those ride in every Verify)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
     ap.add_argument("--requests-per-stream", type=int, default=1,
                     help="requests each stream sends one after another, through the prompts in turn (8 at one "
@@ -273,6 +286,8 @@ def main() -> None:
             scorer_cpus, other_cpus = split_cpus(args.scorer_cpus, available)
         except ValueError as err:
             ap.error(str(err))
+    if not 0.0 <= args.plain_share <= 1.0:
+        ap.error(f"--plain-share: a share from 0 to 1, got {args.plain_share}")
     if args.requests_per_stream < 1:
         ap.error(f"--requests-per-stream: must be >= 1, got {args.requests_per_stream}")
     latencies = [float(x) for x in args.latencies.split(",")]
@@ -296,7 +311,7 @@ def main() -> None:
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args,
               "proposer_args": args.proposer_args, "baseline_src": args.baseline_src,
-              "method": args.method, "k": args.k, "max_tokens": args.max_tokens,
+              "method": args.method, "plain_share": args.plain_share, "k": args.k, "max_tokens": args.max_tokens,
               "requests_per_stream": args.requests_per_stream, "repeats": args.repeats,
               "scorer_cpus": args.scorer_cpus, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
@@ -326,7 +341,7 @@ def main() -> None:
                     pids = {"scorer": scorer_pid, "proposer": proposer_pids[latency], "gateway": gateway.proc.pid}
                     before, cpu_before = step_counts(gateway), cpu_readings(pids)
                     sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream,
-                                 args.method)
+                                 args.method, args.plain_share)
                     sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
                     sample["cpu_ms_per_round"] = cpu_ms_per_round(cpu_before, cpu_readings(pids), sample["rounds"])
@@ -356,8 +371,10 @@ def main() -> None:
                       file=sys.stderr)
 
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
-    print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k}, {args.requests_per_stream} x "
-          f"{args.max_tokens} tokens per stream, median of {args.repeats} (ratios: median of the repeats' own)"
+    mix = f" ({100 * args.plain_share:g}% of the streams plain)" if args.plain_share else ""
+    print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k}{mix}, "
+          f"{args.requests_per_stream} x {args.max_tokens} tokens per stream, median of {args.repeats} "
+          "(ratios: median of the repeats' own)"
           f"\nCPU: {cpu}" + (f"; the scorer alone on CPUs {sorted(scorer_cpus)}, the others on {sorted(other_cpus)}"
                               if args.scorer_cpus is not None else ""))
     print(f"{'latency':>8}{'streams':>8}{'overlap':>15}{'tok/s':>9}{'vs off':>8}{'loss vs 0ms':>12}"

@@ -294,12 +294,29 @@ class SpecLoop:
         clock = _RoundClock(len(live))
         drafted = self._take_drafted(live)
         verifying = [s for s in live if s.seq_id in drafted]
-        proposing = _next_cohort(live, verifying)
-        verdicts, self._drafted = await asyncio.gather(clock.timed("verify", self._verify(verifying, drafted)),
-                                                       clock.timed("propose", self._propose(proposing)))
+        riding = self._riding(live, drafted)
+        riding_ids = {s.seq_id for s in riding}
+        proposing = _next_cohort([s for s in live if s.seq_id not in riding_ids], verifying)
+        drafted = drafted | {s.seq_id: NO_DRAFT for s in riding}
+        verdicts, self._drafted = await asyncio.gather(
+            clock.timed("verify", self._verify(verifying + riding, drafted)),
+            clock.timed("propose", self._propose(proposing)))
         progressed = self._commit(verdicts)
         clock.end()
-        return progressed or not verifying
+        return progressed or not (verifying or riding)
+
+    def _riding(self, live: list[Sequence], drafted: dict[str, Draft]) -> list[Sequence]:
+        """With ``--overlap on``, the sequences that ride in this step's
+        Verify though no cohort drafted for them: those that ask no proposer
+        (``_may_propose``: method none, a copy decoded plainly, a draft
+        budget used up) wait for no draft, so they decode in every Verify
+        instead of every other one. (In a cohort of their own they moved at
+        half the pace: 4 plain streams beside 4 whose proposer takes 30 ms,
+        ``bench_overlap.py --plain-share 0.5``.) ``always`` keeps every
+        sequence in one of the two cohorts, as asked."""
+        if self.config.overlap is not Overlap.ON:
+            return []
+        return [s for s in live if s.seq_id not in drafted and not self._may_propose(s)]
 
     async def _ahead_round(self, live: list[Sequence]) -> bool:
         """Verifies every live sequence, with the drafts proposed ahead in the

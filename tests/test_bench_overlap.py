@@ -24,6 +24,15 @@ def test_each_stream_sends_its_requests_through_the_prompts_in_turn():
     assert stream_prompts(prompts[:4], 3, 2) == [[[0], [3]], [[1], [0]], [[2], [1]]]
 
 
+def test_plain_share_makes_the_first_streams_decode_plainly():
+    from bench_overlap import stream_methods
+
+    assert stream_methods("ngram", 8, 0.0) == ["ngram"] * 8
+    assert stream_methods("ngram", 8, 0.5) == ["none"] * 4 + ["ngram"] * 4
+    assert stream_methods("suffix", 1, 0.5) == ["suffix"]  # floor: one stream drafts
+    assert stream_methods("ngram", 3, 1.0) == ["none"] * 3
+
+
 def test_cpu_ms_per_round_divides_each_process_s_cpu_time_by_the_rounds():
     from bench_overlap import cpu_ms_per_round
 
@@ -92,3 +101,22 @@ def test_bench_overlap_measures_plain_decoding_which_on_never_splits(stories_pat
     for row in result["rows"]:
         assert row["identical_to_lock_step"] and row["tokens"] == 4 * 16, row
         assert row["overlapped_steps"] == 0 and row["draft_tokens_per_round"] == 0, row
+
+
+def test_bench_overlap_runs_a_mixed_batch_of_plain_and_drafting_streams(stories_path, tmp_path):
+    """--plain-share 0.5: half the streams decode plainly beside ngram
+    streams through real processes; every mode gives lock-step's tokens."""
+    out = tmp_path / "overlap.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "4",
+                           "--modes", "off,on,always", "--repeats", "1", "--max-tokens", "16", "--plain-share", "0.5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["plain_share"] == 0.5 and "(50% of the streams plain)" in proc.stdout
+    for row in result["rows"]:
+        assert row["identical_to_lock_step"] and row["tokens"] == 4 * 16, row
+        assert 0 < row["draft_tokens_per_round"], row  # the ngram half drafted
+    assert next(r for r in result["rows"] if r["mode"] == "always")["overlapped_steps"] > 0
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--plain-share", "1.5"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--plain-share" in bad.stderr

@@ -173,21 +173,27 @@ def _prompt(i: int, prompt_len: int = 3) -> list[int]:
 
 def _generate(overlap: Overlap, num_seqs: int = 4, max_tokens: int = 24, latency_s: float = 0.02,
               fixed_s: float = 0.0, per_token_s: float = 0.001, k: int = 3, prompt_len: int = 3,
-              method: str = "ngram", strategy: int = GREEDY, open_s: float = 0.0):
+              method: str = "ngram", strategy: int = GREEDY, open_s: float = 0.0,
+              plain: frozenset[int] = frozenset()):
     """Runs num_seqs sequences to the end; returns (their tokens, the call log).
     Every draft verified must be one the proposer made for the sequence's
     committed context (or the rest of one made before, past the tokens
-    committed since: drafting ahead)."""
+    committed since: drafting ahead). The sequences numbered in ``plain``
+    decode plainly (method none) beside the others."""
     calls = _Calls()
     proposer, scorer = _SlowProposer(calls, latency_s, open_s), _SlowScorer(calls, fixed_s, per_token_s)
+
+    def params(i: int) -> GenParams:
+        if i in plain:
+            return _params(_prompt(i, prompt_len), 0, max_tokens, "none", strategy)
+        return _params(_prompt(i, prompt_len), k, max_tokens, method, strategy)
 
     async def run():
         loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {method: ReplicaSet(method, [PROPOSER])},
                         vocab_size=VOCAB, config=LoopConfig(overlap=overlap, stall_sleep_s=0.0))
         loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
         loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
-        seqs = [Sequence(f"r{i}", _params(_prompt(i, prompt_len), k, max_tokens, method, strategy), _Tokenizer(),
-                         (), 512) for i in range(num_seqs)]
+        seqs = [Sequence(f"r{i}", params(i), _Tokenizer(), (), 512) for i in range(num_seqs)]
         for seq in seqs:
             loop.submit(seq)
         for _ in range(10 * max_tokens):
@@ -262,6 +268,35 @@ def test_plain_decoding_is_never_split_into_cohorts_unless_always(overlap, halve
     assert not [c for c in calls.log if c[0] == "propose"]
     sizes = [len(seq_ids) for kind, seq_ids, *_ in calls.log if kind == "verify"]
     assert (max(sizes) == 3) if halves else (set(sizes) == {6}), sizes
+
+
+@pytest.mark.parametrize("overlap", [Overlap.ON, Overlap.ALWAYS])
+def test_sequences_that_ask_no_proposer_ride_in_every_verify_beside_two_cohorts(overlap):
+    """Two plain sequences (method none) beside four whose proposer is slow
+    enough for two cohorts: with ``on`` the plain ones ride in every Verify
+    (they wait for no draft) and the drafting ones still alternate; before,
+    the plain ones were one cohort's, decoded in every other Verify.
+    ``always`` keeps them in the cohorts, as asked."""
+    outputs, calls = _generate(overlap, num_seqs=6, max_tokens=24, latency_s=0.01, plain=frozenset({0, 1}))
+    assert outputs == [_expected(_prompt(i), 24) for i in range(6)]
+    overlapping = calls.overlapping()
+    assert overlapping, "no step overlapped: nothing to ride beside"
+    first = min(int(i.rsplit("/", 1)[1]) for _, ids, *_ in calls.log for i in ids)
+
+    def numbers(wire_ids: frozenset[str]) -> set[int]:  # (a wire seq_id is GATEWAY/COUNT, counted as submitted)
+        return {int(i.rsplit("/", 1)[1]) - first for i in wire_ids}
+
+    for proposed, verified in overlapping:
+        assert not proposed & verified and not numbers(proposed) & {0, 1}
+    verifies = [numbers(ids) for kind, ids, *_ in calls.log if kind == "verify"]
+    with_plain = [i for i, ids in enumerate(verifies) if 0 in ids]
+    assert len(with_plain) == 24  # one token a Verify, no drafts
+    if overlap is Overlap.ON:
+        assert with_plain == list(range(24)), with_plain  # from the first step on, beside the first cohort's propose
+        assert all(1 in verifies[i] for i in with_plain)
+        assert any(len(ids & {2, 3, 4, 5}) == 2 for ids in verifies)
+    else:  # every other Verify (until the drafting ones, which accept drafts, are done)
+        assert with_plain[:6] == [0, 2, 4, 6, 8, 10], with_plain
 
 
 def test_overlap_pays_when_the_proposer_fits_between_a_verify_s_fixed_cost_and_its_whole():
