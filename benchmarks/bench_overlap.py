@@ -68,6 +68,7 @@ from specdec.client import make_request, stream
 from specdec.launcher import Stack, free_port, wait_serving
 from specdec.models import load_tokenizer, resolve_model
 from specdec.proposer_svc.registry import COPY_METHODS
+from specdec.protos.v1 import specdec_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_e2e import PROMPTS as CHAT_PROMPTS  # noqa: E402
@@ -143,8 +144,9 @@ def verify_fit(gateway) -> dict[str, float]:
             if key.startswith("specdec_gateway_verify_cost_seconds{") and f'part="{part}"' in key}
 
 
-def request(ids: list[int], k: int, max_tokens: int, method: str = "ngram"):
-    r = make_request(ids, max_tokens=max_tokens, method=method, k=k)
+def request(ids: list[int], k: int, max_tokens: int, method: str = "ngram", draft_length: str = "adaptive"):
+    r = make_request(ids, max_tokens=max_tokens, method=method, k=k,
+                     draft_length=pb.DRAFT_LENGTH_FIXED if draft_length == "fixed" else pb.DRAFT_LENGTH_ADAPTIVE)
     r.ignore_eos = True  # every stream makes max_tokens
     return r
 
@@ -163,12 +165,12 @@ def stream_methods(method: str, streams: int, plain_share: float) -> list[str]:
 
 
 def run(addr: str, prompts: list[list[int]], streams: int, k: int, max_tokens: int, per_stream: int = 1,
-        method: str = "ngram", plain_share: float = 0.0) -> dict:
+        method: str = "ngram", plain_share: float = 0.0, draft_length: str = "adaptive") -> dict:
     jobs = list(zip(stream_prompts(prompts, streams, per_stream), stream_methods(method, streams, plain_share)))
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
-        gens = [g for gs in pool.map(lambda job: [stream(addr, request(ids, k, max_tokens, job[1])) for ids in job[0]],
-                                     jobs) for g in gs]
+        gens = [g for gs in pool.map(lambda job: [stream(addr, request(ids, k, max_tokens, job[1], draft_length))
+                                                  for ids in job[0]], jobs) for g in gs]
     wall = time.perf_counter() - start
     tokens = sum(len(g.token_ids) for g in gens)
     rounds = sum(g.stats.rounds for g in gens)
@@ -255,6 +257,9 @@ def main() -> None:
     ap.add_argument("--plain-share", type=float, default=0.0,
                     help="the share of the streams that decode plainly (method none) beside the others, e.g. 0.5: "
                          "a mixed batch (--overlap on lets those ride in every Verify)")
+    ap.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
+                    help="the requests' speculation.draft_length: fixed asks k drafts every round (adaptive trims "
+                         "them to what pays, which with a slow proposer is often none)")
     ap.add_argument("--max-tokens", type=int, default=96, help="tokens per request (EOS ignored)")
     ap.add_argument("--requests-per-stream", type=int, default=1,
                     help="requests each stream sends one after another, through the prompts in turn (8 at one "
@@ -311,7 +316,8 @@ def main() -> None:
     cpu = cpu_model()
     result = {"model": args.model, "cpu": cpu, "scorer_args": args.scorer_args,
               "proposer_args": args.proposer_args, "baseline_src": args.baseline_src,
-              "method": args.method, "plain_share": args.plain_share, "k": args.k, "max_tokens": args.max_tokens,
+              "method": args.method, "plain_share": args.plain_share,
+              "draft_length": args.draft_length, "k": args.k, "max_tokens": args.max_tokens,
               "requests_per_stream": args.requests_per_stream, "repeats": args.repeats,
               "scorer_cpus": args.scorer_cpus, "rows": []}
     log_dir = tempfile.mkdtemp(prefix="specdec-bench-overlap-")
@@ -341,7 +347,7 @@ def main() -> None:
                     pids = {"scorer": scorer_pid, "proposer": proposer_pids[latency], "gateway": gateway.proc.pid}
                     before, cpu_before = step_counts(gateway), cpu_readings(pids)
                     sample = run(gateway.addr, prompts, n, args.k, args.max_tokens, args.requests_per_stream,
-                                 args.method, args.plain_share)
+                                 args.method, args.plain_share, args.draft_length)
                     sample.update((key, count - before[key]) for key, count in step_counts(gateway).items())
                     sample["verify_fit"] = verify_fit(gateway)
                     sample["cpu_ms_per_round"] = cpu_ms_per_round(cpu_before, cpu_readings(pids), sample["rounds"])
@@ -372,7 +378,7 @@ def main() -> None:
 
     result["rows"].sort(key=lambda r: (latencies.index(r["latency_ms"]), r["streams"]))
     mix = f" ({100 * args.plain_share:g}% of the streams plain)" if args.plain_share else ""
-    print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k}{mix}, "
+    print(f"\nOverlapped rounds vs lock-step: {args.model}, {args.method} k={args.k} {args.draft_length}{mix}, "
           f"{args.requests_per_stream} x {args.max_tokens} tokens per stream, median of {args.repeats} "
           "(ratios: median of the repeats' own)"
           f"\nCPU: {cpu}" + (f"; the scorer alone on CPUs {sorted(scorer_cpus)}, the others on {sorted(other_cpus)}"

@@ -75,7 +75,7 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     assert [(r["mode"], r["streams"]) for r in result["rows"]] == [("off", 1), ("on", 1)]
     assert all(r["identical_to_lock_step"] and r["tok_s"] > 0 for r in result["rows"])
     assert all(r["tokens"] == 2 * 8 for r in result["rows"])  # two requests of 8 tokens (EOS ignored)
-    assert "hybrid k=5, 2 x 8 tokens per stream" in proc.stdout
+    assert "hybrid k=5 adaptive, 2 x 8 tokens per stream" in proc.stdout
     for row in result["rows"]:  # every process worked during the run (the scorer verified, the gateway looped)
         assert row["cpu_ms_per_round"]["scorer"] > 0 and row["cpu_ms_per_round"]["gateway"] > 0, row
         assert row["cpu_ms_per_round"]["proposer"] >= 0, row
@@ -109,10 +109,11 @@ def test_bench_overlap_runs_a_mixed_batch_of_plain_and_drafting_streams(stories_
     out = tmp_path / "overlap.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "4",
                            "--modes", "off,on,always", "--repeats", "1", "--max-tokens", "16", "--plain-share", "0.5",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--draft-length", "fixed", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["plain_share"] == 0.5 and "(50% of the streams plain)" in proc.stdout
+    assert result["plain_share"] == 0.5 and result["draft_length"] == "fixed"
+    assert "k=5 fixed (50% of the streams plain)" in proc.stdout
     for row in result["rows"]:
         assert row["identical_to_lock_step"] and row["tokens"] == 4 * 16, row
         assert 0 < row["draft_tokens_per_round"], row  # the ngram half drafted
