@@ -113,11 +113,22 @@ def generate_command(args) -> int:
     if args.json:
         print(json.dumps(gen.to_json()))
     else:
-        s = gen.stats
-        print(f"\n[{gen.finish_reason}] {s.output_tokens} tokens in {gen.wall_s:.2f} s "
-              f"({s.output_tokens / max(gen.wall_s, 1e-9):.1f} tok/s), {s.rounds} rounds, "
-              f"mean accepted length {s.mean_accepted_length:.2f}", file=sys.stderr)
+        print("\n" + summary_line(gen), file=sys.stderr)
     return 0
+
+
+def summary_line(gen) -> str:
+    """`specdec generate`'s closing line: tokens, time and rate, then the
+    first token's wait (the prompt's prefill, the gateway's ``ttft_s``) and
+    the rate after it, which is what speculation changes: on a short answer
+    the prefill can be most of the time."""
+    s = gen.stats
+    line = (f"[{gen.finish_reason}] {s.output_tokens} tokens in {gen.wall_s:.2f} s "
+            f"({s.output_tokens / max(gen.wall_s, 1e-9):.1f} tok/s")
+    after = s.wall_s - s.ttft_s
+    if s.output_tokens > 1 and s.ttft_s > 0 and after > 0:
+        line += f"; first token after {s.ttft_s:.2f} s, then {(s.output_tokens - 1) / after:.1f} tok/s"
+    return line + f"), {s.rounds} rounds, mean accepted length {s.mean_accepted_length:.2f}"
 
 
 def health_command(args) -> int:

@@ -4,6 +4,7 @@ and draft length, concurrency, bad input, stop conditions, the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -247,6 +248,30 @@ def test_cli_generate_json(stories_stack, stories_path):
                                     "acceptance_by_position", "wall_s"}
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["repeats"]), 20)
     assert_same_as_greedy(stories_path, SimpleNamespace(**result), expected, 20)
+
+
+def test_cli_generate_closes_with_the_first_tokens_wait_and_the_rate_after_it(stories_stack):
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "generate", "--addr", stories_stack.gateway_addr,
+         "--method", "ngram", "-k", "3", "--max-tokens", "20", PROMPTS["repeats"]],
+        capture_output=True, text=True, timeout=120, check=True)
+    last = out.stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"\[(stop|length)\] (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s; first token after ([\d.]+) s, "
+                     r"then ([\d.]+) tok/s\), (\d+) rounds, mean accepted length ([\d.]+)", last)
+    assert m, last
+    tokens, wall, first, after = int(m[2]), float(m[3]), float(m[5]), float(m[6])
+    assert tokens > 1 and 0 < first <= wall and after > 0
+
+
+def test_summary_line_leaves_out_the_rate_after_the_first_token_where_there_is_none():
+    from specdec.client import Generation, summary_line
+    gen = Generation(finish_reason="length", wall_s=0.5,
+                     stats=pb.GenerationStats(output_tokens=1, rounds=1, mean_accepted_length=1.0, ttft_s=0.4,
+                                              wall_s=0.45))
+    assert summary_line(gen) == "[length] 1 tokens in 0.50 s (2.0 tok/s), 1 rounds, mean accepted length 1.00"
+    gen.stats.output_tokens, gen.stats.rounds = 9, 3  # 8 tokens in the 0.05 s after the first
+    assert summary_line(gen) == ("[length] 9 tokens in 0.50 s (18.0 tok/s; first token after 0.40 s, then 160.0 "
+                                 "tok/s), 3 rounds, mean accepted length 1.00")
 
 
 def _edited_reference(addr, prompt):
