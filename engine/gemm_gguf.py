@@ -62,7 +62,11 @@ from specdec.engine import kernel_cache
 from specdec.engine.gemm_numba import LAUNCH_LOCK, OUT_BLOCK, set_team
 from specdec.engine.gemm_simd import OUTS
 from specdec.engine.simd import (
+    LANES,
     add,
+    half_fma,
+    half_load,
+    half_store,
     has_permute,
     high_nibbles,
     iota,
@@ -75,7 +79,9 @@ from specdec.engine.simd import (
     prefetch_l1,
     signed_bytes,
     splat,
+    store,
     total,
+    total_of_halves,
     zeros,
 )
 from specdec.engine.simd import fma as fma_lanes
@@ -92,6 +98,16 @@ GROUP = 6
 TAIL_PARTS = ((), (1,), (2,), (3,), (3, 1), (3, 2))
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
 PREFETCH_AHEAD = 1024
+#: From this many rows in groups of six (a prompt's prefill, a large batch) ``_gemm_narrow`` dequantises
+#: each block of OUT_BLOCK outputs once into a scratch and runs every group from it (``_scratch_groups``).
+#: The engine's forward against the groups run by ``_rows6_one`` (SmolLM2, 2 cores of an AMD EPYC of CPU
+#: family 25, AVX2; ``benchmarks/bench_prefill.py --baseline-src``, paired in turns, three runs): a 57-token
+#: prefill 1.15-1.26x as fast, 200 tokens 1.09-1.16x, a decode step of 18 sequences 1.04-1.13x, of 32
+#: 1.04-1.17x; of 12 (two groups, which do not pay for filling the scratch: 0.95-0.98x in a first try)
+#: the paths left as they were read 0.98-1.04x, the machine's noise.
+SCRATCH_ROWS = 3 * GROUP
+#: Inputs a scratch pass takes at a time: six rows' inputs and OUT_BLOCK outputs' weights of them stay in L1.
+SCRATCH_K = 512
 #: GGUF tensor types read (gguf.GGMLQuantizationType names) -> bytes per block.
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
@@ -442,6 +458,77 @@ def _rows6_one(x, qs, d, m, out, o, r, block):
     out[r + 3, o], out[r + 4, o], out[r + 5, o] = total(a3), total(a4), total(a5)
 
 
+#: float32 values in a half of a LANES-lane sum (``simd.halves``), and the twelve half sums of a scratch pass
+HALF = LANES // 2
+PASS_SUMS = 2 * GROUP * HALF
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scratch_pass(x, s, n, x0, s0, lane, k0, k1, acc, a):
+    """Lanes lane .. lane + HALF - 1 of the sums of six rows (x from flat
+    x0, rows n apart) by two outputs (their weights dequantised in s from
+    flat s0, the second n after), over inputs k0 .. k1 - 1 (multiples of
+    LANES): the same fused multiply-adds on those lanes, in the same order, as
+    ``_rows6_one``'s; acc[a: a + PASS_SUMS] holds the twelve half sums
+    (row by row, the first output's then the second's) before and after."""
+    a0, a1, a2 = half_load(acc, a), half_load(acc, a + HALF), half_load(acc, a + 2 * HALF)
+    a3, a4, a5 = half_load(acc, a + 3 * HALF), half_load(acc, a + 4 * HALF), half_load(acc, a + 5 * HALF)
+    b0, b1, b2 = half_load(acc, a + 6 * HALF), half_load(acc, a + 7 * HALF), half_load(acc, a + 8 * HALF)
+    b3, b4, b5 = half_load(acc, a + 9 * HALF), half_load(acc, a + 10 * HALF), half_load(acc, a + 11 * HALF)
+    for k in range(k0 + lane, k1, LANES):
+        w0, w1 = half_load(s, s0 + k), half_load(s, s0 + n + k)
+        u = half_load(x, x0 + k)
+        a0, b0 = half_fma(a0, u, w0), half_fma(b0, u, w1)
+        u = half_load(x, x0 + n + k)
+        a1, b1 = half_fma(a1, u, w0), half_fma(b1, u, w1)
+        u = half_load(x, x0 + 2 * n + k)
+        a2, b2 = half_fma(a2, u, w0), half_fma(b2, u, w1)
+        u = half_load(x, x0 + 3 * n + k)
+        a3, b3 = half_fma(a3, u, w0), half_fma(b3, u, w1)
+        u = half_load(x, x0 + 4 * n + k)
+        a4, b4 = half_fma(a4, u, w0), half_fma(b4, u, w1)
+        u = half_load(x, x0 + 5 * n + k)
+        a5, b5 = half_fma(a5, u, w0), half_fma(b5, u, w1)
+    half_store(acc, a, a0), half_store(acc, a + HALF, a1), half_store(acc, a + 2 * HALF, a2)
+    half_store(acc, a + 3 * HALF, a3), half_store(acc, a + 4 * HALF, a4), half_store(acc, a + 5 * HALF, a5)
+    half_store(acc, a + 6 * HALF, b0), half_store(acc, a + 7 * HALF, b1), half_store(acc, a + 8 * HALF, b2)
+    half_store(acc, a + 9 * HALF, b3), half_store(acc, a + 10 * HALF, b4), half_store(acc, a + 11 * HALF, b5)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _scratch_groups(x, qs, d, m, out, blk, whole, block, s, acc):
+    """out[:whole, the outputs of block blk] for `whole` rows in groups of
+    six, each output summed as ``_rows1`` sums it: the block's OUT_BLOCK
+    outputs dequantised once (by `block`) into s [OUT_BLOCK * in], then per
+    group, per SCRATCH_K inputs, two outputs at a time, each half of their
+    sums in a pass of its own (``_scratch_pass``: twelve half sums fit AVX2's
+    registers beside the weights and an input, where ``_rows6_one``'s six
+    whole sums leave none: each multiply-add loaded its input). acc holds
+    OUT_BLOCK / 2 pairs' two passes' sums between the chunks of inputs."""
+    n = x.shape[1]
+    o0 = OUT_BLOCK * blk
+    for j in range(OUT_BLOCK):
+        for b in range(d.shape[1]):
+            low, high = block(qs, d, m, o0 + j, b)
+            store(s, j * n + b * BLOCK, low)
+            store(s, j * n + b * BLOCK + LANES, high)
+    for r in range(0, whole, GROUP):
+        acc[:] = 0.0
+        for k0 in range(0, n, SCRATCH_K):
+            k1 = min(n, k0 + SCRATCH_K)
+            for j in range(0, OUT_BLOCK, 2):
+                a = j * PASS_SUMS  # pair j // 2: its two passes' sums
+                _scratch_pass(x, s, n, r * n, j * n, 0, k0, k1, acc, a)
+                _scratch_pass(x, s, n, r * n, j * n, HALF, k0, k1, acc, a + PASS_SUMS)
+        for j in range(0, OUT_BLOCK, 2):
+            a = j * PASS_SUMS
+            for i in range(GROUP):
+                low, high = a + i * HALF, a + PASS_SUMS + i * HALF
+                out[r + i, o0 + j] = total_of_halves(half_load(acc, low), half_load(acc, high))
+                low, high = low + GROUP * HALF, high + GROUP * HALF
+                out[r + i, o0 + j + 1] = total_of_halves(half_load(acc, low), half_load(acc, high))
+
+
 @numba.njit(nogil=True, cache=True, inline="always")
 def _gemm(x, qs, d, m, out, chunks, block, block6):
     """out = x @ W.T for x [R, in], W the blocks' weights [out, in] (out a
@@ -473,18 +560,25 @@ def _gemm_narrow(x, qs, d, m, out, chunks, block):
     value takes two): one output at a time for six, three or two rows, two
     for one row, so sums and blocks stay in registers where ``_gemm``'s four
     outputs spill them (2 cores of an AMD EPYC without AVX-512, SmolLM2's
-    shapes: 1.3x faster at one row, 1.7x at six). The same sums in the same
-    order: the same bits."""
+    shapes: 1.3x faster at one row, 1.7x at six). From SCRATCH_ROWS rows
+    in groups of six the groups run from a scratch of dequantised weights
+    (``_scratch_groups``). The same sums in the same order: the same bits."""
     rows = x.shape[0]
     whole = rows - rows % GROUP
     three = whole + 3 if rows - whole >= 3 else whole
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
+    scratch = whole >= SCRATCH_ROWS
     for c in numba.prange(chunks):
+        s = np.empty(OUT_BLOCK * x.shape[1] if scratch else 0, np.float32)
+        acc = np.empty(OUT_BLOCK * PASS_SUMS if scratch else 0, np.float32)
         for blk in range(c * per, min(blocks, (c + 1) * per)):
-            for r in range(0, whole, GROUP):
-                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
-                    _rows6_one(x, qs, d, m, out, o, r, block)
+            if scratch:
+                _scratch_groups(x, qs, d, m, out, blk, whole, block, s, acc)
+            else:
+                for r in range(0, whole, GROUP):
+                    for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+                        _rows6_one(x, qs, d, m, out, o, r, block)
             if three > whole:
                 for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
                     _rows3_one(x, qs, d, m, out, o, whole, block)

@@ -12,6 +12,12 @@ rounding, the same bits on every CPU) and reduced in a fixed order
 a kernel built from these computes every output alike whatever else it
 computes beside it.
 
+A ``halves`` value is LANES / 2 float32 lanes (one AVX2 register): the lanes
+0..7 or 8..15 of a ``lanes`` sum, which never meet until ``total``. A kernel
+may run each half of its sums in a pass of its own (half the registers a
+sum takes) and join them with ``total_of_halves``: the same operations on
+every lane, so the same bits.
+
 Scalars: ``element`` reads one value of a float32 or bfloat16-bits array as
 float32 (``load``'s widening), ``bits`` gives a float32's bit pattern.
 """
@@ -44,6 +50,7 @@ class _BFloat(ir.Type):
 
 
 _PAIRS = ir.VectorType(_BFloat(), 2 * LANES)
+_HALF = ir.VectorType(ir.FloatType(), LANES // 2)
 _PAIR_BITS = ir.VectorType(ir.IntType(16), 2 * LANES)
 
 
@@ -61,14 +68,28 @@ class _Pairs(types.Type):
         super().__init__(name=f"bfloat16x{2 * LANES}")
 
 
+class _Halves(types.Type):
+    """LANES / 2 float32 values in one LLVM vector: one half of a ``lanes`` sum (one AVX2 register)."""
+
+    def __init__(self) -> None:
+        super().__init__(name=f"float32x{LANES // 2}")
+
+
 lanes = _Lanes()
 pairs = _Pairs()
+halves = _Halves()
 
 
 @register_model(_Lanes)
 class _LanesModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _VECTOR)
+
+
+@register_model(_Halves)
+class _HalvesModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _HALF)
 
 
 @register_model(_Pairs)
@@ -391,3 +412,57 @@ def bits(typingctx, x):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], _I32)
     return types.uint32(x), codegen
+
+
+# ---- halves: one half of a lanes sum at a time -----------------------------------
+
+
+@intrinsic
+def half_load(typingctx, array, index):
+    """The flat elements index .. index + LANES / 2 - 1 of a C-contiguous float32 array."""
+    if array.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        return builder.load(builder.bitcast(pointer, _HALF.as_pointer()), align=4)
+    return halves(array, index), codegen
+
+
+@intrinsic
+def half_store(typingctx, array, index, v):
+    """The flat elements index .. index + LANES / 2 - 1 of a C-contiguous float32 array = v's lanes."""
+    if array.dtype != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(pointer, _HALF.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(array, index, halves), codegen
+
+
+@intrinsic
+def half_fma(typingctx, acc, a, b):
+    """acc + a * b lane by lane, rounded once (``fma`` on halves)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_HALF, [_HALF] * 3),
+                                            f"llvm.fma.v{LANES // 2}f32")
+        return builder.call(fn, [args[1], args[2], args[0]])
+    return halves(halves, halves, halves), codegen
+
+
+@intrinsic
+def total_of_halves(typingctx, low, high):
+    """``total`` of the LANES lanes whose lanes 0 .. LANES / 2 - 1 are `low`
+    and the rest `high`: total's first step adds the upper half to the lower
+    one, which is low + high; then the same halving. The same bits."""
+    def codegen(context, builder, signature, args):
+        v, width = builder.fadd(args[0], args[1]), LANES // 2
+        while width > 1:
+            half = width // 2
+            a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+            b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
+            v, width = builder.fadd(a, b), half
+        return builder.extract_element(v, _I32(0))
+    return types.float32(halves, halves), codegen

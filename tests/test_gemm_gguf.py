@@ -97,6 +97,36 @@ def test_every_layout_gives_the_same_bits(gguf_file, index):
                 assert np.array_equal(out[:, :len(w)], want), (layout, rows, chunks)
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_0"])
+def test_many_rows_run_from_a_scratch_of_dequantised_weights_with_simd_s_bits(tmp_path, kind):
+    """From SCRATCH_ROWS rows in groups of six the narrow layout dequantises
+    each block of outputs once and runs the groups from that scratch, each
+    half of a sum in a pass of its own, the inputs SCRATCH_K at a time
+    (``_scratch_groups``): simd's bits at any row count and tail, over
+    inputs that span several of those chunks and end inside one."""
+    width = 2 * gemm_gguf.SCRATCH_K + 3 * gemm_gguf.BLOCK  # three chunks, the last of 96 inputs
+    path = tmp_path / "wide.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", quantize(values(24, width, 5), QT[kind]), raw_dtype=QT[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    blocks = GgufBlocks(path)
+    blocks.find(torch.zeros(8, width))  # reads the file
+    w = dequantize(blocks.tensors[0][1], QT[kind]).astype(np.float32)
+    quant = blocks.find(torch.from_numpy(w))
+    padded = gemm_simd.pad_weight(w)
+    rng = np.random.default_rng(6)
+    for rows in (gemm_gguf.SCRATCH_ROWS - 1, gemm_gguf.SCRATCH_ROWS, 13, 17, 18, 31):
+        x = rng.standard_normal((rows, width)).astype(np.float32)
+        want = gemm_simd.gemm(x, padded, 2)[:, :len(w)]
+        for chunks in (1, 2):
+            out = np.empty((rows, quant.d.shape[0]), np.float32)
+            gemm_gguf.LAYOUTS["narrow"][kind](x, quant.qs, quant.d, quant.m, out, chunks)
+            assert np.array_equal(out[:, :len(w)], want), (rows, chunks)
+
+
 @pytest.fixture
 def row_layouts():
     """Restores the process-wide layouts a test changes."""
