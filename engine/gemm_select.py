@@ -67,7 +67,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.engine import gemm_gguf, gemm_numba, gemm_simd
+from specdec.engine import gemm_gguf, gemm_numba, gemm_simd, kernel_cache
 from specdec.engine.config import GEMM_PATH_NAMES
 from specdec.engine.simd import has_dpbf16
 from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS
@@ -75,7 +75,9 @@ from specdec.limits import DEFAULT_NUM_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKEN
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SPECDEC_GEMM_CACHE_DIR"
-#: Bumped when the check, the cache layout or a kernel changes (old entries are ignored).
+#: Bumped when the check or the cache layout changes (old entries are ignored). A change of the engine's
+#: kernel sources needs no bump: their fingerprint (``kernel_cache.fingerprint``) is part of the key, so a
+#: kernel changed by an upgrade is checked for invariance again before it may be chosen.
 CACHE_VERSION = 11
 #: Environment variables that cap the instruction sets the GEMM paths' code
 #: uses (numba's target, oneDNN's and MKL's dispatch, ATen's kernels): the
@@ -524,7 +526,7 @@ def cache_key(weights: Weights, dtype: torch.dtype, num_threads: int, row_counts
     # numba compiles the numba/simd paths through its own LLVM (simd-dpbf16 needs LLVM 17)
     key = {"version": CACHE_VERSION, "cpu": cpu_model(), "cpu_flags": flags, "torch": torch.__version__,
            "numba": numba.__version__, "dtype": str(dtype), "threads": num_threads, "shapes": shapes,
-           "row_counts": list(row_counts)}
+           "row_counts": list(row_counts), "kernels": kernel_cache.fingerprint()[:16]}
     if quantized is not None:  # whether simd-gguf finds the weights' blocks depends on the file
         key["gguf"] = quantized.identity()
     caps = isa_caps()

@@ -261,6 +261,15 @@ def test_an_onednn_isa_cap_below_bf16_means_no_native_bf16(monkeypatch):
     assert not gemm_select.native_bf16()
 
 
+def test_the_kernels_sources_join_the_cache_key(monkeypatch):
+    """A verdict cached before a kernel changed (an upgrade) is not reused:
+    the changed kernel is checked for invariance again before it may be chosen."""
+    before = gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32))
+    assert before["kernels"] == gemm_select.kernel_cache.fingerprint()[:16]
+    monkeypatch.setattr(gemm_select.kernel_cache, "fingerprint", lambda: "f" * 64)
+    assert gemm_select.cache_key(weights(), torch.float32, 1, check_row_counts(32)) != before
+
+
 def test_isa_caps_join_the_cache_key(monkeypatch):
     for name in gemm_select.ISA_CAP_ENV:
         monkeypatch.delenv(name, raising=False)
