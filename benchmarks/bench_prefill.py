@@ -12,8 +12,10 @@ then times one round each time the parent asks, the two children in turns,
 so a drifting machine slows both alike. A round times each prompt length's
 prefill (a new sequence each time; the fastest of --reps) and each batch's
 decode step (every sequence one row after --context cached tokens, rolled
-back after each rep). Both engines' logits are compared: a change of
-arithmetic shows as ``identical: False``. Prints a table (medians over the
+back after each rep). The baseline runs the GEMM path this engine took
+(the selector's timings could pick another, of other bits, for it), and
+both engines' logits are compared: a change of arithmetic shows as
+``identical: False``. Prints a table (medians over the
 rounds, the ratio the median of the rounds' own) and writes JSON.
 """
 from __future__ import annotations
@@ -38,8 +40,8 @@ import hashlib, json, time
 import numpy as np
 from specdec.engine.base import ForwardItem
 from specdec.engine.llama import Checkpoint, LlamaEngine
-model, threads, prompts, batches, context, reps = json.loads(sys.argv[1])
-engine = LlamaEngine(Checkpoint.load(model), "float32", kv_capacity_tokens=8192, num_threads=threads)
+model, threads, prompts, batches, context, reps, gemm = json.loads(sys.argv[1])
+engine = LlamaEngine(Checkpoint.load(model), "float32", kv_capacity_tokens=8192, num_threads=threads, gemm=gemm)
 engine.prepare(1)
 rng = np.random.default_rng(0)
 ids = rng.integers(0, engine.spec.vocab_size, max(prompts + [context + 1])).astype(np.int32)
@@ -114,15 +116,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2, help="passes a round times of each (the fastest counts)")
     ap.add_argument("--threads", type=int, default=default_num_threads())
+    ap.add_argument("--gemm", default="auto", help="this engine's GEMM path (auto: the selector's); the "
+                    "baseline runs the path this engine took")
     ap.add_argument("--out", default="bench_results/prefill.json")
     args = ap.parse_args()
     if args.baseline_src and not Path(args.baseline_src, "llama.py").is_file():
         ap.error(f"--baseline-src: {args.baseline_src} is not an engine package directory (no llama.py)")
     prompts, batches = ints(args.prompts), ints(args.batches)
-    config = [args.model, args.threads, prompts, batches, args.context, args.reps]
+    config = [args.model, args.threads, prompts, batches, args.context, args.reps, args.gemm]
     names = ["this"] + (["baseline"] if args.baseline_src else [])
     children, gemm = {}, {}
     for name in names:  # one at a time: loading (and compiling) beside the other's would slow both
+        if name == "baseline":  # the path this engine took (auto's timings may pick another of other bits)
+            config[-1] = gemm["this"]
         children[name] = start(args.baseline_src if name == "baseline" else None, config)
         line = children[name].stdout.readline()  # type: ignore[union-attr]
         if not line:

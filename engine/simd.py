@@ -147,10 +147,16 @@ def _load_signature(array, *rest):
     return lanes(array, *rest), _load_codegen
 
 
-def _fma_codegen(context, builder, signature, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3),
-                                        f"llvm.fma.v{LANES}f32")
-    return builder.call(fn, [args[1], args[2], args[0]])
+def _fma_of(vector: ir.VectorType):
+    """The codegen of acc + a * b (args acc, a, b) lane by lane on `vector`s, rounded once (llvm.fma)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3),
+                                            f"llvm.fma.v{vector.count}f32")
+        return builder.call(fn, [args[1], args[2], args[0]])
+    return codegen
+
+
+_fma_codegen = _fma_of(_VECTOR)
 
 
 @intrinsic
@@ -221,14 +227,18 @@ def total(typingctx, v):
     """The sum of the lanes in a fixed order: the upper half added to the
     lower half until one lane is left."""
     def codegen(context, builder, signature, args):
-        v, width = args[0], LANES
-        while width > 1:
-            half = width // 2
-            low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-            high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
-            v, width = builder.fadd(low, high), half
-        return builder.extract_element(v, _I32(0))
+        return _halving(builder, args[0], LANES)
     return types.float32(lanes), codegen
+
+
+def _halving(builder, v, width: int):
+    """The sum of v's `width` lanes: the upper half added to the lower half until one lane is left."""
+    while width > 1:
+        half = width // 2
+        low = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
+        high = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
+        v, width = builder.fadd(low, high), half
+    return builder.extract_element(v, _I32(0))
 
 
 def _prefetch(locality: int):
@@ -265,17 +275,21 @@ def splat(typingctx, x):
     return lanes(x), codegen
 
 
+def _store_of(vector: ir.VectorType):
+    """The codegen of storing a `vector` (args array, index, v) at a float32 array's flat element index."""
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(pointer, vector.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
 @intrinsic
 def store(typingctx, array, index, v):
     """The flat elements index .. index + LANES - 1 of a C-contiguous float32 array = v's lanes."""
     if array.dtype != types.float32:
         return None
-
-    def codegen(context, builder, signature, args):
-        pointer = _element(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(array, index, lanes), codegen
+    return types.void(array, index, lanes), _store_of(_VECTOR)
 
 
 @intrinsic
@@ -434,22 +448,13 @@ def half_store(typingctx, array, index, v):
     """The flat elements index .. index + LANES / 2 - 1 of a C-contiguous float32 array = v's lanes."""
     if array.dtype != types.float32:
         return None
-
-    def codegen(context, builder, signature, args):
-        pointer = _element(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(pointer, _HALF.as_pointer()), align=4)
-        return context.get_dummy_value()
-    return types.void(array, index, halves), codegen
+    return types.void(array, index, halves), _store_of(_HALF)
 
 
 @intrinsic
 def half_fma(typingctx, acc, a, b):
     """acc + a * b lane by lane, rounded once (``fma`` on halves)."""
-    def codegen(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_HALF, [_HALF] * 3),
-                                            f"llvm.fma.v{LANES // 2}f32")
-        return builder.call(fn, [args[1], args[2], args[0]])
-    return halves(halves, halves, halves), codegen
+    return halves(halves, halves, halves), _fma_of(_HALF)
 
 
 @intrinsic
@@ -458,11 +463,5 @@ def total_of_halves(typingctx, low, high):
     and the rest `high`: total's first step adds the upper half to the lower
     one, which is low + high; then the same halving. The same bits."""
     def codegen(context, builder, signature, args):
-        v, width = builder.fadd(args[0], args[1]), LANES // 2
-        while width > 1:
-            half = width // 2
-            a = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half))))
-            b = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, half), list(range(half, width))))
-            v, width = builder.fadd(a, b), half
-        return builder.extract_element(v, _I32(0))
+        return _halving(builder, builder.fadd(args[0], args[1]), LANES // 2)
     return types.float32(halves, halves), codegen

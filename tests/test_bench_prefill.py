@@ -20,7 +20,8 @@ def test_bench_prefill_times_this_engine_and_a_baseline_copy_in_turns(stories_pa
                            "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["identical"] is True and result["rounds"] == 2 and set(result["gemm"]) == {"this", "baseline"}
+    assert result["identical"] is True and result["rounds"] == 2
+    assert result["gemm"]["baseline"] == result["gemm"]["this"]  # the baseline runs the path this engine took
     assert [(r["kind"], r["size"]) for r in result["rows"]] == [("prefill_ms", 9), ("prefill_ms", 20),
                                                                ("batch_ms", 3)]
     for row in result["rows"]:
