@@ -42,10 +42,22 @@ def _layer_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
+def _port(text: str) -> int:
+    """A port argument: 0..65535 (gRPC would take 70000 as 70000 - 65536 and
+    bind that port, while the command printed the one asked for)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {port}")
+    return port
+
+
 def _add_common(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
-    p.add_argument("--port", type=int, default=port, help="gRPC port (0: pick a free one)")
-    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--port", type=_port, default=port, help="gRPC port (0: pick a free one)")
+    p.add_argument("--metrics-port", type=_port, default=0, help="Prometheus /metrics port (0: off)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--tls-cert", help="serve TLS with this PEM certificate (chain); reloaded when it changes")
     p.add_argument("--tls-key", help="the PEM private key of --tls-cert")
@@ -228,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adaptive: verify only the drafts whose expected acceptance pays for their "
                         "cost on the scorer (measured online); fixed: every draft, up to k. "
                         "Requests may choose (speculation.draft_length)")
-    p.add_argument("--http-port", type=int, default=0,
+    p.add_argument("--http-port", type=_port, default=0,
                    help="OpenAI-compatible HTTP API port (/v1/chat/completions, ...); 0: off")
     p.add_argument("--scorer-wait-s", type=float, default=600.0, help="wait this long for a scorer at start")
     p.add_argument("--api-keys", metavar="FILE",
@@ -259,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="start scorer, proposers and gateway on loopback")
     p.add_argument("--model", default=default_model(), help="HF id, directory or .gguf file")
-    p.add_argument("--port", type=int, default=DEFAULT_GATEWAY_PORT, help="gateway port")
-    p.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+    p.add_argument("--port", type=_port, default=DEFAULT_GATEWAY_PORT, help="gateway port")
+    p.add_argument("--http-port", type=_port, default=DEFAULT_HTTP_PORT,
                    help="gateway's OpenAI-compatible HTTP port (0: off)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPE_CHOICES),
