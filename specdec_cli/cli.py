@@ -54,6 +54,19 @@ def _port(text: str) -> int:
     return port
 
 
+def _address(text: str) -> str:
+    """--addr: HOST:PORT with a port 1..65535 (gRPC would dial 70000 as
+    70000 - 65536), or a gRPC target with a scheme (unix:, dns:, ipv4:, ipv6:)."""
+    if text.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {text!r}")
+    if _port(port) == 0:
+        raise argparse.ArgumentTypeError(f"port 0 in {text!r}: dial the port the service bound")
+    return text
+
+
 def _add_common(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a container)")
     p.add_argument("--port", type=_port, default=port, help="gRPC port (0: pick a free one)")
@@ -308,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-keys", metavar="FILE", help="the gateway requires a key from FILE (one per line)")
 
     p = sub.add_parser("health", help="exit 0 if a service reports SERVING (a probe that speaks TLS)")
-    p.add_argument("--addr", required=True, help="HOST:PORT of the service")
+    p.add_argument("--addr", required=True, type=_address, help="HOST:PORT of the service")
     p.add_argument("--tls-ca", metavar="PEM", help="speak TLS, verifying the service with this CA")
     p.add_argument("--tls-client-cert", metavar="PEM", help="mutual TLS: the client certificate to present")
     p.add_argument("--tls-client-key", metavar="PEM", help="mutual TLS: the key of --tls-client-cert")
@@ -321,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text through a running gateway")
     p.add_argument("prompt", help="prompt text (a user message with --chat)")
-    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}")
+    p.add_argument("--addr", default=f"127.0.0.1:{DEFAULT_GATEWAY_PORT}", type=_address)
     p.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
     p.add_argument("--method", "-m", default="",
                    help="none, naive, ngram, suffix, hybrid, draft, draft_hybrid, eagle3, mtp "
