@@ -555,6 +555,20 @@ def _gemm(x, qs, d, m, out, chunks, block, block6):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _narrow_rows_left(x, qs, d, m, out, blk, rows, whole, three, block):
+    """``_gemm_narrow``'s rows after the groups of six (three, two, one) for output block blk."""
+    if three > whole:
+        for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+            _rows3_one(x, qs, d, m, out, o, whole, block)
+    if rows - three == 2:
+        for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
+            _rows2_one(x, qs, d, m, out, o, three, block)
+    elif rows - three == 1:
+        for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 2):
+            _rows1_two(x, qs, d, m, out, o, three, block)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _gemm_narrow(x, qs, d, m, out, chunks, block):
     """``_gemm`` for CPUs with 16 vector registers (AVX2: a LANES-lane
     value takes two): one output at a time for six, three or two rows, two
@@ -568,26 +582,20 @@ def _gemm_narrow(x, qs, d, m, out, chunks, block):
     three = whole + 3 if rows - whole >= 3 else whole
     blocks = out.shape[1] // OUT_BLOCK
     per = (blocks + chunks - 1) // chunks
-    scratch = whole >= SCRATCH_ROWS
-    for c in numba.prange(chunks):
-        s = np.empty(OUT_BLOCK * x.shape[1] if scratch else 0, np.float32)
-        acc = np.empty(OUT_BLOCK * PASS_SUMS if scratch else 0, np.float32)
-        for blk in range(c * per, min(blocks, (c + 1) * per)):
-            if scratch:
+    if whole >= SCRATCH_ROWS:  # its scratch is allocated here only: a decode step's launches allocate nothing
+        for c in numba.prange(chunks):
+            s = np.empty(OUT_BLOCK * x.shape[1], np.float32)
+            acc = np.empty(OUT_BLOCK * PASS_SUMS, np.float32)
+            for blk in range(c * per, min(blocks, (c + 1) * per)):
                 _scratch_groups(x, qs, d, m, out, blk, whole, block, s, acc)
-            else:
+                _narrow_rows_left(x, qs, d, m, out, blk, rows, whole, three, block)
+    else:
+        for c in numba.prange(chunks):
+            for blk in range(c * per, min(blocks, (c + 1) * per)):
                 for r in range(0, whole, GROUP):
                     for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
                         _rows6_one(x, qs, d, m, out, o, r, block)
-            if three > whole:
-                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
-                    _rows3_one(x, qs, d, m, out, o, whole, block)
-            if rows - three == 2:
-                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1)):
-                    _rows2_one(x, qs, d, m, out, o, three, block)
-            elif rows - three == 1:
-                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), 2):
-                    _rows1_two(x, qs, d, m, out, o, three, block)
+                _narrow_rows_left(x, qs, d, m, out, blk, rows, whole, three, block)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
