@@ -116,3 +116,36 @@ class Engine(abc.ABC):
         before the first one comes, those asking for feature_layers' states
         too when named (LlamaEngine on a GPU: compiles its kernels and
         captures its CUDA graphs); by default nothing."""
+
+
+#: the probe of ``numerics_fingerprint``: a prefill of this many tokens, then one decode step
+PROBE_TOKENS = 16
+
+
+@torch.inference_mode()
+def numerics_fingerprint(engine: Engine) -> str:
+    """A short hash of the logits the engine gives for a fixed probe (a
+    prefill of PROBE_TOKENS token ids spread over the vocabulary, every row's
+    logits, then one decode step): 16 hex digits.
+
+    Replicas of one model whose fingerprints are equal computed the probe
+    bit for bit alike, so they have the same arithmetic (GEMM path, kernels,
+    instruction set, dtypes); replicas whose fingerprints differ do not, and
+    a near-tie can go to another token on each. The gateway keeps a sequence
+    on replicas of its first replica's fingerprint when it moves one
+    (``ModelInfo.numerics``). The probe uses a scratch sequence, released
+    after it: the engine's KV cache is as before."""
+    import hashlib
+
+    scratch = "\0numerics"
+    ids = ((np.arange(PROBE_TOKENS + 1, dtype=np.int64) * 7919 + 1) % engine.facts.vocab_size).astype(np.int32)
+    engine.ensure_capacity(scratch, len(ids))
+    try:
+        prefill = engine.forward([ForwardItem(scratch, ids[:-1], PROBE_TOKENS)]).logits
+        decode = engine.forward([ForwardItem(scratch, ids[-1:], 1)]).logits
+    finally:
+        engine.release(scratch)
+    digest = hashlib.blake2b(digest_size=8)
+    for logits in (prefill, decode):
+        digest.update(np.ascontiguousarray(logits.float().cpu().numpy()).tobytes())
+    return digest.hexdigest()

@@ -195,14 +195,21 @@ class SpecLoop:
             for addr in removed:
                 loop.call_soon_threadsafe(self._drop_replica, addr)
 
+        def on_scorers(added: set[str], removed: set[str]) -> None:  # their arithmetic, before a move needs it
+            for addr in added:
+                loop.call_soon_threadsafe(self.placement.numerics.learn, addr)
+
         for replicas in [self.scorers, *self.proposers.values()]:
             replicas.subscribe(on_change)
+        self.scorers.subscribe(on_scorers)
+        self.placement.numerics.learn_all()
 
     def _drop_replica(self, addr: str) -> None:
         # an in-flight Verify may still finish (its sequences then move next round)
         asyncio.get_running_loop().create_task(self.conns.drop(addr, grace_s=self.config.verify_timeout_s))
         self.costs.forget(addr)
         self.budgets.forget(addr)
+        self.placement.numerics.forget(addr)
 
     async def stop(self) -> None:
         """Stops the rounds; sequences still live end with UNAVAILABLE and
@@ -224,6 +231,7 @@ class SpecLoop:
             flight.task.cancel()
         await asyncio.gather(*(f.task for f in self._in_flight.values()), return_exceptions=True)
         self._in_flight.clear()
+        await self.placement.numerics.stop()
         for seq in self._live:
             if not seq.done:
                 seq.fail(RequestFailed("UNAVAILABLE", "the gateway is shutting down"))
@@ -710,6 +718,7 @@ class SpecLoop:
         answered = time.perf_counter()
         rpc_s = answered - start
         verdicts = verdicts_from_response(seqs, kept, response)
+        self._note_numerics(addr, response.numerics, verdicts)
         self.decode_ahead.answered(seqs, kept, {v.seq.seq_id: v.num_accepted for v in verdicts
                                                 if v.status is Status.OK}, answered)
         if not steps:  # several passes per call would not fit the one-pass cost model
@@ -720,6 +729,21 @@ class SpecLoop:
             seq.stats.verify_s += response.compute_s
             seq.stats.network_s += max(0.0, rpc_s - response.compute_s)
         return verdicts
+
+    def _note_numerics(self, addr: str, numerics: str, verdicts: list[Verdict]) -> None:
+        """The replica's arithmetic, and for each sequence it answered
+        whether that is the one that made its tokens (numerics.py)."""
+        self.placement.numerics.heard(addr, numerics)
+        for v in verdicts:
+            if v.status is not Status.OK:
+                continue
+            outcome = v.seq.computed_by(numerics)
+            if outcome is not None:
+                metrics.NUMERICS_MOVES.labels(outcome).inc()
+            if outcome == "changed":
+                log.warning("sequence %s moved to scorer %s, which computes otherwise (numerics %s) than the one "
+                            "that made its tokens: no replica of that arithmetic was up", v.seq.seq_id, addr,
+                            numerics)
 
     # --------------------------------------------------------------- commit
 

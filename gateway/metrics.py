@@ -50,6 +50,12 @@ REPLICA_FAILURES = Counter("specdec_gateway_replica_failures_total",
                            "Calls to a replica that failed or timed out", ["kind", "replica"])
 MOVES = Counter("specdec_gateway_sequence_moves_total",
                 "Sequences that left their replica (failure or removal) and re-opened on another", ["kind"])
+SCORER_NUMERICS_KINDS = Gauge("specdec_gateway_scorer_numerics_kinds",
+                              "Distinct arithmetics (ModelInfo.numerics) among the scorer replicas known; above 1, a "
+                              "sequence moved between replicas of different ones may take another token at a near-tie")
+NUMERICS_MOVES = Counter("specdec_gateway_scorer_numerics_moves_total",
+                         "Sequences that moved to another scorer replica, by whether it computes as the one that "
+                         "made their tokens: same, or changed (no replica of the same numerics was up)", ["outcome"])
 VERIFY_COST = Gauge("specdec_gateway_verify_cost_seconds",
                     "Fitted Verify time of a scorer replica: fixed + per_token * tokens fed", ["replica", "part"])
 TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",

@@ -4,13 +4,17 @@ tokens and the scorer replica that holds its KV cache.
 A sequence stays on its replicas while they are up; when one goes away
 (discovery) or is marked down (a failed call), the hash ring picks the next
 one and the sequence re-opens there (the proposer from its whole context, the
-scorer with a re-prefill). Moving costs time, never tokens.
+scorer with a re-prefill). Moving costs time, never tokens. A sequence that
+moves between scorers goes to one of the same arithmetic as the replica that
+made its tokens while one is up (``numerics.ScorerNumerics``), skipping on
+the ring those known to compute otherwise.
 """
 from __future__ import annotations
 
 from specdec.gateway import metrics
 from specdec.gateway.clients import Connections
 from specdec.gateway.discovery import ReplicaSet
+from specdec.gateway.numerics import ScorerNumerics
 from specdec.gateway.sequence import Sequence
 
 
@@ -19,6 +23,7 @@ class Placement:
         self.scorers = scorers
         self.proposers = proposers  # method -> replicas serving it
         self.conns = conns
+        self.numerics = ScorerNumerics(scorers, conns)
         self._gauge = metrics.PlacementGauge()
 
     def by_proposer(self, live: list[Sequence]) -> dict[str, list[Sequence]]:
@@ -46,12 +51,25 @@ class Placement:
             if seq.scorer_addr not in self.scorers.addresses() or seq.scorer_addr in self.conns.down():
                 if seq.scorer_addr is not None:  # its replica went away or is failing
                     metrics.MOVES.labels("scorer").inc()
-                seq.scorer_addr, seq.scorer_primed = self.scorers.pick(seq.seq_id, self.conns.down()), False
+                    seq.scorer_moved = True
+                seq.scorer_addr, seq.scorer_primed = self._pick_scorer(seq), False
             if seq.scorer_addr is None:
                 unplaced.append(seq)
             else:
                 groups.setdefault(seq.scorer_addr, []).append(seq)
         return groups, unplaced
+
+    def _pick_scorer(self, seq: Sequence) -> str | None:
+        """The sequence's replica on the ring, skipping those down and,
+        while another is up, those known to compute otherwise than the
+        replica that made its tokens."""
+        down = self.conns.down()
+        other = self.numerics.differing(seq.numerics) if seq.numerics is not None else set()
+        if other:
+            addr = self.scorers.pick(seq.seq_id, down | other)
+            if addr is not None:
+                return addr
+        return self.scorers.pick(seq.seq_id, down)
 
     @staticmethod
     def proposer_lost(seqs: list[Sequence]) -> None:
@@ -64,7 +82,7 @@ class Placement:
     def scorer_lost(seq: Sequence) -> None:
         """The replica's call failed: the sequence re-prefills on another one."""
         metrics.MOVES.labels("scorer").inc()
-        seq.scorer_addr, seq.scorer_primed = None, False
+        seq.scorer_addr, seq.scorer_primed, seq.scorer_moved = None, False, True
 
     def publish(self, live: list[Sequence]) -> None:
         """Live sequences per replica, for specdec_gateway_replica_sequences."""

@@ -52,6 +52,7 @@ class FinalStats:
     wall_s: float
     ttft_s: float
     feature_bytes: int
+    scorer_numerics_changes: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Stats:
     network_s: float = 0.0
     ttft_s: float = 0.0
     feature_bytes: int = 0  # target features relayed to the proposer
+    numerics_changes: int = 0  # moves to a scorer of other arithmetic than the one that made the tokens so far
 
     def record_round(self, num_drafts: int, num_accepted: int) -> None:
         self.rounds += 1
@@ -270,6 +272,9 @@ class Sequence:
         # where the sequence's state lives
         self.scorer_addr: str | None = None
         self.scorer_primed = False  # the scorer holds this sequence's KV cache
+        # the arithmetic (ModelInfo.numerics) that made its tokens: moves keep to it where they can
+        self.numerics: str | None = None
+        self.scorer_moved = False  # it left a scorer replica, and no Verify has answered since
         self.proposer_addr: str | None = None
         self.proposer_len = 0  # tokens the proposer holds; 0 = must (re)open
         self.retries = 0  # consecutive rounds without progress (pool full, no replica, scorer busy)
@@ -472,4 +477,19 @@ class Sequence:
             acceptance_by_position=[a / p for a, p in zip(s.accepted_at, s.proposed_at)],
             mean_accepted_length=self.num_output / s.rounds if s.rounds else 0.0,
             propose_s=s.propose_s, verify_s=s.verify_s, network_s=s.network_s,
-            wall_s=time.perf_counter() - self.started, ttft_s=s.ttft_s, feature_bytes=s.feature_bytes)
+            wall_s=time.perf_counter() - self.started, ttft_s=s.ttft_s, feature_bytes=s.feature_bytes,
+            scorer_numerics_changes=s.numerics_changes)
+
+    def computed_by(self, numerics: str) -> str | None:
+        """A scorer of arithmetic ``numerics`` answered the sequence's
+        Verify ("": a scorer that does not say). After a move: "same" or
+        "changed" (the replica computes otherwise than the one that made the
+        tokens so far, counted in the stats); else None."""
+        moved, self.scorer_moved = self.scorer_moved, False
+        if not numerics:
+            return None
+        before, self.numerics = self.numerics, numerics
+        if before is None or before == numerics:
+            return "same" if moved and before is not None else None
+        self.stats.numerics_changes += 1
+        return "changed"

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 from prometheus_client import Gauge, Info
 
-from specdec.engine.base import Engine, check_feature_layers
+from specdec.engine.base import Engine, check_feature_layers, numerics_fingerprint
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
 from specdec.limits import (
@@ -30,6 +30,8 @@ ENGINE_GEMM = Info("specdec_engine_gemm", "CPU GEMM path the engine runs (chosen
                    "forced), with the dtype and the CPU model")
 ENGINE_GEMM_MS = Gauge("specdec_engine_gemm_ms", "Measured ms of all of a forward pass's GEMMs per path and row "
                        "count (invariant paths only)", ["path", "rows"])
+SCORER_NUMERICS = Info("specdec_scorer_numerics", "Fingerprint of this replica's arithmetic (ModelInfo.numerics): "
+                       "replicas with the same value compute the same bits")
 
 _STATUS = {OK: pb.SEQUENCE_STATUS_OK, UNKNOWN_SEQUENCE: pb.SEQUENCE_STATUS_UNKNOWN_SEQUENCE,
            RESOURCE_EXHAUSTED: pb.SEQUENCE_STATUS_RESOURCE_EXHAUSTED, INVALID: pb.SEQUENCE_STATUS_INVALID,
@@ -131,9 +133,10 @@ def _check_decode_steps(seq: pb.VerifySequence, f: str, num_drafts: int) -> None
 
 
 class ScorerServicer(pb_grpc.ScorerServicer):
-    def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
+    def __init__(self, engine: Engine, scheduler: Scheduler, numerics: str = "") -> None:
         self.engine = engine
         self.scheduler = scheduler
+        self.numerics = numerics  # numerics_fingerprint(engine), sent with every answer
 
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
         facts = self.engine.facts
@@ -146,7 +149,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         results, compute_s, queue_s = await self.scheduler.verify(specs)
-        response = pb.VerifyResponse(compute_s=compute_s, queue_s=queue_s)
+        response = pb.VerifyResponse(compute_s=compute_s, queue_s=queue_s, numerics=self.numerics)
         for spec, r in zip(specs, results):
             out = response.results.add(seq_id=spec.seq_id, status=_STATUS[r.status],
                                        output_token_ids=r.output_token_ids,
@@ -168,7 +171,7 @@ class ScorerServicer(pb_grpc.ScorerServicer):
         return pb.ModelInfo(model=f.model, vocab_size=f.vocab_size, max_model_len=f.max_model_len,
                             eos_token_ids=list(f.eos_token_ids), hidden_size=f.hidden_size,
                             num_layers=f.num_layers, dtype=f.dtype, kv_capacity_tokens=f.kv_capacity_tokens,
-                            kv_dtype=f.kv_dtype,
+                            kv_dtype=f.kv_dtype, numerics=self.numerics,
                             kv_free_tokens=self.engine.free_tokens(),
                             live_sequences=self.scheduler.live_sequences)
 
@@ -223,6 +226,8 @@ def serve(args) -> None:
         prepare(engine, args)
     except ValueError as e:
         raise SystemExit(f"scorer: {e}") from None
+    numerics = numerics_fingerprint(engine)
+    SCORER_NUMERICS.info({"fingerprint": numerics})
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
                           idle_timeout_s=args.idle_timeout_s, decode_ahead=args.decode_ahead == "on")
     started = threading.Event()
@@ -230,13 +235,13 @@ def serve(args) -> None:
 
     async def grpc_main() -> None:
         server = Server(args.host, args.port, ["Scorer"], server_security(args))
-        pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler), server.server)
+        pb_grpc.add_ScorerServicer_to_server(ScorerServicer(engine, scheduler, numerics), server.server)
         state["loop"], state["stop"] = asyncio.get_running_loop(), asyncio.Event()
         await server.server.start()
         await server.set_serving(True)
         f = engine.facts
-        log.info("scorer: %s (%s, %s), vocab %d, context %d, KV %d tokens", args.model, f.dtype,
-                 type(engine).__name__, f.vocab_size, f.max_model_len, f.kv_capacity_tokens)
+        log.info("scorer: %s (%s, %s), vocab %d, context %d, KV %d tokens, numerics %s", args.model, f.dtype,
+                 type(engine).__name__, f.vocab_size, f.max_model_len, f.kv_capacity_tokens, numerics)
         print(f"scorer listening on {args.host}:{server.port}", flush=True)
         started.set()
         await state["stop"].wait()

@@ -40,6 +40,7 @@ class Generation:
                 "propose_s": round(s.propose_s, 6), "verify_s": round(s.verify_s, 6),
                 "network_s": round(s.network_s, 6), "ttft_s": round(s.ttft_s, 6),
                 "wall_s": round(self.wall_s, 6), "feature_bytes": s.feature_bytes,
+                "scorer_numerics_changes": s.scorer_numerics_changes,
             },
         }
 

@@ -239,6 +239,8 @@ class Stack:
     log_level: str = "WARNING"
     extra_gateway_args: list[str] = field(default_factory=list)
     extra_scorer_args: list[str] = field(default_factory=list)
+    # more arguments for scorer i alone (e.g. replicas of different --gemm paths); beyond the list: none
+    scorer_args_each: list[list[str]] = field(default_factory=list)
     # a draft proposer process of its own serves the model-draft methods
     # (registry.MODEL_METHODS) with this draft LM; the other proposers the rest
     draft_model: str | None = None
@@ -384,6 +386,7 @@ class Stack:
                 if self.kv_tokens:
                     args += ["--kv-tokens", str(self.kv_tokens)]
                 args += self.extra_scorer_args
+                args += self.scorer_args_each[i] if i < len(self.scorer_args_each) else []
                 scorers.append(self._spawn(f"scorer{i}", args, free_port()))
             copy_methods, draft_methods = self._split_methods()
             proposers = [self._spawn(f"proposer{i}", self._proposer_args(copy_methods), free_port())

@@ -161,7 +161,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_by_position", "mean_accepted_length", "propose_s", "verify_s", "network_s", "wall_s", "ttft_s", "feature_bytes")
+    __slots__ = ("prompt_tokens", "output_tokens", "rounds", "draft_tokens", "accepted_tokens", "acceptance_by_position", "mean_accepted_length", "propose_s", "verify_s", "network_s", "wall_s", "ttft_s", "feature_bytes", "scorer_numerics_changes")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class GenerationStats(_message.Message):
     WALL_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     FEATURE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCORER_NUMERICS_CHANGES_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     output_tokens: int
     rounds: int
@@ -188,7 +189,8 @@ class GenerationStats(_message.Message):
     wall_s: float
     ttft_s: float
     feature_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., mean_accepted_length: _Optional[float] = ..., propose_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., feature_bytes: _Optional[int] = ...) -> None: ...
+    scorer_numerics_changes: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_by_position: _Optional[_Iterable[float]] = ..., mean_accepted_length: _Optional[float] = ..., propose_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., network_s: _Optional[float] = ..., wall_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., feature_bytes: _Optional[int] = ..., scorer_numerics_changes: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
@@ -395,14 +397,16 @@ class VerifyResult(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., status: _Optional[_Union[SequenceStatus, str]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., hidden_size: _Optional[int] = ..., message: _Optional[str] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("results", "compute_s", "queue_s")
+    __slots__ = ("results", "compute_s", "queue_s", "numerics")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
     compute_s: float
     queue_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    numerics: str
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., compute_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("seq_ids",)
@@ -421,7 +425,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "hidden_size", "dtype", "num_layers", "kv_capacity_tokens", "kv_free_tokens", "live_sequences", "kv_dtype")
+    __slots__ = ("model", "vocab_size", "max_model_len", "eos_token_ids", "hidden_size", "dtype", "num_layers", "kv_capacity_tokens", "kv_free_tokens", "live_sequences", "kv_dtype", "numerics")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +437,7 @@ class ModelInfo(_message.Message):
     KV_FREE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -444,4 +449,5 @@ class ModelInfo(_message.Message):
     kv_free_tokens: int
     live_sequences: int
     kv_dtype: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., live_sequences: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., live_sequences: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
