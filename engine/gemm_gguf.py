@@ -37,7 +37,10 @@ against ``simd-l1``'s 13.1 on the float32 weights, six rows 7.8 against
 values are computed once (the same ``fma``) and each weight picked from them
 by its 4 bits (``vpermps``) for one to three rows: 2-3 % faster decode steps
 through the engine (throwaway ``/work/exp/s42/ab_pick.py``, paired in one
-process: 0.982 at one row, 0.968 at three), and bit for bit the same values.
+process: 0.982 at one row, 0.968 at three), and bit for bit the same values;
+groups of six rows take three outputs at a time there (``_gemm_table``: no
+spilled sums), a six-row pass over SmolLM2's blocks 8.3 ms against 9.6 with
+four (2 cores of an Intel Xeon, CPU model 207, AVX512-BF16; README).
 On CPUs with 16 vector registers (AVX2: a LANES-lane value takes two) the
 four outputs' sums spill, so there ``_gemm_narrow`` takes one or two outputs
 at a time (the same sums in the same order): SmolLM2's decode steps through
@@ -90,6 +93,7 @@ from specdec.engine.simd import fma as fma_lanes
 BLOCK = 32
 #: Rows of a full group (``_rows6``).
 GROUP = 6
+assert OUT_BLOCK == 3 + 3 + 2, "_gemm_table splits an output block into three, three and two outputs"
 #: Rows left after the groups of six -> the kernels that take them, in order (``_rows3``, ``_rows2``,
 #: ``_rows1``): no zero rows are added. Four or five rows as three and the rest, not six with zero rows
 #: (2 cores of an AMD EPYC of CPU family 25, SmolLM2's 211 quantised tensors, medians of 15 in three
@@ -393,6 +397,71 @@ def _rows6(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows6_three(x, qs, d, m, out, o, r, block):
+    """out[r:r+6, o:o+3], each output summed as ``_rows1`` sums it (the
+    table layout's groups: 18 sums, three outputs' blocks and an input fit
+    32 vector registers, where ``_rows6``'s 24 sums beside its blocks spill)."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4, x5 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n, (r + 5) * n
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = a22 = zeros()
+    a30 = a31 = a32 = a40 = a41 = a42 = a50 = a51 = a52 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        for k, v0, v1, v2 in ((b * 32, l0, l1, l2), (b * 32 + 16, h0, h1, h2)):
+            u = load(x, x0 + k)
+            a00, a01, a02 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2)
+            u = load(x, x1 + k)
+            a10, a11, a12 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2)
+            u = load(x, x2 + k)
+            a20, a21, a22 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2)
+            u = load(x, x3 + k)
+            a30, a31, a32 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2)
+            u = load(x, x4 + k)
+            a40, a41, a42 = mac(a40, u, v0), mac(a41, u, v1), mac(a42, u, v2)
+            u = load(x, x5 + k)
+            a50, a51, a52 = mac(a50, u, v0), mac(a51, u, v1), mac(a52, u, v2)
+    out[r, o], out[r, o + 1], out[r, o + 2] = total(a00), total(a01), total(a02)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2] = total(a10), total(a11), total(a12)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2] = total(a20), total(a21), total(a22)
+    out[r + 3, o], out[r + 3, o + 1], out[r + 3, o + 2] = total(a30), total(a31), total(a32)
+    out[r + 4, o], out[r + 4, o + 1], out[r + 4, o + 2] = total(a40), total(a41), total(a42)
+    out[r + 5, o], out[r + 5, o + 1], out[r + 5, o + 2] = total(a50), total(a51), total(a52)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows6_two(x, qs, d, m, out, o, r, block):
+    """out[r:r+6, o:o+2], each output summed as ``_rows1`` sums it (the
+    table layout's last two outputs of an output block)."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4, x5 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n, (r + 5) * n
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = a40 = a41 = a50 = a51 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        for k, v0, v1 in ((b * 32, l0, l1), (b * 32 + 16, h0, h1)):
+            u = load(x, x0 + k)
+            a00, a01 = mac(a00, u, v0), mac(a01, u, v1)
+            u = load(x, x1 + k)
+            a10, a11 = mac(a10, u, v0), mac(a11, u, v1)
+            u = load(x, x2 + k)
+            a20, a21 = mac(a20, u, v0), mac(a21, u, v1)
+            u = load(x, x3 + k)
+            a30, a31 = mac(a30, u, v0), mac(a31, u, v1)
+            u = load(x, x4 + k)
+            a40, a41 = mac(a40, u, v0), mac(a41, u, v1)
+            u = load(x, x5 + k)
+            a50, a51 = mac(a50, u, v0), mac(a51, u, v1)
+    out[r, o], out[r, o + 1] = total(a00), total(a01)
+    out[r + 1, o], out[r + 1, o + 1] = total(a10), total(a11)
+    out[r + 2, o], out[r + 2, o + 1] = total(a20), total(a21)
+    out[r + 3, o], out[r + 3, o + 1] = total(a30), total(a31)
+    out[r + 4, o], out[r + 4, o + 1] = total(a40), total(a41)
+    out[r + 5, o], out[r + 5, o + 1] = total(a50), total(a51)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows1_two(x, qs, d, m, out, o, r, block):
     """out[r, o:o+2], each output summed as ``_rows1`` sums it (the
     narrow layout: two outputs' blocks and sums fit 16 vector registers)."""
@@ -555,6 +624,34 @@ def _gemm(x, qs, d, m, out, chunks, block, block6):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _gemm_table(x, qs, d, m, out, chunks, block, block6):
+    """``_gemm`` for CPUs with 32 vector registers and lane permutes (the
+    table layout): the groups of six rows take each output block's outputs
+    three, three and two at a time (``_rows6_three``, ``_rows6_two``: no
+    spilled sums), their blocks dequantised by `block6`; the rows left as
+    ``_gemm`` takes them. The same sums in the same order: the same bits."""
+    rows = x.shape[0]
+    whole = rows - rows % GROUP
+    three = whole + 3 if rows - whole >= 3 else whole
+    blocks = out.shape[1] // OUT_BLOCK
+    per = (blocks + chunks - 1) // chunks
+    for c in numba.prange(chunks):
+        for blk in range(c * per, min(blocks, (c + 1) * per)):
+            o = OUT_BLOCK * blk
+            for r in range(0, whole, GROUP):
+                _rows6_three(x, qs, d, m, out, o, r, block6)
+                _rows6_three(x, qs, d, m, out, o + 3, r, block6)
+                _rows6_two(x, qs, d, m, out, o + 6, r, block6)
+            for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
+                if three > whole:
+                    _rows3(x, qs, d, m, out, o, whole, block)
+                if rows - three == 2:
+                    _rows2(x, qs, d, m, out, o, three, block)
+                elif rows - three == 1:
+                    _rows1(x, qs, d, m, out, o, three, block)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _narrow_rows_left(x, qs, d, m, out, blk, rows, whole, three, block):
     """``_gemm_narrow``'s rows after the groups of six (three, two, one) for output block blk."""
     if three > whole:
@@ -618,16 +715,20 @@ def _gemm_q8_0(x, qs, d, m, out, chunks):
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_1_pick(x, qs, d, m, out, chunks):
-    """``_gemm`` over Q4_1 blocks, those of one to three rows dequantised by
-    table (``_q4_1_pick``; six rows: its table and picks beside their 24
-    sums spill registers, 1.8x slower)."""
-    _gemm(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1)
+    """``_gemm_table`` over Q4_1 blocks, dequantised by table (``_q4_1_pick``)."""
+    _gemm_table(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1_pick)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_0_pick(x, qs, d, m, out, chunks):
-    """``_gemm`` over Q4_0 blocks, those of one to three rows by table (``_q4_0_pick``)."""
-    _gemm(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0)
+    """``_gemm_table`` over Q4_0 blocks, dequantised by table (``_q4_0_pick``)."""
+    _gemm_table(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0_pick)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True)
+def _gemm_q8_0_table(x, qs, d, m, out, chunks):
+    """``_gemm_table`` over Q8_0 blocks."""
+    _gemm_table(x, qs, d, m, out, chunks, _q8_0, _q8_0)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
@@ -649,10 +750,11 @@ def _gemm_q8_0_narrow(x, qs, d, m, out, chunks):
 
 
 #: Each layout's compiled entries by kind, all computing the same bits:
-#: "table" (AVX-512: 4-bit blocks of one to three rows by table), "wide"
-#: (32 vector registers, multiply-add), "narrow" (16 registers: AVX2).
+#: "table" (AVX-512: 4-bit blocks by table, groups of six rows three outputs at
+#: a time), "wide" (32 vector registers, multiply-add, four outputs at a time),
+#: "narrow" (16 registers: AVX2).
 LAYOUTS = {
-    "table": {"Q4_0": _gemm_q4_0_pick, "Q4_1": _gemm_q4_1_pick, "Q8_0": _gemm_q8_0},
+    "table": {"Q4_0": _gemm_q4_0_pick, "Q4_1": _gemm_q4_1_pick, "Q8_0": _gemm_q8_0_table},
     "wide": {"Q4_0": _gemm_q4_0, "Q4_1": _gemm_q4_1, "Q8_0": _gemm_q8_0},
     "narrow": {"Q4_0": _gemm_q4_0_narrow, "Q4_1": _gemm_q4_1_narrow, "Q8_0": _gemm_q8_0_narrow},
 }
