@@ -599,28 +599,43 @@ def _scratch_groups(x, qs, d, m, out, blk, whole, block, s, acc):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _parts(x, out, chunks):
+    """How a GEMM of x's rows into out splits: (rows, the rows in groups of
+    six, the end of the three rows after them (or of the groups), OUT_BLOCK
+    output blocks, blocks per parallel chunk)."""
+    rows = x.shape[0]
+    whole = rows - rows % GROUP
+    three = whole + 3 if rows - whole >= 3 else whole
+    blocks = out.shape[1] // OUT_BLOCK
+    return rows, whole, three, blocks, (blocks + chunks - 1) // chunks
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _gemm(x, qs, d, m, out, chunks, block, block6):
     """out = x @ W.T for x [R, in], W the blocks' weights [out, in] (out a
     multiple of OUT_BLOCK): rows six at a time (their blocks dequantised by
     `block6`), then those left (``TAIL_PARTS``) three, two or one at a time
     (by `block`: the same values, the faster way for fewer rows); output
     blocks split into `chunks` ranges run in parallel, never a dot product."""
-    rows = x.shape[0]
-    whole = rows - rows % GROUP
-    three = whole + 3 if rows - whole >= 3 else whole
-    blocks = out.shape[1] // OUT_BLOCK
-    per = (blocks + chunks - 1) // chunks
+    rows, whole, three, blocks, per = _parts(x, out, chunks)
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
                 for r in range(0, whole, GROUP):
                     _rows6(x, qs, d, m, out, o, r, block6)
-                if three > whole:
-                    _rows3(x, qs, d, m, out, o, whole, block)
-                if rows - three == 2:
-                    _rows2(x, qs, d, m, out, o, three, block)
-                elif rows - three == 1:
-                    _rows1(x, qs, d, m, out, o, three, block)
+                _rows_left(x, qs, d, m, out, o, rows, whole, three, block)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows_left(x, qs, d, m, out, o, rows, whole, three, block):
+    """The rows after the groups of six (three, two, one) for outputs o ..
+    o + OUTS - 1 (``_gemm``'s and ``_gemm_table``'s)."""
+    if three > whole:
+        _rows3(x, qs, d, m, out, o, whole, block)
+    if rows - three == 2:
+        _rows2(x, qs, d, m, out, o, three, block)
+    elif rows - three == 1:
+        _rows1(x, qs, d, m, out, o, three, block)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -630,11 +645,7 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
     three, three and two at a time (``_rows6_three``, ``_rows6_two``: no
     spilled sums), their blocks dequantised by `block6`; the rows left as
     ``_gemm`` takes them. The same sums in the same order: the same bits."""
-    rows = x.shape[0]
-    whole = rows - rows % GROUP
-    three = whole + 3 if rows - whole >= 3 else whole
-    blocks = out.shape[1] // OUT_BLOCK
-    per = (blocks + chunks - 1) // chunks
+    rows, whole, three, blocks, per = _parts(x, out, chunks)
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             o = OUT_BLOCK * blk
@@ -643,12 +654,7 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
                 _rows6_three(x, qs, d, m, out, o + 3, r, block6)
                 _rows6_two(x, qs, d, m, out, o + 6, r, block6)
             for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
-                if three > whole:
-                    _rows3(x, qs, d, m, out, o, whole, block)
-                if rows - three == 2:
-                    _rows2(x, qs, d, m, out, o, three, block)
-                elif rows - three == 1:
-                    _rows1(x, qs, d, m, out, o, three, block)
+                _rows_left(x, qs, d, m, out, o, rows, whole, three, block)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -674,11 +680,7 @@ def _gemm_narrow(x, qs, d, m, out, chunks, block):
     shapes: 1.3x faster at one row, 1.7x at six). From SCRATCH_ROWS rows
     in groups of six the groups run from a scratch of dequantised weights
     (``_scratch_groups``). The same sums in the same order: the same bits."""
-    rows = x.shape[0]
-    whole = rows - rows % GROUP
-    three = whole + 3 if rows - whole >= 3 else whole
-    blocks = out.shape[1] // OUT_BLOCK
-    per = (blocks + chunks - 1) // chunks
+    rows, whole, three, blocks, per = _parts(x, out, chunks)
     if whole >= SCRATCH_ROWS:  # its scratch is allocated here only: a decode step's launches allocate nothing
         for c in numba.prange(chunks):
             s = np.empty(OUT_BLOCK * x.shape[1], np.float32)
@@ -713,22 +715,35 @@ def _gemm_q8_0(x, qs, d, m, out, chunks):
     _gemm(x, qs, d, m, out, chunks, _q8_0, _q8_0)
 
 
+# The table layout's entries run fewer than six rows (a decode step's) by ``_gemm``, as before ``_gemm_table``:
+# through it (the same kernels for those rows) SmolLM2's decode steps of one to three rows read 0.93-0.98x in
+# three runs of bench_prefill.py against the engine before, by ``_gemm`` 0.97-0.99x in two (2 cores of an Intel
+# Xeon, CPU model 207; an A/A run read 1.01-1.02x).
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_1_pick(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q4_1 blocks, dequantised by table (``_q4_1_pick``)."""
-    _gemm_table(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1_pick)
+    if x.shape[0] < GROUP:
+        _gemm(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1)
+    else:
+        _gemm_table(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1_pick)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_0_pick(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q4_0 blocks, dequantised by table (``_q4_0_pick``)."""
-    _gemm_table(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0_pick)
+    if x.shape[0] < GROUP:
+        _gemm(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0)
+    else:
+        _gemm_table(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0_pick)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q8_0_table(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q8_0 blocks."""
-    _gemm_table(x, qs, d, m, out, chunks, _q8_0, _q8_0)
+    if x.shape[0] < GROUP:
+        _gemm(x, qs, d, m, out, chunks, _q8_0, _q8_0)
+    else:
+        _gemm_table(x, qs, d, m, out, chunks, _q8_0, _q8_0)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)

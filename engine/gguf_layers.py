@@ -127,12 +127,14 @@ def gemm_by(x, qs, d, m, out, chunks, kind, layout):
 @overload(gemm_by)
 def _gemm_by(x, qs, d, m, out, chunks, kind, layout):
     table = "table" in gemm_gguf.RUNNABLE  # its kernels compile only where the CPU has the lane permutes
-    if qs.dtype == types.int8:  # Q8_0 (its "table" entry is the wide kernel)
+    if qs.dtype == types.int8:  # Q8_0 (its "table" entry groups six rows as the table layout does)
         def q8_0(x, qs, d, m, out, chunks, kind, layout):
-            if layout == 2:
-                gemm_gguf._gemm_q8_0_narrow(x, qs, d, m, out, chunks)
-            else:
+            if layout == 0:
+                gemm_gguf._gemm_q8_0_table(x, qs, d, m, out, chunks)
+            elif layout == 1:
                 gemm_gguf._gemm_q8_0(x, qs, d, m, out, chunks)
+            else:
+                gemm_gguf._gemm_q8_0_narrow(x, qs, d, m, out, chunks)
         return q8_0
     if table:
         def q4_table(x, qs, d, m, out, chunks, kind, layout):
