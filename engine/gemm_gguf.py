@@ -644,7 +644,17 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
     table layout): the groups of six rows take each output block's outputs
     three, three and two at a time (``_rows6_three``, ``_rows6_two``: no
     spilled sums), their blocks dequantised by `block6`; the rows left as
-    ``_gemm`` takes them. The same sums in the same order: the same bits."""
+    ``_gemm`` takes them. The same sums in the same order: the same bits.
+
+    Fewer than six rows (a decode step's) run by ``_gemm``, as before this
+    layout grouped six rows three outputs at a time: run here (the same
+    kernels for those rows) SmolLM2's decode steps of one to three rows read
+    0.93-0.98x in three runs of bench_prefill.py against the engine before,
+    by ``_gemm`` 0.97-1.01x in three (2 cores of an Intel Xeon, CPU model 207;
+    an A/A run read 1.01-1.02x)."""
+    if x.shape[0] < GROUP:
+        _gemm(x, qs, d, m, out, chunks, block, block6)
+        return
     rows, whole, three, blocks, per = _parts(x, out, chunks)
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
@@ -715,35 +725,22 @@ def _gemm_q8_0(x, qs, d, m, out, chunks):
     _gemm(x, qs, d, m, out, chunks, _q8_0, _q8_0)
 
 
-# The table layout's entries run fewer than six rows (a decode step's) by ``_gemm``, as before ``_gemm_table``:
-# through it (the same kernels for those rows) SmolLM2's decode steps of one to three rows read 0.93-0.98x in
-# three runs of bench_prefill.py against the engine before, by ``_gemm`` 0.97-0.99x in two (2 cores of an Intel
-# Xeon, CPU model 207; an A/A run read 1.01-1.02x).
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_1_pick(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q4_1 blocks, dequantised by table (``_q4_1_pick``)."""
-    if x.shape[0] < GROUP:
-        _gemm(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1)
-    else:
-        _gemm_table(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1_pick)
+    _gemm_table(x, qs, d, m, out, chunks, _q4_1_pick, _q4_1_pick)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q4_0_pick(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q4_0 blocks, dequantised by table (``_q4_0_pick``)."""
-    if x.shape[0] < GROUP:
-        _gemm(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0)
-    else:
-        _gemm_table(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0_pick)
+    _gemm_table(x, qs, d, m, out, chunks, _q4_0_pick, _q4_0_pick)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
 def _gemm_q8_0_table(x, qs, d, m, out, chunks):
     """``_gemm_table`` over Q8_0 blocks."""
-    if x.shape[0] < GROUP:
-        _gemm(x, qs, d, m, out, chunks, _q8_0, _q8_0)
-    else:
-        _gemm_table(x, qs, d, m, out, chunks, _q8_0, _q8_0)
+    _gemm_table(x, qs, d, m, out, chunks, _q8_0, _q8_0)
 
 
 @numba.njit(nogil=True, cache=True, parallel=True)
