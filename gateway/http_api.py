@@ -407,6 +407,8 @@ def usage(stats: list[FinalStats]) -> dict:
             "accepted_tokens": sum(s.accepted_tokens for s in stats),
             "mean_accepted_length": completion / rounds if rounds else 0.0,
             "acceptance_by_position": by_position,
+            # moves to a scorer replica of other arithmetic (GenerationStats.scorer_numerics_changes)
+            "scorer_numerics_changes": sum(s.scorer_numerics_changes for s in stats),
         },
     }
 

@@ -81,6 +81,7 @@ def test_completions_greedy_equal_grpc(stack, client, chat_model, method, k):
     assert speculation["rounds"] >= 1
     assert speculation["mean_accepted_length"] == pytest.approx(len(expected.token_ids) / speculation["rounds"])
     assert speculation["accepted_tokens"] <= speculation["draft_tokens"]
+    assert speculation["scorer_numerics_changes"] == expected.stats.scorer_numerics_changes == 0  # one replica
     if method == "none":
         assert speculation["draft_tokens"] == 0 and speculation["acceptance_by_position"] == []
 
@@ -158,7 +159,8 @@ def test_sse_framing(stack, chat_model):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert set(chunks[-1]["usage"]["speculation"]) == {"rounds", "draft_tokens", "accepted_tokens",
-                                                       "mean_accepted_length", "acceptance_by_position"}
+                                                       "mean_accepted_length", "acceptance_by_position",
+                                                       "scorer_numerics_changes"}
 
 
 #: body fields -> the `param` of the 400 (the gRPC bad-input cases of
