@@ -10,7 +10,7 @@ that moves between two of them mid-answer may take another token at a
 near-tie than either would have alone. So a moving sequence goes to a
 replica of its own fingerprint when one is up, and only otherwise to
 another (``Sequence.numerics``, GenerationStats.scorer_numerics_changes,
-``specdec_gateway_scorer_numerics_changes_total``).
+``specdec_gateway_scorer_numerics_moves_total``).
 
 The book learns a replica's fingerprint from GetModelInfo as soon as the
 replica is discovered (retried while it starts) and from every Verify
@@ -45,9 +45,6 @@ class ScorerNumerics:
         self._by_addr: dict[str, str] = {}
         self._learning: dict[str, asyncio.Task] = {}
         self._warned: frozenset[tuple[str, str]] = frozenset()
-
-    def get(self, addr: str) -> str | None:
-        return self._by_addr.get(addr)
 
     def heard(self, addr: str, fingerprint: str) -> None:
         """A replica's answer named its fingerprint ("" from a scorer that

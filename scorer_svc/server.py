@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 from prometheus_client import Gauge, Info
 
-from specdec.engine.base import Engine, check_feature_layers, numerics_fingerprint
+from specdec.engine.base import Engine, PoolExhausted, check_feature_layers, numerics_fingerprint
 from specdec.engine.config import EngineConfig
 from specdec.engine.factory import build_engine
 from specdec.limits import (
@@ -193,6 +193,17 @@ def export_gemm_choice(engine: Engine) -> None:
             ENGINE_GEMM_MS.labels(path, rows).set(ms)
 
 
+def replica_numerics(engine: Engine) -> str:
+    """The engine's ``numerics_fingerprint``, or "" (the replica does not
+    say: gateways treat it as unknown) where the KV pool cannot hold the
+    probe's tokens."""
+    try:
+        return numerics_fingerprint(engine)
+    except PoolExhausted as e:
+        log.warning("scorer: no numerics fingerprint (the KV pool cannot hold its probe: %s)", e)
+        return ""
+
+
 def prepare(engine: Engine, args) -> None:
     """Readies the engine before serving (Engine.prepare: on a GPU, every
     CUDA graph the batch limits can need), with --feature-layers those of
@@ -226,7 +237,7 @@ def serve(args) -> None:
         prepare(engine, args)
     except ValueError as e:
         raise SystemExit(f"scorer: {e}") from None
-    numerics = numerics_fingerprint(engine)
+    numerics = replica_numerics(engine)
     SCORER_NUMERICS.info({"fingerprint": numerics})
     scheduler = Scheduler(engine, args.max_batch_size, args.max_tokens_per_forward, background=False,
                           idle_timeout_s=args.idle_timeout_s, decode_ahead=args.decode_ahead == "on")

@@ -50,6 +50,16 @@ def test_the_fingerprint_names_the_arithmetic_and_leaves_the_cache_as_it_was(sto
     assert numerics_fingerprint(_engine(stories_path, NUMBA)) != first  # other bits
 
 
+def test_a_pool_too_small_for_the_probe_serves_without_a_fingerprint(stories_path):
+    """A scorer whose KV pool cannot hold the probe's tokens starts and says
+    no fingerprint ("": unknown to gateways) instead of failing."""
+    from specdec.scorer_svc.server import replica_numerics
+
+    tiny = build_engine(EngineConfig(model=stories_path, dtype="float32", kv_capacity_tokens=16, num_threads=1))
+    assert replica_numerics(tiny) == "" and tiny.free_tokens() == 16
+    assert len(replica_numerics(_engine(stories_path, SIMD))) == 16
+
+
 def _sequence(seq_id: str) -> Sequence:
     return Sequence(seq_id, _params(), _Tokenizer(), (2,), 512)
 
