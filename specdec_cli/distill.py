@@ -23,7 +23,8 @@ Recipe (all offline; nothing but the target and this package is needed):
    the learning rate warms up over ``WARMUP_STEPS`` and then follows a
    cosine to 0 at the end of the budget (``lr_at``; ``--lr-schedule
    constant`` keeps it); matmuls in bfloat16 with float32 weights and
-   optimiser (autocast) on a CPU with native bfloat16 (``--train-dtype``);
+   optimiser (autocast) where that measured faster (``--train-dtype``,
+   ``distill_dtype``);
    a checkpoint (student, optimiser, step; the data is written once
    beside it, ``DATA_FILE``) every ``CHECKPOINT_EVERY_S`` seconds, so ``--resume`` loses at most that
    (also while step 1 makes the data: the finished answers are kept, each
@@ -59,6 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec import distill_dtype
 from specdec.distill_args import DEFAULT_DRAFT_VOCAB, WARMUP_STEPS, DistillConfig
 from specdec.proposer_svc.draft_model import DRAFT_VOCAB_FILE
 
@@ -221,19 +223,15 @@ def lr_at(cfg: DistillConfig, step: int, progress: float) -> float:
 
 
 def _resolved(choice: str) -> torch.dtype:
-    """A dtype choice: auto = bfloat16 on a CPU with native bfloat16
-    (AVX512-BF16 / AMX: its matmuls run ~2x float32's there), else float32
-    (bfloat16 emulated is slower, not faster)."""
+    """The teacher's dtype choice: auto = bfloat16 on a CPU with native
+    bfloat16 (AVX512-BF16 / AMX), else float32 (bfloat16 emulated is slower,
+    not faster). The student's (--train-dtype auto) is measured:
+    ``distill_dtype``."""
     if choice == "auto":
         from specdec.engine.gemm_select import native_bf16
 
         return torch.bfloat16 if native_bf16() else torch.float32
     return getattr(torch, choice)
-
-
-def train_dtype(cfg: DistillConfig) -> torch.dtype:
-    """The student's matmul dtype (--train-dtype)."""
-    return _resolved(cfg.train_dtype)
 
 
 def teacher_dtype(cfg: DistillConfig, target) -> str:
@@ -560,6 +558,12 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     head_ids = draft_vocab(data, tokenizer, cfg.draft_vocab) if cfg.kind == "draft" and cfg.draft_vocab else None
     student, loss_of = _student(cfg, target, data, head_ids)
     optimizer = torch.optim.AdamW(trainable(student), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(data["tokens"]), generator=gen).tolist()
+    chose = time.monotonic()
+    dtype = distill_dtype.resolved(cfg.train_dtype, state,
+                                   lambda: _measured_train_dtype(cfg, student, loss_of, data, order, log))
+    chose_s = time.monotonic() - chose  # counted against the budget
     if state:
         student.load_state_dict(state["student"])
         optimizer.load_state_dict(state["optimizer"])
@@ -567,15 +571,12 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         torch.set_rng_state(state["rng"])
         log(f"resumed at step {step} ({trained_s / 60:.1f} min trained)")
     else:  # the data is whole in DATA_FILE: a checkpoint of the training leaves the answers' parts unneeded
-        _save_checkpoint(ckpt_path, student, optimizer, data_s, 0, 0.0)
+        _save_checkpoint(ckpt_path, student, optimizer, data_s, 0, 0.0, dtype)
         for part in out.glob(ANSWERS_PART.replace("{:05d}", "*")):
             part.unlink()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    order = torch.randperm(len(data["tokens"]), generator=gen).tolist()
-    budget_s = cfg.minutes * 60 - data_s  # --minutes covers the target's answers and the training
+    budget_s = cfg.minutes * 60 - data_s - chose_s  # --minutes covers the target's answers and the training
     started, saved = time.monotonic() - trained_s, time.monotonic()
     tokens_seen = 0
-    dtype = train_dtype(cfg)
     log(f"training in {str(dtype).removeprefix('torch.')} (--train-dtype {cfg.train_dtype}), "
         f"learning rate {cfg.lr} ({cfg.lr_schedule})")
     while (cfg.steps and step < cfg.steps) or (not cfg.steps and time.monotonic() - started < budget_s):
@@ -596,11 +597,11 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         sys.stderr.write(_progress(step, cfg.steps or None, loss.item(), tok_s, max(eta, 0.0)))
         sys.stderr.flush()
         if time.monotonic() - saved >= CHECKPOINT_EVERY_S:
-            _save_checkpoint(ckpt_path, student, optimizer, data_s, step, elapsed)
+            _save_checkpoint(ckpt_path, student, optimizer, data_s, step, elapsed, dtype)
             saved = time.monotonic()
     sys.stderr.write("\n")
     trained_s = time.monotonic() - started  # the card's training time: the measurement below is not training
-    _save_checkpoint(ckpt_path, student, optimizer, data_s, step, trained_s)
+    _save_checkpoint(ckpt_path, student, optimizer, data_s, step, trained_s, dtype)
     measured = time.monotonic()
     student.eval()
     if cfg.kind == "eagle3":
@@ -624,7 +625,7 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
             "train_minutes": round(trained_s / 60, 2),
             "acceptance_minutes": round((time.monotonic() - measured) / 60, 2),
             "mean_accepted_length_k5": round(accepted, 4), "teacher_top_k": TEACHER_TOP_K,
-            "train_dtype_used": str(train_dtype(cfg)).removeprefix("torch."),
+            "train_dtype_used": str(dtype).removeprefix("torch."),
             "teacher_dtype_used": teacher_dtype(cfg, target), **shape,
             "examples": len(data["tokens"])}
     _write_card(out, cfg, card)
@@ -718,10 +719,28 @@ def _resumed_data(out: Path, state: dict) -> dict:
     return torch.load(out / DATA_FILE, weights_only=False)["data"]
 
 
-def _save_checkpoint(path: Path, student, optimizer, data_s: float, step: int, trained_s: float) -> None:
-    """The training state; the data it trains on is in DATA_FILE beside it."""
+def _save_checkpoint(path: Path, student, optimizer, data_s: float, step: int, trained_s: float,
+                     dtype: torch.dtype) -> None:
+    """The training state (and the dtype it trains in: a resumed --train-dtype
+    auto keeps it); the data it trains on is in DATA_FILE beside it."""
     _save_atomically(path, {"student": student.state_dict(), "optimizer": optimizer.state_dict(),
-                            "data_s": data_s, "step": step, "trained_s": trained_s, "rng": torch.get_rng_state()})
+                            "data_s": data_s, "step": step, "trained_s": trained_s, "rng": torch.get_rng_state(),
+                            "train_dtype": str(dtype).removeprefix("torch.")})
+
+
+def _measured_train_dtype(cfg: DistillConfig, student, loss_of, data: dict, order: list[int], log) -> torch.dtype:
+    """--train-dtype auto for a fresh run: ``distill_dtype.choose`` timing
+    steps of the run's first batch (on copies of the student)."""
+    rows = [order[i % len(order)] for i in range(cfg.batch_size)]
+
+    def step(model, optimizer) -> None:
+        loss, _ = loss_of(model, data, rows)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    return distill_dtype.choose(student, step, {"kind": cfg.kind, "batch_size": cfg.batch_size,
+                                                "max_new_tokens": cfg.max_new_tokens}, log)
 
 
 def _save_atomically(path: Path, state: dict) -> None:

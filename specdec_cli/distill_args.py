@@ -11,7 +11,7 @@ from dataclasses import dataclass
 TEACHER_TEMPERATURE = 0.7  # the target's answers: near its greedy text, still varied
 WARMUP_STEPS = 20  # the learning rate's linear warm-up (at most a tenth of --steps)
 LR_SCHEDULES = ("cosine", "constant")
-TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 autocast where the CPU has it natively
+TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 autocast where it measures faster (distill_dtype)
 TEACHER_DTYPES = TRAIN_DTYPES  # the target answering: auto = bfloat16 where the CPU has it natively
 KINDS = ("draft", "eagle3")
 #: eagle3: target tokens kept in the head's draft vocabulary (capped at the target's)
@@ -89,7 +89,8 @@ def add_parser(sub) -> None:
                         "--minutes; constant: --lr throughout")
     p.add_argument("--train-dtype", default=DistillConfig.train_dtype, choices=list(TRAIN_DTYPES),
                    help="the student's matmuls: auto = bfloat16 (autocast; weights and optimiser stay float32) "
-                        "where the CPU has native bfloat16, else float32")
+                        "where the CPU has native bfloat16 and a few timed steps run faster in it (the verdict "
+                        "is cached per CPU and shape), else float32")
     p.add_argument("--teacher-dtype", default=DistillConfig.teacher_dtype, choices=list(TEACHER_DTYPES),
                    help="the target's dtype while it answers (the data phase): auto = bfloat16 where the CPU has "
                         "native bfloat16 (~1.25x the answers a minute there), else float32; the acceptance "
