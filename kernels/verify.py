@@ -52,6 +52,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
+import numpy as np
 import torch
 
 from specdec.kernels import rng
@@ -146,31 +147,46 @@ def _verify_greedy_on_host(target_logits: torch.Tensor,  # float32 [num_draft_to
                            draft_token_ids: torch.Tensor,  # int32 [num_draft_tokens]
                            cu_num_draft_tokens: torch.Tensor,  # int32 [B]
                            ) -> VerifyOutput:
-    """GREEDY for a CPU batch of greedy sequences: the reference's scan
-    (accept while x_i == argmax(logits_i), the argmax at the stop is the
-    output's last token) with host integers, one numpy argmax per row read.
-    numpy's argmax takes the first of equal maxima, as torch's does, and
-    reads a 49152-wide row in ~3 us where torch's takes ~45; with the
-    reference's dozen small tensor ops a plain decoding step's verification
-    cost ~0.3-1 ms, now ~30-70 us (``benchmarks/bench_kernels.py``)."""
-    logits = target_logits.numpy()  # a view, no copy
-    drafts = draft_token_ids.tolist()
+    """GREEDY for a CPU batch of greedy sequences: ``greedy_on_host`` in
+    VerifyOutput's tensors. With the reference's dozen small tensor ops a
+    plain decoding step's verification cost ~0.3-1 ms, now ~30-70 us
+    (``benchmarks/bench_kernels.py``)."""
     ends = cu_num_draft_tokens.tolist()
+    outputs, accepted = greedy_on_host(target_logits.numpy(), draft_token_ids.tolist(), ends)
     max_k = max((end - start for start, end in zip([0, *ends], ends)), default=0)
     output_token_ids = torch.full((len(ends), max_k + 1), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(len(ends), dtype=torch.int32)
-    tokens, accepted = output_token_ids.numpy(), num_accepted.numpy()  # views, written in place
+    tokens = output_token_ids.numpy()  # a view, written in place
+    for b, output in enumerate(outputs):
+        tokens[b, :len(output)] = output
+    return VerifyOutput(output_token_ids=output_token_ids, num_accepted=torch.tensor(accepted, dtype=torch.int32))
+
+
+def greedy_on_host(logits: np.ndarray,  # float32 [num_draft_tokens + B, V]
+                   drafts: list[int],  # [num_draft_tokens], sequence after sequence
+                   ends: list[int],  # [B]: cumulative draft counts
+                   ) -> tuple[list[list[int]], list[int]]:
+    """GREEDY verification with host integers: per sequence the accepted
+    drafts and the argmax at the first mismatch (or the bonus token), and
+    the number accepted; the reference's scan (accept while x_i ==
+    argmax(logits_i)), one numpy argmax per row read. numpy's argmax takes
+    the first of equal maxima, as torch's does, and reads a 49152-wide row
+    in ~3 us where torch's takes ~45. The scheduler calls it directly for
+    an all-greedy CPU batch (no sampling tensors to build)."""
+    outputs: list[list[int]] = []
+    accepted: list[int] = []
     start = 0
     for b, end in enumerate(ends):
-        i = 0  # rows of sequence b: start + b .. end + b; row i follows drafts 0..i-1
+        i, output = 0, []  # rows of sequence b: start + b .. end + b; row i follows drafts 0..i-1
         while True:
-            tokens[b, i] = token = int(logits[start + b + i].argmax())
+            token = int(logits[start + b + i].argmax())
+            output.append(token)
             if start + i == end or drafts[start + i] != token:
                 break
             i += 1
-        accepted[b] = i
+        outputs.append(output)
+        accepted.append(i)
         start = end
-    return VerifyOutput(output_token_ids=output_token_ids, num_accepted=num_accepted)
+    return outputs, accepted
 
 
 def sample(logits: torch.Tensor,  # float32 [B, V]

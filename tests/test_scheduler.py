@@ -92,6 +92,49 @@ def test_drafts_right_and_wrong_give_plain_greedy(stories_path, counting):
     assert right == expected and bad == expected
 
 
+def test_greedy_batches_skip_the_sampling_tensors_and_give_the_same_tokens(stories_path, engine, monkeypatch):
+    """An all-greedy CPU batch is verified by the host scan straight from the
+    job specs (``kernels.verify.greedy_on_host``), not through ``verify``'s
+    sampling tensors: the same tokens as plain greedy, right and wrong
+    drafts; a batch with a sampled sequence, or a greedy one under another
+    accept policy, still goes through ``verify``."""
+    import dataclasses
+
+    import specdec.scorer_svc.scheduler as scheduler_module
+    from specdec.kernels import POLICY_ACCEPT_ALL, REJECTION
+
+    calls = []
+    real = scheduler_module.verify
+    monkeypatch.setattr(scheduler_module, "verify", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt = prompt_ids(stories_path)
+    expected = hf_greedy(stories_path, tuple(prompt), 16)
+    oracle = lambda tokens: expected[len(tokens) - len(prompt):][:4]
+    wrong = lambda tokens: [(t + 1) % 512 for t in oracle(tokens)]
+
+    async def run():
+        sched = Scheduler(engine, max_batch_size=8, max_tokens_per_forward=64)
+        try:
+            right = await greedy_with_drafts(sched, "g-r", prompt, 16, oracle)
+            bad = await greedy_with_drafts(sched, "g-w", prompt, 16, wrong)
+            assert not calls
+            sampled = dataclasses.replace(spec("g-s", context=prompt), temperature=1.0, strategy=REJECTION)
+            accept_all = dataclasses.replace(spec("g-a", context=prompt, drafts=[1, 2]),
+                                             accept_policy=POLICY_ACCEPT_ALL)
+            for odd in (sampled, accept_all):
+                (r, o), _, _ = await sched.verify([spec(f"g-{len(calls)}", context=prompt), odd])
+                assert r.status == o.status == OK and r.output_token_ids == expected[:1]
+            assert o.output_token_ids[:2] == [1, 2]  # accept_all took the drafts
+            forced, _, _ = await sched.verify([spec("g-f", context=prompt, drafts=[1, 2])])
+            return right, bad, forced
+        finally:
+            sched.stop()
+
+    right, bad, forced = asyncio.run(run())
+    assert right == expected and bad == expected
+    assert len(calls) == 2
+    assert forced[0].output_token_ids[0] == expected[0]  # greedy: the drafts [1, 2] stop at the first
+
+
 def test_transformers_fallback_engine_gives_plain_greedy(tmp_path):
     """The fallback engine (a model family the Llama runner does not run: GPT-2)
     under the scheduler: drafts right and wrong, two sequences at once, give
