@@ -128,8 +128,14 @@ def summary_line(gen) -> str:
             f"({s.output_tokens / max(gen.wall_s, 1e-9):.1f} tok/s")
     after = s.wall_s - s.ttft_s
     if s.output_tokens > 1 and s.ttft_s > 0 and after > 0:
-        line += f"; first token after {s.ttft_s:.2f} s, then {(s.output_tokens - 1) / after:.1f} tok/s"
+        line += f"; first token after {_wait(s.ttft_s)}, then {(s.output_tokens - 1) / after:.1f} tok/s"
     return line + f"), {s.rounds} rounds, mean accepted length {s.mean_accepted_length:.2f}"
+
+
+def _wait(seconds: float) -> str:
+    """A wait as the summary prints it: seconds, or milliseconds below 0.1 s
+    (a short prompt's first token on a fast machine read "0.00 s")."""
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{1e3 * seconds:.1f} ms"
 
 
 def health_command(args) -> int:

@@ -256,10 +256,11 @@ def test_cli_generate_closes_with_the_first_tokens_wait_and_the_rate_after_it(st
          "--method", "ngram", "-k", "3", "--max-tokens", "20", PROMPTS["repeats"]],
         capture_output=True, text=True, timeout=120, check=True)
     last = out.stderr.strip().splitlines()[-1]
-    m = re.fullmatch(r"\[(stop|length)\] (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s; first token after ([\d.]+) s, "
-                     r"then ([\d.]+) tok/s\), (\d+) rounds, mean accepted length ([\d.]+)", last)
+    m = re.fullmatch(r"\[(stop|length)\] (\d+) tokens in ([\d.]+) s \(([\d.]+) tok/s; first token after ([\d.]+) "
+                     r"(s|ms), then ([\d.]+) tok/s\), (\d+) rounds, mean accepted length ([\d.]+)", last)
     assert m, last
-    tokens, wall, first, after = int(m[2]), float(m[3]), float(m[5]), float(m[6])
+    tokens, wall, after = int(m[2]), float(m[3]), float(m[7])
+    first = float(m[5]) / (1000 if m[6] == "ms" else 1)
     assert tokens > 1 and 0 < first <= wall and after > 0
 
 
@@ -271,6 +272,9 @@ def test_summary_line_leaves_out_the_rate_after_the_first_token_where_there_is_n
     assert summary_line(gen) == "[length] 1 tokens in 0.50 s (2.0 tok/s), 1 rounds, mean accepted length 1.00"
     gen.stats.output_tokens, gen.stats.rounds = 9, 3  # 8 tokens in the 0.05 s after the first
     assert summary_line(gen) == ("[length] 9 tokens in 0.50 s (18.0 tok/s; first token after 0.40 s, then 160.0 "
+                                 "tok/s), 3 rounds, mean accepted length 1.00")
+    gen.stats.ttft_s, gen.stats.wall_s = 0.0042, 0.0442  # a fast first token: not "0.00 s"
+    assert summary_line(gen) == ("[length] 9 tokens in 0.50 s (18.0 tok/s; first token after 4.2 ms, then 200.0 "
                                  "tok/s), 3 rounds, mean accepted length 1.00")
 
 
