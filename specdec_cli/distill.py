@@ -47,6 +47,7 @@ across an interrupted run resumed with ``--resume``).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -584,12 +585,8 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
         progress = step / cfg.steps if cfg.steps else (time.monotonic() - started) / max(budget_s, 1e-9)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step, progress)
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            loss, n = loss_of(student, data, rows)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(trainable(student), 1.0)
-        optimizer.step()
+        loss, n = distill_dtype.optimizer_step(trainable(student), optimizer,
+                                               functools.partial(loss_of, student, data, rows), dtype)
         step, tokens_seen = step + 1, tokens_seen + n
         elapsed = time.monotonic() - started
         tok_s = tokens_seen / max(elapsed - trained_s, 1e-9)
@@ -730,17 +727,11 @@ def _save_checkpoint(path: Path, student, optimizer, data_s: float, step: int, t
 
 def _measured_train_dtype(cfg: DistillConfig, student, loss_of, data: dict, order: list[int], log) -> torch.dtype:
     """--train-dtype auto for a fresh run: ``distill_dtype.choose`` timing
-    steps of the run's first batch (on copies of the student)."""
+    training steps of the run's first batch (on copies of the student)."""
     rows = [order[i % len(order)] for i in range(cfg.batch_size)]
-
-    def step(model, optimizer) -> None:
-        loss, _ = loss_of(model, data, rows)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    return distill_dtype.choose(student, step, {"kind": cfg.kind, "batch_size": cfg.batch_size,
-                                                "max_new_tokens": cfg.max_new_tokens}, log)
+    return distill_dtype.choose(student, lambda model: loss_of(model, data, rows),
+                                {"kind": cfg.kind, "batch_size": cfg.batch_size,
+                                 "max_new_tokens": cfg.max_new_tokens}, log)
 
 
 def _save_atomically(path: Path, state: dict) -> None:

@@ -63,22 +63,37 @@ def _cache_file(key: dict) -> Path:
     return cache_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 
-def step_seconds(student: torch.nn.Module, step: Callable[[torch.nn.Module, torch.optim.Optimizer], None],
+def optimizer_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                   loss_of: Callable[[], tuple[torch.Tensor, int]], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """One training step, as ``specdec distill`` trains: the loss (and the
+    tokens it covers, ``loss_of()``) under ``dtype`` autocast (the forward
+    only), then backward, gradients clipped to norm 1 and the optimiser's
+    step in float32."""
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        loss, n = loss_of()
+    optimizer.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    return loss, n
+
+
+def step_seconds(student: torch.nn.Module, loss_of: Callable[[torch.nn.Module], tuple[torch.Tensor, int]],
                  dtype: torch.dtype, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` optimiser steps (``step(model,
-    optimizer)``) of a copy of the student under ``dtype`` autocast."""
+    """Seconds of each of ``steps`` training steps (``optimizer_step`` with
+    ``loss_of(model)``) of a copy of the student in ``dtype``."""
     model = copy.deepcopy(student)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            step(model, optimizer)
+        optimizer_step(params, optimizer, lambda: loss_of(model), dtype)
         seconds.append(time.perf_counter() - start)
     return seconds
 
 
-def measure(student: torch.nn.Module, step: Callable[[torch.nn.Module, torch.optim.Optimizer], None]) -> dict:
+def measure(student: torch.nn.Module, loss_of: Callable[[torch.nn.Module], tuple[torch.Tensor, int]]) -> dict:
     """Median seconds a step in float32 and in bfloat16 (``step_seconds``,
     ``ROUNDS`` rounds in turns, the first ``WARM`` steps of each round not
     counted); torch's random state is left as it was."""
@@ -87,15 +102,16 @@ def measure(student: torch.nn.Module, step: Callable[[torch.nn.Module, torch.opt
     try:
         for _ in range(ROUNDS):
             for name in timed:
-                timed[name] += step_seconds(student, step, getattr(torch, name), WARM + TIMED)[WARM:]
+                timed[name] += step_seconds(student, loss_of, getattr(torch, name), WARM + TIMED)[WARM:]
     finally:
         torch.set_rng_state(rng)
     return {name: statistics.median(s) for name, s in timed.items()}
 
 
-def choose(student: torch.nn.Module, step: Callable[[torch.nn.Module, torch.optim.Optimizer], None],
+def choose(student: torch.nn.Module, loss_of: Callable[[torch.nn.Module], tuple[torch.Tensor, int]],
            shape: dict, log: Callable[[str], None]) -> torch.dtype:
-    """``--train-dtype auto`` for this student and step: float32 where the
+    """``--train-dtype auto`` for this student and loss (``loss_of(model)``
+    -> (loss, tokens) of one batch): float32 where the
     CPU has no native bfloat16; else the cached verdict for this machine and
     shape, or a fresh measurement (``measure``), logged and cached."""
     from specdec.engine.gemm_select import native_bf16
@@ -113,7 +129,7 @@ def choose(student: torch.nn.Module, step: Callable[[torch.nn.Module, torch.opti
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     start = time.monotonic()
-    seconds = measure(student, step)
+    seconds = measure(student, loss_of)
     dtype = "bfloat16" if seconds["bfloat16"] <= BF16_MARGIN * seconds["float32"] else "float32"
     ms = {name: round(1e3 * s, 1) for name, s in seconds.items()}
     log(f"training dtype: {dtype} (--train-dtype auto; a step {_timings(ms)}, measured in "

@@ -25,14 +25,13 @@ def _student() -> torch.nn.Module:
 
 
 def _sleeping_step(float32_s: float, bfloat16_s: float, calls: list[str]):
-    """A step that takes the given seconds in each dtype (and trains the model a little)."""
-    def step(model, optimizer) -> None:
+    """A loss that takes the given seconds in each dtype (autocast is on for the loss only)."""
+    def loss_of(model):
         bf16 = torch.is_autocast_enabled("cpu")
         calls.append("bfloat16" if bf16 else "float32")
         time.sleep(bfloat16_s if bf16 else float32_s)
-        model(torch.ones(2, 16)).sum().backward()
-        optimizer.step()
-    return step
+        return model(torch.ones(2, 16)).sum(), 2
+    return loss_of
 
 
 @pytest.mark.parametrize("float32_s,bfloat16_s,expected", [
@@ -75,14 +74,11 @@ def test_measuring_leaves_the_student_and_the_random_state_as_they_were(cache):
     expected_next = torch.rand(3)
     torch.manual_seed(5)
 
-    def step(model, optimizer) -> None:
+    def loss_of(model):
         torch.rand(7)  # draws from the global generator
-        loss = model(torch.randn(4, 16)).square().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+        return model(torch.randn(4, 16)).square().mean(), 4
 
-    seconds = distill_dtype.measure(student, step)
+    seconds = distill_dtype.measure(student, loss_of)
     assert set(seconds) == {"float32", "bfloat16"} and all(s > 0 for s in seconds.values())
     assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())
     assert [p.grad for p in student.parameters()] == optimizer_free
@@ -113,8 +109,8 @@ def test_distill_auto_trains_in_the_measured_dtype_and_its_resume_keeps_it(stori
     measured: list[dict] = []
     real_measure = distill_dtype.measure
 
-    def measure(student, step):
-        seconds = real_measure(student, step)  # the run's real steps, timed
+    def measure(student, loss_of):
+        seconds = real_measure(student, loss_of)  # the run's real steps, timed
         measured.append(seconds)
         return {"float32": 1.0, "bfloat16": 0.5}
 
