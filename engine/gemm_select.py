@@ -201,7 +201,7 @@ class Linear:
     row count when ``invariance_failure`` accepted the path on this machine."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, path: GemmPath,
-                 quantized: gemm_gguf.GgufBlocks | None = None) -> None:
+                 quantized: gemm_gguf.GgufBlocks | gemm_gguf.QuantWeight | None = None) -> None:
         self.path = path
         self.min_rows = path.min_rows
         self.bias = bias
@@ -214,7 +214,12 @@ class Linear:
         #: simd-l1: the weight prefetched into L1 instead of L2
         self.l1 = path.name == "simd-l1"
         self._quant: gemm_gguf.QuantWeight | None = None
-        if path.kind == "gguf":  # the weight's GGUF blocks; a weight the file holds otherwise reads as simd-l1
+        if path.kind == "gguf" and isinstance(quantized, gemm_gguf.QuantWeight):  # blocks given (quantize)
+            shape = (quantized.out_features, quantized.d.shape[1] * gemm_gguf.BLOCK)
+            if shape != (self.out_features, self.in_features):
+                raise ValueError(f"blocks of a {shape} weight for a weight {tuple(weight.shape)}")
+            self._quant = quantized
+        elif path.kind == "gguf":  # the weight's GGUF blocks; a weight the file holds otherwise reads as simd-l1
             if quantized is None:
                 raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks; "
                                          "these weights come from none")

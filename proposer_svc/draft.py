@@ -39,6 +39,7 @@ import torch
 from specdec.drafts import EMPTY_DRAFT_TOKENS, Draft
 from specdec.engine.base import Engine, ForwardItem, PoolExhausted
 from specdec.limits import is_greedy
+from specdec.proposer_svc import draft_ops
 from specdec.proposer_svc.base import ContextStore, Proposer, SeqOptions
 from specdec.proposer_svc.model_settings import DraftConfig
 
@@ -84,18 +85,14 @@ def choose_tokens(logits: torch.Tensor, temperatures: list[float], seeds: list[i
     gateway reads the draft's confidence from it (greedy verification ignores
     q, so greedy output does not depend on it)."""
     choices: list[TokenChoice] = []
-    greedy_probs = torch.softmax(logits.double(), dim=-1).max(dim=-1).values.cpu()  # [n]
-    k = min(top_k, logits.shape[-1])
-    scale = torch.tensor([1.0 if is_greedy(t) else t for t in temperatures], dtype=torch.float64,
-                         device=logits.device)
-    # every row's top-K at its temperature in one call, then to the host: on a GPU draft's logits, one copy
-    top_values, top_ids = (t.cpu() for t in torch.topk(logits.double() / scale[:, None], k, dim=-1))  # [n, K]
+    scale = [1.0 if is_greedy(t) else t for t in temperatures]
+    greedy_probs, top_values, top_ids = _top_k(logits, scale, min(top_k, logits.shape[-1]))
     for row, (t, seed, pos) in enumerate(zip(temperatures, seeds, positions)):
         values, ids = top_values[row], top_ids[row]  # [K], [K], descending
-        q = torch.softmax(values, dim=-1).numpy()  # float64 [K]
-        q32 = q.astype(np.float32)
+        q = np.exp(values - values[0])  # float64 [K]: the softmax of the top K
+        q32 = (q / q.sum()).astype(np.float32)
         q32 /= q32.sum()
-        sparse_ids = ids.numpy().astype(np.int32)
+        sparse_ids = ids.astype(np.int32)
         if is_greedy(t):
             choices.append(TokenChoice(int(ids[0]), float(greedy_probs[row]), sparse_ids, q32))
             continue
@@ -103,6 +100,20 @@ def choose_tokens(logits: torch.Tensor, temperatures: list[float], seeds: list[i
         j = min(j, int(np.flatnonzero(q32)[-1]))  # rounding at the top end
         choices.append(TokenChoice(int(ids[j]), float(q32[j]), sparse_ids, q32))
     return choices
+
+
+def _top_k(logits: torch.Tensor, scale: list[float], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each row's greedy probability float64 [n], its k largest logits over
+    its scale float64 [n, k] descending, their columns int64 [n, k]). A CPU
+    draft's logits in numpy: a few one-row torch ops cost ~0.2 ms a draft
+    step there, more than a Q8_0 head's GEMMs; a GPU draft's on the device,
+    then one copy to the host."""
+    if logits.device.type == "cpu":
+        return draft_ops.top_k(np.ascontiguousarray(logits.float().numpy()), np.asarray(scale, np.float64), k)
+    greedy_probs = torch.softmax(logits.double(), dim=-1).max(dim=-1).values
+    by = torch.tensor(scale, dtype=torch.float64, device=logits.device)
+    values, ids = torch.topk(logits.double() / by[:, None], k, dim=-1)
+    return greedy_probs.cpu().numpy(), values.cpu().numpy(), ids.cpu().numpy()
 
 
 @dataclass

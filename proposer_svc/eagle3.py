@@ -41,11 +41,13 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
+from specdec.engine import cpu_ops, gemm_gguf
 from specdec.engine.gemm_select import GEMM_PATHS, Linear, select, set_torch_threads
-from specdec.engine.llama import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq, rope_parameters
+from specdec.engine.llama import rope_inv_freq, rope_parameters
+from specdec.proposer_svc import draft_ops
 
 EAGLE3 = "eagle3"
 DEEPSEEK_MTP = "deepseek_mtp"
@@ -57,6 +59,12 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 #: optional biases (Qwen2-style q/k/v, attention_bias configs)
 ATTENTION_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                     "self_attn.o_proj.bias")
+#: The projection weights a head can keep (``FeatureHead``): float32; bfloat16
+#: (read by the simd path, widened in registers); q8_0 / q4_1 as GGUF blocks
+#: quantised at load (``gemm_gguf.quantize``, read by the simd-gguf path).
+#: float32 arithmetic in every case; the drafts may differ, the output never.
+HEAD_PROJECTION_DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
+QUANTIZED_PROJECTIONS = {"q8_0": "Q8_0", "q4_1": "Q4_1"}
 #: Most rows a head's projections are checked on when their GEMM path is
 #: chosen (a draft step feeds one row per sequence; more is correct anyway).
 HEAD_CHECK_ROWS = 16
@@ -100,26 +108,26 @@ class HeadCache:
     head_dim: int
     base: int = 0  # context position of the first cached row
     length: int = 0
-    k: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # float32 [Hkv, cap, D]
-    v: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    k: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))  # float32 [Hkv, cap, D]
+    v: np.ndarray = field(default_factory=lambda: np.zeros((0, 0, 0), np.float32))
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: float32 [Hkv, m, D] rows after the cached ones."""
-        m = k.shape[1]
-        if self.length + m > (self.k.shape[1] if self.k.dim() == 3 else 0):
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: float32 [m, Hkv, D] rows after the cached ones."""
+        m = k.shape[0]
+        if self.length + m > self.k.shape[1]:
             cap = max(64, 2 * (self.length + m))
-            grown_k = torch.zeros(self.num_kv_heads, cap, self.head_dim)
-            grown_v = torch.zeros_like(grown_k)
+            grown_k = np.zeros((self.num_kv_heads, cap, self.head_dim), np.float32)
+            grown_v = np.zeros_like(grown_k)
             if self.length:
                 grown_k[:, :self.length] = self.k[:, :self.length]
                 grown_v[:, :self.length] = self.v[:, :self.length]
             self.k, self.v = grown_k, grown_v
-        self.k[:, self.length:self.length + m] = k
-        self.v[:, self.length:self.length + m] = v
+        self.k[:, self.length:self.length + m] = k.transpose(1, 0, 2)
+        self.v[:, self.length:self.length + m] = v.transpose(1, 0, 2)
         self.length += m
 
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes if self.k.dim() == 3 else 0
+        return self.k.nbytes + self.v.nbytes
 
 
 @dataclass
@@ -136,20 +144,26 @@ class FeatureHead:
     """The head's forward over a ragged batch of ``HeadItem``s (module doc)."""
 
     def __init__(self, spec: HeadSpec, weights: dict[str, torch.Tensor], draft_to_target: torch.Tensor,
-                 projection_dtype: torch.dtype = torch.float32) -> None:
+                 projection_dtype: str | torch.dtype = "float32") -> None:
         """weights: float32 tensors by role (``LAYER_TENSORS`` names plus
         embed, final_norm, lm_head and the kind's input tensors);
         draft_to_target: int64 [draft_vocab] target id of each logits column;
-        projection_dtype: bfloat16 keeps the projections' weights in bfloat16
-        (half the bytes a draft step reads; ``_projections``)."""
+        projection_dtype: one of HEAD_PROJECTION_DTYPES (or a torch dtype):
+        bfloat16 keeps the projections' weights in bfloat16 (half the bytes a
+        draft step reads), q8_0 / q4_1 as GGUF blocks (``_projections``)."""
         self.spec = spec
         self.w = weights
         self.draft_to_target = draft_to_target
         self.inv_freq = rope_inv_freq(spec.rope, spec.head_dim)  # float32 [D / 2]
+        self._inv_freq = self.inv_freq.float().numpy()
+        self._embed = weights["embed"].float().numpy()  # [vocab, hidden]
+        self._vectors = {name: t.float().numpy() for name, t in weights.items() if t.dim() == 1}  # the norms
+        draft_ops.warm_up()
+        cpu_ops.warm_up()
         self.scale = spec.head_dim ** -0.5
-        self.projection_dtype = projection_dtype
+        self.projection_dtype = projection_dtype_name(projection_dtype)
         self.threads = torch.get_num_threads()  # the projections' GEMMs split over as many (set_threads)
-        self.proj = _projections(weights, projection_dtype)
+        self.proj = _projections(weights, self.projection_dtype)
 
     def set_threads(self, threads: int) -> None:
         """Runs the head on ``threads`` CPU threads: torch's (process-wide)
@@ -171,84 +185,81 @@ class FeatureHead:
     def fuse(self, rows: torch.Tensor) -> torch.Tensor:
         """Target features as the layer reads them: float32 [T, feature_dim]
         -> [T, hidden] (eagle3: fc; MTP: the target's final norm)."""
+        x = np.ascontiguousarray(rows.float().numpy())
         if self.spec.kind == EAGLE3:
-            return self.proj["fc"](rows)
-        return rms_norm(rows, self.w["target_norm"], self.spec.rms_norm_eps)
+            return torch.from_numpy(self.proj["fc"].on_array(x))
+        return torch.from_numpy(cpu_ops.rms_norm(x, self._vectors["target_norm"], np.float32(self.spec.rms_norm_eps)))
 
     @torch.inference_mode()
     def forward(self, items: list[HeadItem]) -> tuple[torch.Tensor, torch.Tensor]:
         """Appends every item's rows to its cache. Returns the fed-back
         hidden states float32 [T, hidden] of all rows (in item order) and the
         draft-vocabulary logits float32 [len(items), draft_vocab] of each
-        item's last row."""
-        tokens = torch.cat([it.token_ids for it in items])  # [T]
-        g = torch.cat([it.features for it in items])  # [T, hidden]
-        positions = torch.cat([torch.arange(it.cache.base + it.cache.length,
-                                            it.cache.base + it.cache.length + len(it.token_ids))
-                               for it in items])  # [T]
-        x, residual = self._layer_input(F.embedding(tokens, self.w["embed"]), g, positions)
-        h = residual + self._attention(x, positions, items)
-        out = h + self._mlp(rms_norm(h, self.w["post_attention_layernorm.weight"], self.spec.rms_norm_eps))
-        normed = rms_norm(out, self.w["final_norm"], self.spec.rms_norm_eps)  # [T, hidden]
-        last = torch.cumsum(torch.tensor([len(it.token_ids) for it in items]), 0) - 1  # [len(items)]
-        logits = self.proj["lm_head"](normed[last])  # [len(items), draft_vocab]
-        return (normed if self.spec.kind == MIMO_MTP else out), logits
+        item's last row. Between the GEMMs the rows stay in numpy and each
+        small step is one numba call (``draft_ops``, ``engine.cpu_ops``)."""
+        eps, w = np.float32(self.spec.rms_norm_eps), self._vectors
+        tokens = np.concatenate([np.asarray(it.token_ids) for it in items])  # [T]
+        g = np.concatenate([np.asarray(it.features, dtype=np.float32) for it in items])  # [T, hidden]
+        positions = np.concatenate([np.arange(it.cache.base + it.cache.length,
+                                              it.cache.base + it.cache.length + len(it.token_ids))
+                                    for it in items])  # [T]
+        x, residual = self._layer_input(self._embed[tokens], g, positions)
+        h, x = cpu_ops.add_rms_norm(residual, self._attention(x, positions, items),
+                                    w["post_attention_layernorm.weight"], eps)
+        out = h + self.proj["down"].on_array(cpu_ops.silu_mul(self.proj["gate_up"].on_array(x)))
+        last = np.cumsum([len(it.token_ids) for it in items]) - 1  # [len(items)]
+        if self.spec.kind == MIMO_MTP:
+            normed = cpu_ops.rms_norm(out, w["final_norm"], eps)  # [T, hidden], fed back
+            logits = self.proj["lm_head"].on_array(np.ascontiguousarray(normed[last]))
+            return torch.from_numpy(normed), torch.from_numpy(logits)
+        logits = self.proj["lm_head"].on_array(cpu_ops.rms_norm(np.ascontiguousarray(out[last]), w["final_norm"], eps))
+        return torch.from_numpy(out), torch.from_numpy(logits)  # [len(items), draft_vocab]
 
-    def _layer_input(self, e: torch.Tensor, g: torch.Tensor,
-                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_input(self, e: np.ndarray, g: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The attention input and the residual of the kind; e: token
         embeddings [T, hidden], g: features [T, hidden]."""
-        eps, w = self.spec.rms_norm_eps, self.w
+        eps, w = np.float32(self.spec.rms_norm_eps), self._vectors
         if self.spec.kind == EAGLE3:
-            gn = rms_norm(g, w["hidden_norm"], eps)
-            x = torch.cat([rms_norm(e, w["input_layernorm.weight"], eps), gn], dim=-1)  # [T, 2 hidden]
+            gn = cpu_ops.rms_norm(g, w["hidden_norm"], eps)
+            x = np.concatenate([cpu_ops.rms_norm(e, w["input_layernorm.weight"], eps), gn], axis=1)  # [T, 2 hidden]
             return x, (gn if self.spec.norm_before_residual else g)
-        e = e.masked_fill((positions == 0)[:, None], 0.0)
-        en, gn = rms_norm(e, w["token_norm"], eps), rms_norm(g, w["feature_norm"], eps)
-        fused = self.proj["input_proj"](torch.cat([en, gn] if self.spec.kind == DEEPSEEK_MTP else [gn, en], dim=-1))
-        return rms_norm(fused, w["input_layernorm.weight"], eps), fused
+        e = np.where((positions == 0)[:, None], np.float32(0.0), e)
+        en, gn = cpu_ops.rms_norm(e, w["token_norm"], eps), cpu_ops.rms_norm(g, w["feature_norm"], eps)
+        fused = self.proj["input_proj"].on_array(
+            np.concatenate([en, gn] if self.spec.kind == DEEPSEEK_MTP else [gn, en], axis=1))
+        return cpu_ops.rms_norm(fused, w["input_layernorm.weight"], eps), fused
 
-    def _attention(self, x: torch.Tensor, positions: torch.Tensor, items: list[HeadItem]) -> torch.Tensor:
+    def _attention(self, x: np.ndarray, positions: np.ndarray, items: list[HeadItem]) -> np.ndarray:
         """Causal attention of every item's rows over its cache and its own
         earlier rows (the new rows are cached first); x: [T, in] -> [T, hidden]."""
         s = self.spec
         T, H, Hkv, D = x.shape[0], s.num_heads, s.num_kv_heads, s.head_dim
-        q, k, v = self.proj["qkv"](x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :])  # [T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = torch.empty(T, H, D)
+        qkv = self.proj["qkv"].on_array(x)
+        q = np.ascontiguousarray(qkv[:, :H * D]).reshape(T, H, D)
+        k = np.ascontiguousarray(qkv[:, H * D:(H + Hkv) * D]).reshape(T, Hkv, D)
+        draft_ops.rope(q, positions, self._inv_freq)
+        draft_ops.rope(k, positions, self._inv_freq)
+        v = qkv[:, (H + Hkv) * D:].reshape(T, Hkv, D)
+        out = np.empty((T, H, D), np.float32)
         row = 0
         for it in items:
             m, c = len(it.token_ids), it.cache
-            c.append(k[row:row + m].transpose(0, 1), v[row:row + m].transpose(0, 1))
-            n = c.length
-            if m == 1:  # a chain step: its one query sees every cached row (no mask), query heads grouped
-                # over their kv head in place (no repeated cache): ~50 us against ~160 for the general form
-                # (SmolLM2's head, 256 cached rows, 1 thread)
-                scores = torch.matmul(q[row].view(Hkv, H // Hkv, D), c.k[:, :n].transpose(1, 2)) * self.scale
-                out[row] = torch.matmul(torch.softmax(scores, dim=-1), c.v[:, :n]).view(H, D)
-                row += 1
-                continue
-            # catch-up rows: grouped over their kv head as above, under a causal mask (no repeated cache):
-            # 71 us against 171 for scaled_dot_product_attention over a repeated one (4 rows over 256
-            # cached; 455 against 1260 for 6 over 1000; 1 thread, AMD EPYC family 26)
-            G = H // Hkv
-            grouped = q[row:row + m].view(m, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * m, D)
-            scores = torch.matmul(grouped, c.k[:, :n].transpose(1, 2)).view(Hkv, G, m, n) * self.scale
-            causal = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]  # [m, n]
-            weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1).view(Hkv, G * m, n)
-            att = torch.matmul(weights, c.v[:, :n])  # [Hkv, G * m, D]
-            out[row:row + m] = att.view(Hkv, G, m, D).permute(2, 0, 1, 3).reshape(m, H, D)
+            c.append(k[row:row + m], v[row:row + m])
+            out[row:row + m] = draft_ops.attend(q[row:row + m], c.k, c.v, c.length, self.scale)
             row += m
-        return self.proj["o"](out.view(T, H * D))
-
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.proj["gate_up"](x).chunk(2, dim=-1)
-        return self.proj["down"](F.silu(gate) * up)
+        return self.proj["o"].on_array(out.reshape(T, H * D))
 
 
-def _projections(w: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict:
+def projection_dtype_name(dtype: str | torch.dtype) -> str:
+    """A head's projection weights as named in HEAD_PROJECTION_DTYPES (a
+    torch dtype by its name); ValueError naming the choices."""
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
+    if name not in HEAD_PROJECTION_DTYPES:
+        raise ValueError(f"head projection weights: one of {', '.join(HEAD_PROJECTION_DTYPES)}, not {name!r}")
+    return name
+
+
+def _projections(w: dict[str, torch.Tensor], dtype: str = "float32") -> dict:
     """The head's projections (q/k/v and gate/up fused) as callables [T, in]
     -> [T, out] (float32 in and out) through the GEMM path the engine would
     take on this CPU (gemm_select: checked, timed once, cached): a draft step
@@ -266,10 +277,12 @@ def _projections(w: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32)
              ("gate_up", torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), None),
              ("down", w["mlp.down_proj.weight"], None), ("lm_head", w["lm_head"], None),
              *((name, w[name], None) for name in ("fc", "input_proj") if name in w)]
-    if dtype == torch.bfloat16:
+    if dtype == "bfloat16":
         return {role: Linear(weight.to(torch.bfloat16), bias, GEMM_PATHS["simd"]) for role, weight, bias in roles}
-    if dtype != torch.float32:
-        raise ValueError(f"head projections: float32 or bfloat16, not {dtype}")
+    if dtype in QUANTIZED_PROJECTIONS:
+        kind = QUANTIZED_PROJECTIONS[dtype]
+        return {role: Linear(weight, bias, GEMM_PATHS["simd-gguf"], gemm_gguf.quantize(weight.numpy(), kind))
+                for role, weight, bias in roles}
     chosen = select(roles, torch.float32, torch.get_num_threads(), max_rows=HEAD_CHECK_ROWS)
     return {role: linear for (role, _, _), linear in zip(roles, chosen.linears)}
 
@@ -358,7 +371,7 @@ def eagle3_layer_ids(config: dict, target_layers: int) -> tuple[int, ...]:
     return layers
 
 
-def load_eagle3(head_dir: str, target: str, projection_dtype: torch.dtype = torch.float32) -> FeatureHead:
+def load_eagle3(head_dir: str, target: str, projection_dtype: str | torch.dtype = "float32") -> FeatureHead:
     """An EAGLE-3 head in the public layout (config.json + model.safetensors
     or pytorch_model.bin: fc, midlayer.*, norm, lm_head, d2t, t2d, optional
     embed_tokens) for ``target``, whose embeddings it shares when it has
@@ -418,7 +431,7 @@ def draft_ids_to_target(d2t: torch.Tensor, vocab: int, where: str) -> torch.Tens
     return ids
 
 
-def load_mtp(target: str, projection_dtype: torch.dtype = torch.float32) -> FeatureHead:
+def load_mtp(target: str, projection_dtype: str | torch.dtype = "float32") -> FeatureHead:
     """The first next-token-prediction layer a target checkpoint carries:
     DeepSeek naming (``model.layers.{num_hidden_layers}.{enorm, hnorm,
     eh_proj, shared_head.*}``, ``num_nextn_predict_layers``) or MiMo naming

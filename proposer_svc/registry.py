@@ -36,7 +36,7 @@ class FeatureHeadSettings:
     target_model: str  # the scorer's model: shared embeddings (eagle3), the MTP layers' checkpoint (mtp)
     eagle3: str | None = None  # EAGLE-3 head directory (public layout)
     head: HeadConfig = field(default_factory=HeadConfig)
-    projection_dtype: str = HEAD_PROJECTION_DTYPE  # the projection weights: "float32" or "bfloat16" (FeatureHead)
+    projection_dtype: str = HEAD_PROJECTION_DTYPE  # the projection weights (eagle3.HEAD_PROJECTION_DTYPES)
     # torch and GEMM threads of the head (process-wide, as --draft-threads); None: 1 for a head too small to
     # gain from more (MULTITHREAD_MIN_LAYER_BYTES), else as the engine's default
     threads: int | None = None
@@ -79,15 +79,14 @@ def build_proposers(methods: list[str], settings: ReplicaSettings | None = None)
 def _build_feature(method: str, settings: ReplicaSettings) -> Proposer:
     """The eagle3 proposer (--eagle3 DIR) or the mtp proposer (the target
     checkpoint's MTP layers); ValueError saying what is missing."""
-    from specdec.engine.checkpoint import torch_dtype
     from specdec.engine.llama import MULTITHREAD_MIN_LAYER_BYTES, default_num_threads
-    from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp
+    from specdec.proposer_svc.eagle3 import load_eagle3, load_mtp, projection_dtype_name
     from specdec.proposer_svc.feature_draft import FeatureDraftProposer
 
     heads = settings.heads
     if heads is None:
         raise ValueError(f"{method}: needs the target model (--target-model)")
-    dtype = torch_dtype(heads.projection_dtype)  # ValueError naming the choices
+    dtype = projection_dtype_name(heads.projection_dtype)  # ValueError naming the choices
     if method == "mtp":
         head = load_mtp(heads.target_model, dtype)
     elif heads.eagle3:
