@@ -44,7 +44,7 @@ from bench_e2e import chat_ids, run_concurrent, run_single
 
 from specdec.engine.config import GEMM_CHOICES
 from specdec.launcher import Stack
-from specdec.limits import COLOCATED_DRAFT_THREADS
+from specdec.limits import COLOCATED_DRAFT_THREADS, HEAD_PROJECTION_DTYPES
 from specdec.models import default_model, load_tokenizer, resolve_model
 from specdec.proposer_svc.registry import MODEL_METHODS
 
@@ -187,9 +187,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--streams", type=int, default=8, help="concurrent streams (0: single stream only)")
     ap.add_argument("--skip-hf", action="store_true", help="leave out transformers assisted generation")
-    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="the draft model's dtype (default: float32) and the eagle3 head's projection weights "
-                         "(default: limits.HEAD_PROJECTION_DTYPE)")
+    ap.add_argument("--draft-dtype", choices=list(HEAD_PROJECTION_DTYPES), default=None,
+                    help="the draft model's dtype (default: float32; float32 or bfloat16) and the eagle3 head's "
+                         "projection weights (default: limits.HEAD_PROJECTION_DTYPE)")
     ap.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
                     help="the draft model's CPU threads (specdec proposer --draft-threads; default: as specdec "
                          "serve's, limits.COLOCATED_DRAFT_THREADS)")

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 
 from specdec.engine.base import ForwardItem
-from specdec.engine.checkpoint import torch_dtype
 from specdec.engine.gemm_select import cpu_model
 from specdec.engine.llama import Checkpoint, LlamaEngine
+from specdec.limits import HEAD_PROJECTION_DTYPES
 from specdec.models import default_model
 from specdec.proposer_svc.eagle3 import HeadCache, HeadItem, load_eagle3
 
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--prefix", type=int, default=256, help="cached context tokens")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--accepted", type=float, default=None, help="mean accepted length (for bytes per round)")
-    p.add_argument("--projection-dtype", choices=["float32", "bfloat16"], default="float32",
+    p.add_argument("--projection-dtype", choices=list(HEAD_PROJECTION_DTYPES), default="float32",
                    help="the head's projection weights (specdec proposer --draft-dtype)")
     p.add_argument("--evict-mb", type=float, default=None,
                    help="megabytes read before each cold step (default: the target's float32 weights)")
@@ -108,7 +108,7 @@ def main() -> None:
     evict_mb = args.evict_mb if args.evict_mb is not None else sum(
         4 * v.numel() for v in checkpoint.state_dict.values()) / (1 << 20)
     engine = LlamaEngine(checkpoint, "float32", kv_capacity_tokens=4096, num_threads=1)
-    head = load_eagle3(args.eagle3, args.model, torch_dtype(args.projection_dtype))
+    head = load_eagle3(args.eagle3, args.model, args.projection_dtype)
     head.set_threads(1)
     target_ms = target_decode_ms(engine, args.prefix, args.reps)
     chain_ms = head_ms(head, args.prefix, 1, args.reps)

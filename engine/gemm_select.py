@@ -220,7 +220,7 @@ class Linear:
                 raise ValueError(f"blocks of a {shape} weight for a weight {tuple(weight.shape)}")
             self._quant = quantized
         elif path.kind == "gguf":  # the weight's GGUF blocks; a weight the file holds otherwise reads as simd-l1
-            if quantized is None:
+            if not isinstance(quantized, gemm_gguf.GgufBlocks):
                 raise gemm_gguf.NoBlocks(f"the {path.name} GEMM reads a GGUF model's Q4_0 / Q4_1 / Q8_0 blocks; "
                                          "these weights come from none")
             try:

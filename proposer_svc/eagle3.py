@@ -47,6 +47,7 @@ import torch
 from specdec.engine import cpu_ops, gemm_gguf
 from specdec.engine.gemm_select import GEMM_PATHS, Linear, select, set_torch_threads
 from specdec.engine.llama import rope_inv_freq, rope_parameters
+from specdec.limits import HEAD_PROJECTION_DTYPES
 from specdec.proposer_svc import draft_ops
 
 EAGLE3 = "eagle3"
@@ -59,11 +60,7 @@ LAYER_TENSORS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_att
 #: optional biases (Qwen2-style q/k/v, attention_bias configs)
 ATTENTION_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
                     "self_attn.o_proj.bias")
-#: The projection weights a head can keep (``FeatureHead``): float32; bfloat16
-#: (read by the simd path, widened in registers); q8_0 / q4_1 as GGUF blocks
-#: quantised at load (``gemm_gguf.quantize``, read by the simd-gguf path).
-#: float32 arithmetic in every case; the drafts may differ, the output never.
-HEAD_PROJECTION_DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
+#: HEAD_PROJECTION_DTYPES quantised at load -> their GGUF block kind (``gemm_gguf.quantize``)
 QUANTIZED_PROJECTIONS = {"q8_0": "Q8_0", "q4_1": "Q4_1"}
 #: Most rows a head's projections are checked on when their GEMM path is
 #: chosen (a draft step feeds one row per sequence; more is correct anyway).

@@ -81,7 +81,12 @@ def _add_common(p: argparse.ArgumentParser, port: int) -> None:
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
     """Flags of the model-draft methods (draft, draft_hybrid) and the feature heads (eagle3, mtp)."""
     from specdec.engine.config import DEVICES, DTYPE_NAMES
-    from specdec.limits import DEFAULT_DRAFT_MAX_BATCH, DEFAULT_DRAFT_TOP_K, HEAD_PROJECTION_DTYPE
+    from specdec.limits import (
+        DEFAULT_DRAFT_MAX_BATCH,
+        DEFAULT_DRAFT_TOP_K,
+        HEAD_PROJECTION_DTYPE,
+        HEAD_PROJECTION_DTYPES,
+    )
     from specdec.models import default_model
 
     p.add_argument("--draft-model", default=None,
@@ -95,10 +100,11 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="eagle3: an EAGLE-3 head for --target-model in the public layout (config.json + "
                         "model.safetensors or pytorch_model.bin, as vLLM/SGLang load it)")
     p.add_argument("--draft-device", "--device", dest="draft_device", default="cpu", choices=list(DEVICES))
-    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default=None, choices=list(DTYPE_NAMES),
-                   help="the draft model's dtype (default: float32); eagle3/mtp: the head's projection weights "
-                        f"(default: {HEAD_PROJECTION_DTYPE}: half the bytes a draft step reads of float32's, float32 "
-                        "arithmetic; drafts may differ slightly, output never)")
+    p.add_argument("--draft-dtype", "--dtype", dest="draft_dtype", default=None,
+                   choices=list(dict.fromkeys([*DTYPE_NAMES, *HEAD_PROJECTION_DTYPES])),
+                   help="the draft model's dtype (float32, the default, or bfloat16); eagle3/mtp: the head's "
+                        f"projection weights (default: {HEAD_PROJECTION_DTYPE}; q8_0 / q4_1: quantised at load, "
+                        "fewer bytes a draft step reads; float32 arithmetic; drafts may differ slightly, output never)")
     p.add_argument("--draft-kv-tokens", type=int, default=None, help="draft model's KV pool size in tokens")
     p.add_argument("--draft-threads", type=int, default=None,
                    help="CPU threads of the draft model's (and the eagle3/mtp head's) GEMMs and attention (default: "
@@ -111,6 +117,15 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="a round with more sequences than this gets no model or head drafts (plain decoding)")
 
 
+def check_draft_dtype(command: str, dtype: str | None) -> None:
+    """SystemExit when a draft model (--draft-model) would get a dtype only a head's projections take."""
+    from specdec.engine.config import DTYPE_NAMES
+
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise SystemExit(f"{command}: --draft-dtype {dtype} quantises an eagle3/mtp head's projections; a draft "
+                         f"model (--draft-model) runs in {' or '.join(DTYPE_NAMES)}")
+
+
 def replica_settings(args):
     """The proposer's ReplicaSettings from its parsed flags."""
     from specdec.engine.config import EngineConfig
@@ -121,6 +136,7 @@ def replica_settings(args):
 
     draft = None
     if args.draft_model:
+        check_draft_dtype("proposer", args.draft_dtype)
         draft = DraftModelSettings(
             EngineConfig(args.draft_model, dtype=args.draft_dtype or "float32", device=args.draft_device,
                          kv_capacity_tokens=args.draft_kv_tokens, num_threads=args.draft_threads),
@@ -149,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
         HEAD_PROJECTION_DTYPE,
+        HEAD_PROJECTION_DTYPES,
         MAX_BRANCH_WIDTH,
         MAX_DECODE_STEPS,
         MAX_SPECULATIVE_TOKENS,
@@ -296,9 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "LM (shares the model's tokenizer)")
     p.add_argument("--eagle3", metavar="DIR", default=None,
                    help="also serve eagle3 with this EAGLE-3 head for the model (public layout)")
-    p.add_argument("--draft-dtype", default=None, choices=list(DTYPE_NAMES),
-                   help="the draft model's dtype (default: --dtype) and the eagle3 head's projection weights "
-                        f"(default: {HEAD_PROJECTION_DTYPE}); bfloat16 halves the bytes a draft step reads")
+    p.add_argument("--draft-dtype", default=None, choices=list(dict.fromkeys([*DTYPE_NAMES, *HEAD_PROJECTION_DTYPES])),
+                   help="the draft model's dtype (default: --dtype; float32 or bfloat16) and the eagle3 head's "
+                        f"projection weights (default: {HEAD_PROJECTION_DTYPE}; q8_0 / q4_1: quantised at load, "
+                        "fewer bytes a draft step reads)")
     p.add_argument("--draft-threads", type=int, default=COLOCATED_DRAFT_THREADS,
                    help="the draft proposer's CPU threads (its --draft-threads): on one machine the scorer "
                         "uses every core, and a draft on more threads waits for them (limits.py, "

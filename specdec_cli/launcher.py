@@ -465,6 +465,10 @@ def serve_command(args) -> int:
         raise SystemExit(f"serve: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
     if args.draft_threads < 1:  # likewise, not by a draft proposer started after the scorer
         raise SystemExit(f"serve: --draft-threads must be >= 1, got {args.draft_threads}")
+    if args.draft_model:
+        from specdec.cli import check_draft_dtype
+
+        check_draft_dtype("serve", args.draft_dtype)
     from specdec.engine.factory import check_device
 
     try:

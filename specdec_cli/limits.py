@@ -139,3 +139,10 @@ def resolve_seed(seed: int | None) -> int:
 #: cold against 2.18 / 2.98 in float32; ``bench_draft.py --k 2``: the
 #: gateway's wait for drafts 6.9 against 8.4 ms a round.
 HEAD_PROJECTION_DTYPE = "bfloat16"
+#: What a head's projection weights may be (``--draft-dtype`` of a proposer
+#: serving eagle3/mtp; ``eagle3.FeatureHead``): float32, bfloat16 (the simd
+#: path widens them), or quantised at load into GGUF-style blocks, q8_0 (8.5
+#: bits a weight) or q4_1 (5), read by the simd-gguf path. Float32
+#: arithmetic in every case; the drafts may differ, the output never. A
+#: draft model takes float32 or bfloat16 only.
+HEAD_PROJECTION_DTYPES = ("float32", "bfloat16", "q8_0", "q4_1")
