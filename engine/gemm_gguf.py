@@ -143,37 +143,27 @@ class QuantWeight:
 KIND_CODES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
 
 
-
 def quantize(weight: np.ndarray, kind: str) -> QuantWeight:
-    """A float32 weight [out, in] (in a multiple of BLOCK) as blocks of
-    `kind`, rounded as llama.cpp's reference quantisers round them (scales
-    in float16): Q8_0 ``d = max |w| / 127``, ``q = round(w / d)``; Q4_1 ``d
-    = (max - min) / 15``, ``m = min``, ``q = round((w - m) / d)`` in 0..15.
-    Out padded to OUT_BLOCK with zero blocks. For weights no file holds as
-    blocks (a feature head's projections): fewer bytes for a GEMM to read,
-    not the same values (``dequantized()`` gives the ones it computes with)."""
-    if kind not in ("Q8_0", "Q4_1"):
-        raise ValueError(f"quantize: Q8_0 or Q4_1, not {kind!r}")
+    """A float32 weight [out, in] (in a multiple of BLOCK) as `kind` blocks
+    (Q8_0, Q4_1, Q4_0), quantised by gguf-py (bit for bit llama.cpp's
+    reference quantisers), out padded to OUT_BLOCK with zero blocks. For
+    weights no file holds as blocks (a feature head's projections): fewer
+    bytes for a GEMM to read, not the same values (``dequantized()`` gives
+    the ones it computes with)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize as gguf_quantize
+
+    if kind not in KINDS:
+        raise ValueError(f"quantize: one of {', '.join(KINDS)}, not {kind!r}")
     w = np.asarray(weight, np.float32)
     if w.ndim != 2 or w.shape[1] % BLOCK:
         raise ValueError(f"quantize: a 2-D weight of whole {BLOCK}-value blocks, not {w.shape}")
-    rows = -(-w.shape[0] // OUT_BLOCK) * OUT_BLOCK
-    blocks = np.zeros((rows, w.shape[1] // BLOCK, BLOCK), np.float32)
-    blocks[:w.shape[0]] = w.reshape(w.shape[0], -1, BLOCK)
+    padded = np.zeros((-(-w.shape[0] // OUT_BLOCK) * OUT_BLOCK, w.shape[1]), np.float32)
+    padded[:w.shape[0]] = w
+    raw = gguf_quantize(padded, GGMLQuantizationType[kind])  # uint8 [rows, blocks * bytes]
+    q = GgufBlocks._weight(kind, raw, np.arange(len(padded)))
+    return QuantWeight(kind, q.qs, q.d, q.m, w.shape[0])
 
-    def scales(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        d = values.astype(np.float16).astype(np.float32)
-        return d, np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
-
-    if kind == "Q8_0":
-        d, inv = scales(np.abs(blocks).max(axis=-1) / 127)
-        qs = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8).reshape(rows, -1)
-        return QuantWeight(kind, qs, d, np.zeros((1, 1), np.float32), w.shape[0])
-    low = blocks.min(axis=-1).astype(np.float16).astype(np.float32)
-    d, inv = scales((blocks.max(axis=-1) - low) / 15)
-    q = np.clip(np.rint((blocks - low[..., None]) * inv[..., None]), 0, 15).astype(np.uint8)
-    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(rows, -1)  # weights 0..15 low, 16..31 high (module doc)
-    return QuantWeight(kind, np.ascontiguousarray(qs), d, low, w.shape[0])
 
 @numba.njit(nogil=True, cache=True)
 def _dequantize_row(kind, qs, d, m, r, out):

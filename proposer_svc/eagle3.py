@@ -263,8 +263,10 @@ def _projections(w: dict[str, torch.Tensor], dtype: str = "float32") -> dict:
     is a few one-row products, where MKL (F.linear) is several times slower.
     dtype bfloat16: the weights rounded to bfloat16 and read as such by the
     simd path (the one that widens bfloat16 weights in registers; a step is
-    bound by the bytes it reads, so about half the time). Drafts may differ
-    slightly, never the output: verification decides."""
+    bound by the bytes it reads, so about half the time); q8_0 / q4_1: the
+    weights quantised into GGUF blocks at load (``gemm_gguf.quantize``), read
+    by the simd-gguf path. Drafts may differ slightly, never the output:
+    verification decides."""
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     qkv_w = [w[f"{n}.weight"] for n in qkv]
     qkv_b = [w.get(f"{n}.bias") for n in qkv]
@@ -274,12 +276,16 @@ def _projections(w: dict[str, torch.Tensor], dtype: str = "float32") -> dict:
              ("gate_up", torch.cat([w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"]]), None),
              ("down", w["mlp.down_proj.weight"], None), ("lm_head", w["lm_head"], None),
              *((name, w[name], None) for name in ("fc", "input_proj") if name in w)]
+
+    def bfloat16(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight.to(torch.bfloat16), bias, GEMM_PATHS["simd"])
+
     if dtype == "bfloat16":
-        return {role: Linear(weight.to(torch.bfloat16), bias, GEMM_PATHS["simd"]) for role, weight, bias in roles}
-    if dtype in QUANTIZED_PROJECTIONS:
+        return {role: bfloat16(weight, bias) for role, weight, bias in roles}
+    if dtype in QUANTIZED_PROJECTIONS:  # a width that is not whole blocks (stories260K's 172) stays bfloat16
         kind = QUANTIZED_PROJECTIONS[dtype]
         return {role: Linear(weight, bias, GEMM_PATHS["simd-gguf"], gemm_gguf.quantize(weight.numpy(), kind))
-                for role, weight, bias in roles}
+                if weight.shape[1] % gemm_gguf.BLOCK == 0 else bfloat16(weight, bias) for role, weight, bias in roles}
     chosen = select(roles, torch.float32, torch.get_num_threads(), max_rows=HEAD_CHECK_ROWS)
     return {role: linear for (role, _, _), linear in zip(roles, chosen.linears)}
 

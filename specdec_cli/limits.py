@@ -129,16 +129,22 @@ def resolve_seed(seed: int | None) -> int:
     """The seed a sequence samples with: the client's (masked to 63 bits), or
     a random one drawn once, so that every round of the request uses it."""
     return (random.getrandbits(63) if seed is None else int(seed)) & SEED_MASK
+
+
 #: The eagle3/mtp heads' projection weights when no --draft-dtype is given
-#: (``specdec proposer``, ``specdec serve``, ``launcher.Stack``): bfloat16
-#: halves the bytes a draft step reads (the simd GEMM path widens them in
-#: registers, float32 arithmetic, on any x86 CPU); the drafts may differ
-#: slightly from float32 projections', the output never does. SmolLM2's
-#: 30-minute head on 2 AVX2 cores of an AMD EPYC (family 25, no native
-#: bfloat16), ``bench_feature_head.py``: a chain step 1.02 / 2.10 ms warm /
-#: cold against 2.18 / 2.98 in float32; ``bench_draft.py --k 2``: the
-#: gateway's wait for drafts 6.9 against 8.4 ms a round.
-HEAD_PROJECTION_DTYPE = "bfloat16"
+#: (``specdec proposer``, ``specdec serve``, ``launcher.Stack``): q8_0 blocks
+#: quantised at load (HEAD_PROJECTION_DTYPES), about half the bytes
+#: bfloat16 reads and a quarter of float32's; the drafts may differ slightly
+#: from float32 projections', the output never does. SmolLM2's 30-minute head
+#: on 2 cores of an Intel Xeon (CPU model 207), greedy speculation simulated
+#: in one process with the real proposer (throwaway
+#: ``/work/exp/s59/accept.py``, one thread, k=5): mean accepted length
+#: 1.988 / 1.795 (held-out / bench_draft's chat prompts) against bfloat16's
+#: 1.951 / 1.789 and float32's 1.951 / 1.795 (q4_1: 1.907 / 1.685, dropped),
+#: 4.0 ms a propose call against 4.8 (bfloat16) and 7.2 (float32). Before,
+#: bfloat16 halved float32's bytes (AMD EPYC, family 25: a chain step 1.02
+#: / 2.10 ms warm / cold against 2.18 / 2.98 in float32).
+HEAD_PROJECTION_DTYPE = "q8_0"
 #: What a head's projection weights may be (``--draft-dtype`` of a proposer
 #: serving eagle3/mtp; ``eagle3.FeatureHead``): float32, bfloat16 (the simd
 #: path widens them), or quantised at load into GGUF-style blocks, q8_0 (8.5

@@ -83,6 +83,30 @@ def test_sampled_drafts_are_seeded_and_carry_top_k_q():
     assert seeded_uniform(1, 2) != seeded_uniform(2, 2) and 0 <= seeded_uniform(1, 2) < 1
 
 
+def test_cpu_top_k_matches_torch_s_keeps_the_lower_column_among_equals_and_takes_every_width():
+    """``choose_tokens``' CPU top-K (one numba pass, ``draft_ops.top_k``)
+    against torch.topk over the scaled float64 logits: the values and their
+    order; among equal logits the lower column first; k up to the whole
+    vocabulary; the greedy probability is the softmax's largest; bfloat16
+    logits are read too."""
+    from specdec.proposer_svc.draft import _top_k
+
+    gen = torch.Generator().manual_seed(3)
+    for vocab, k in ((4096, 8), (9, 9), (5, 1)):
+        logits = torch.randn(3, vocab, generator=gen) * 4
+        logits[1] = 0.5  # all equal
+        scale = [1.0, 0.7, 1.3]
+        greedy, values, ids = _top_k(logits, scale, k)
+        ref = torch.topk(logits.double() / torch.tensor(scale, dtype=torch.float64)[:, None], k, dim=-1)
+        np.testing.assert_array_equal(values, ref.values.numpy())
+        np.testing.assert_array_equal(ids[[0, 2]], ref.indices[[0, 2]].numpy())
+        assert ids[1].tolist() == list(range(k))
+        np.testing.assert_allclose(greedy, torch.softmax(logits.double(), -1).max(-1).values.numpy(), rtol=1e-5)
+    half = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
+    _, values, ids = _top_k(half, [1.0, 1.0], 4)
+    assert ids[:, 0].tolist() == half.float().argmax(-1).tolist() and (np.diff(values, axis=1) <= 0).all()
+
+
 def test_a_round_larger_than_max_batch_gets_no_drafts(engine):
     prop = _proposer(engine, max_batch=2)
     for i in range(3):

@@ -141,12 +141,12 @@ def test_the_launcher_gives_proposers_the_head_and_the_target():
         parsed = build_parser().parse_args(args)
         assert parsed.draft_dtype == "bfloat16"
     assert build_parser().parse_args(with_draft._draft_proposer_args(["draft"])).draft_dtype == "float32"
-    # without it the heads' projections are bfloat16 (HEAD_PROJECTION_DTYPE: half the bytes a draft step reads)
-    assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "bfloat16" == HEAD_PROJECTION_DTYPE
+    # without it the heads' projections are q8_0 blocks (HEAD_PROJECTION_DTYPE: fewer bytes a draft step reads)
+    assert build_parser().parse_args(proposer_args(with_draft)).draft_dtype == "q8_0" == HEAD_PROJECTION_DTYPE
     bare = build_parser().parse_args(["proposer", "--methods", "eagle3,draft", "--eagle3", "/heads/h",
                                       "--draft-model", "D", "--target-model", "M"])
     settings = replica_settings(bare)
-    assert settings.heads.projection_dtype == "bfloat16" and settings.draft.engine.dtype == "float32"
+    assert settings.heads.projection_dtype == "q8_0" and settings.draft.engine.dtype == "float32"
     assert build_parser().parse_args(["serve", "--draft-dtype", "bfloat16"]).draft_dtype == "bfloat16"
     # draft_threads reaches the proposer that runs the heads (COLOCATED_DRAFT_THREADS by default), as the draft's
     assert build_parser().parse_args(proposer_args(with_draft)).draft_threads == 1
@@ -214,7 +214,7 @@ def test_one_row_chain_steps_attend_as_a_whole_chunk_does(head_dir, stories_path
     assert not torch.allclose(both[1:], both[:1])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "q8_0"])
 def test_draft_threads_sets_the_heads_threads_before_its_gemms_split_work(head_dir, stories_path, target, dtype):
     """`--draft-threads N` runs the head on N threads: torch's and every
     projection's GEMM (a GEMM keeps the count it was built with, so the head
@@ -276,3 +276,54 @@ def test_bfloat16_projections_keep_half_the_bytes_and_stay_close(head_dir, stori
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, F.linear(x, w[name].to(torch.bfloat16).float()), rtol=1e-5, atol=1e-5)
     assert load_eagle3(str(head_dir), stories_path).proj["o"].weight.dtype == torch.float32  # the default
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_1"])
+def test_quantised_projections_read_fewer_bytes_compute_with_their_blocks_and_draft(head_dir, stories_path, target,
+                                                                                    dtype):
+    """`specdec proposer --methods eagle3 --draft-dtype q8_0|q4_1`: every
+    projection is quantised at load into GGUF blocks (gguf-py's quantiser)
+    read by the simd-gguf path, fewer bytes than bfloat16; it computes the
+    linear of the blocks' values, within a quantisation step of the
+    checkpoint's; the head drafts a full chain."""
+    import torch
+    import torch.nn.functional as F
+
+    from specdec.cli import build_parser, replica_settings
+    from specdec.proposer_svc.registry import build_proposers
+
+    args = build_parser().parse_args(["proposer", "--methods", "eagle3", "--eagle3", str(head_dir),
+                                      "--target-model", stories_path, "--draft-dtype", dtype])
+    threads = torch.get_num_threads()
+    try:
+        proposer = build_proposers(["eagle3"], replica_settings(args))["eagle3"]
+    finally:
+        torch.set_num_threads(threads)
+    head = proposer.head
+    w = head.w
+    for role, name in (("o", "self_attn.o_proj.weight"), ("down", "mlp.down_proj.weight"), ("lm_head", "lm_head"),
+                       ("fc", "fc")):
+        linear = head.proj[role]
+        assert linear.path.name == "simd-gguf" and linear._quant.kind == dtype.upper()
+        assert linear.nbytes < w[name].numel() * 2 * (0.6 if dtype == "q8_0" else 0.4)  # float32 scales in memory
+        x = torch.randn(3, w[name].shape[1], generator=torch.Generator().manual_seed(4))
+        values = torch.from_numpy(linear._quant.dequantized())
+        torch.testing.assert_close(linear(x), F.linear(x, values), rtol=1e-5, atol=1e-5)
+        step = torch.from_numpy(linear._quant.d[:len(values)]).abs().repeat_interleave(32, dim=1)
+        assert ((values - w[name]).abs() <= step + 1e-6).all()
+    assert len(_drafts(proposer, target, CONTEXT, k=4)) == 4
+    with pytest.raises(ValueError, match="head projection weights: one of float32, bfloat16, q8_0, q4_1, not 'q5_k'"):
+        load_eagle3(str(head_dir), stories_path, "q5_k")
+
+
+def test_a_draft_model_refuses_a_dtype_only_heads_take_naming_the_flag():
+    from specdec.cli import build_parser, replica_settings
+    from specdec.launcher import serve_command
+
+    args = build_parser().parse_args(["proposer", "--methods", "draft", "--draft-model", "D", "--target-model", "M",
+                                      "--draft-dtype", "q8_0"])
+    with pytest.raises(SystemExit, match="proposer: --draft-dtype q8_0 quantises an eagle3/mtp head's projections; "
+                                         "a draft model .--draft-model. runs in float32 or bfloat16"):
+        replica_settings(args)
+    with pytest.raises(SystemExit, match="serve: --draft-dtype q4_1 quantises"):
+        serve_command(build_parser().parse_args(["serve", "--draft-model", "D", "--draft-dtype", "q4_1"]))

@@ -369,3 +369,30 @@ def test_a_lookup_takes_a_keys_first_row_in_file_order_where_first_halves_collid
     assert row[tensor >= 0].tolist() == [12, 11, 14, 10]
     blocks._index = tuple(np.empty(0, dt) for dt in (np.uint64, np.uint64, np.int64, np.int64))
     assert blocks._locate(keys)[0].tolist() == [-1] * len(keys)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_quantize_gives_gguf_s_blocks_and_the_gemm_computes_with_their_values(kind):
+    """``quantize`` (a feature head's projections at load): the blocks
+    dequantise to what gguf-py dequantises its own quantisation of the weight
+    to (llama.cpp's reference), within half a quantisation step of the
+    weight; out padded to OUT_BLOCK with zero rows; the simd-gguf GEMM on them
+    gives simd's bits on those values at every row count."""
+    w = values(21, 96, 7)  # 21 outputs: padded to 24
+    q = gemm_gguf.quantize(w, kind)
+    want = dequantize(quantize(w, QT[kind]), QT[kind]).astype(np.float32)
+    np.testing.assert_array_equal(q.dequantized(), want)
+    assert q.out_features == 21 and q.d.shape == (24, 3) and not q.d[21:].any()
+    step = np.repeat(np.abs(q.d[:21]), gemm_gguf.BLOCK, axis=1)
+    assert (np.abs(want - w) <= step * (0.5 if kind == "Q8_0" else 1.0) + 1e-3 * np.abs(w)).all()
+    padded = gemm_simd.pad_weight(want)
+    for rows in ROWS:
+        x = np.random.default_rng(rows).standard_normal((rows, 96)).astype(np.float32)
+        np.testing.assert_array_equal(gemm_gguf.gemm(x, q, 2)[:, :21], gemm_simd.gemm(x, padded, 2)[:, :21])
+
+
+def test_quantize_refuses_what_it_cannot_block_naming_why():
+    with pytest.raises(ValueError, match="one of Q4_0, Q4_1, Q8_0, not 'Q5_K'"):
+        gemm_gguf.quantize(np.zeros((8, 32), np.float32), "Q5_K")
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        gemm_gguf.quantize(np.zeros((8, 40), np.float32), "Q8_0")
