@@ -121,7 +121,14 @@ from specdec.gateway.wire import (
     verdicts_from_response,
     verify_request,
 )
-from specdec.limits import DEFAULT_AHEAD_BRANCH_WIDTH, DEFAULT_DECODE_STEPS, DEFAULT_MAX_STALLED_ROUNDS, STALL_SLEEP_S
+from specdec.limits import (
+    DEFAULT_AHEAD_BRANCH_WIDTH,
+    DEFAULT_DECODE_CHUNK_MS,
+    DEFAULT_DECODE_STEPS,
+    DEFAULT_MAX_STALLED_ROUNDS,
+    FIRST_DECODE_STEPS,
+    STALL_SLEEP_S,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,7 +151,9 @@ class LoopConfig:
     max_stalled_rounds: int = DEFAULT_MAX_STALLED_ROUNDS  # rounds without progress before a request fails
     stall_sleep_s: float = STALL_SLEEP_S
     overlap: Overlap = Overlap.ON
-    decode_steps: int = DEFAULT_DECODE_STEPS  # plain decoding: tokens per Verify call (Sequence.decode_steps)
+    decode_steps: int = DEFAULT_DECODE_STEPS  # plain decoding: most tokens per Verify call (Sequence.decode_steps)
+    # plain decoding: the scorer time a call aims at, which sets its tokens (_decode_steps; 0: decode_steps)
+    decode_chunk_s: float = DEFAULT_DECODE_CHUNK_MS / 1000
     # drafting ahead: branches per draft position to ask for (RoundUpdates.branch_width; 0: none)
     ahead_branch_width: int = DEFAULT_AHEAD_BRANCH_WIDTH
 
@@ -181,6 +190,7 @@ class SpecLoop:
         self._propose_s: float | None = None  # moving average of a propose phase's wall time
         self._propose_measured = False  # _propose_s holds a phase without opens (not only a stand-in)
         self._tokens_per_seq = 1.0  # moving average of rows a sequence feeds a decode-only Verify
+        self._plain_pass_s: float | None = None  # moving average of a plain decoding call's wall time a pass
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -271,7 +281,7 @@ class SpecLoop:
         if not live:
             return
         self.gates.plan(live, self.costs, self._propose_s if self._propose_measured else None,
-                        self.config.decode_steps)
+                        self._decode_steps())
         if self._drafts_ahead(live):
             metrics.AHEAD_ROUNDS.inc()
             progressed = await self._ahead_round(live)
@@ -345,7 +355,7 @@ class SpecLoop:
         plain = set()
         for s in live:
             if (s.copies_plainly or s.seq_id in self.gates.exploring) and not self.gates.held_draft_pays(
-                    s, len(drafts[s.seq_id]), self.costs, self.config.decode_steps,
+                    s, len(drafts[s.seq_id]), self.costs, self._decode_steps(),
                     continues=not drafted.get(s.seq_id)):
                 plain.add(s.seq_id)
                 s.planned_budget = 0
@@ -458,7 +468,7 @@ class SpecLoop:
         waiting for proposers they should not have waited for)."""
         decode_only = all(s.scorer_primed for s in live)
         # a call decoding several tokens a sequence (plain rounds) neither: it is no round's Verify
-        several = all(not drafts.get(s.seq_id) and s.decode_steps(self.config.decode_steps) > 1 for s in live)
+        several = all(not drafts.get(s.seq_id) and s.decode_steps(self._decode_steps()) > 1 for s in live)
         start = time.perf_counter()
         verdicts = await clock.timed("verify", self._verify(live, drafts))
         elapsed = time.perf_counter() - start
@@ -470,6 +480,19 @@ class SpecLoop:
         elif not self._verify_measured:
             self._verify_s = elapsed
         return verdicts
+
+    def _decode_steps(self) -> int:
+        """Most tokens a plain decoding call decodes for a sequence now
+        (``Sequence.decode_steps``): as many passes as fit in
+        ``decode_chunk_s`` at the calls' measured time a pass, 1 to
+        ``decode_steps`` (FIRST_DECODE_STEPS until a call is timed; every
+        call ``decode_steps`` without a chunk)."""
+        most, chunk = self.config.decode_steps, self.config.decode_chunk_s
+        if chunk <= 0:
+            return most
+        if self._plain_pass_s is None:
+            return min(most, FIRST_DECODE_STEPS)
+        return max(1, min(most, int(chunk / self._plain_pass_s)))
 
     def _draft_from_ahead(self, seq: Sequence) -> Draft:
         """What still holds of the draft proposed ahead for the sequence: the
@@ -696,7 +719,7 @@ class SpecLoop:
         # plain decoding, several tokens per call: only where every sequence of the call never drafts (a
         # sequence with drafts would wait for the others' extra passes)
         # (a draft from an earlier step, kept where this round's plan asks for nothing, is verified alone)
-        steps = {s.seq_id: 1 if kept[s.seq_id] else s.decode_steps(self.config.decode_steps) for s in seqs}
+        steps = {s.seq_id: 1 if kept[s.seq_id] else s.decode_steps(self._decode_steps()) for s in seqs}
         if min(steps.values()) == 1:
             steps = {}
         start = time.perf_counter()
@@ -723,6 +746,9 @@ class SpecLoop:
                                                 if v.status is Status.OK}, answered)
         if not steps:  # several passes per call would not fit the one-pass cost model
             self.costs.observe(addr, plan, response.compute_s, rpc_s)
+        passes = max((len(v.output_token_ids) for v in verdicts if v.status is Status.OK), default=0)
+        if steps and passes > 1:  # the next calls' tokens: the chunk at this pace (_decode_steps)
+            self._plain_pass_s = moving_average(self._plain_pass_s, rpc_s / passes)
         if plan.decode_only and not steps:  # prefills would not tell the rows of the rounds to come
             self._tokens_per_seq = moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
         for seq in seqs:

@@ -156,6 +156,8 @@ async def serve(args) -> None:
 
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:
         raise SystemExit(f"--decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    if not 0 <= args.decode_chunk_ms < float("inf"):
+        raise SystemExit(f"--decode-chunk-ms must be >= 0, got {args.decode_chunk_ms}")
     if not 0 <= args.ahead_branches <= MAX_BRANCH_WIDTH:
         raise SystemExit(f"--ahead-branches must be in 0..{MAX_BRANCH_WIDTH}, got {args.ahead_branches}")
     if args.max_stalled_rounds < 0:
@@ -169,6 +171,7 @@ async def serve(args) -> None:
     loop = SpecLoop(scorers, proposers, vocab_size=0,
                     config=LoopConfig(propose_timeout_s=args.propose_timeout_ms / 1000,
                                       overlap=Overlap(args.overlap), decode_steps=args.decode_steps,
+                                      decode_chunk_s=args.decode_chunk_ms / 1000,
                                       ahead_branch_width=args.ahead_branches,
                                       max_stalled_rounds=args.max_stalled_rounds),
                     conns=Connections(client_tls_from_args(args)))

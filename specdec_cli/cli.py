@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         AHEAD_BRANCH_MAX_SEQUENCES,
         COLOCATED_DRAFT_THREADS,
         DEFAULT_AHEAD_BRANCH_WIDTH,
+        DEFAULT_DECODE_CHUNK_MS,
         DEFAULT_DECODE_STEPS,
         DEFAULT_MAX_STALLED_ROUNDS,
         DEFAULT_NUM_SPECULATIVE_TOKENS,
@@ -264,8 +265,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{AHEAD_BRANCH_BUDGET} branches per position in all)")
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
                    help="plain decoding (method none): tokens one Verify call decodes at most (1 to "
-                        f"{MAX_DECODE_STEPS}); the per-token round trip is paid once per this many tokens, "
-                        "which stream to the client in groups of this size")
+                        f"{MAX_DECODE_STEPS}); the per-token round trip is paid once a call, and a call's tokens "
+                        "stream to the client together")
+    p.add_argument("--decode-chunk-ms", type=float, default=DEFAULT_DECODE_CHUNK_MS,
+                   help="plain decoding: a Verify call decodes as many tokens as the scorer's passes take in "
+                        "this time (measured on the calls before), 1 to --decode-steps; 0: always --decode-steps")
     p.add_argument("--draft-length", default="adaptive", choices=["adaptive", "fixed"],
                    help="adaptive: verify only the drafts whose expected acceptance pays for their "
                         "cost on the scorer (measured online); fixed: every draft, up to k. "
@@ -324,8 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--default-method", default="ngram")
     p.add_argument("--default-k", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS)
     p.add_argument("--decode-steps", type=int, default=DEFAULT_DECODE_STEPS,
-                   help=f"the gateway's --decode-steps: plain decoding's tokens per Verify call (1 to "
+                   help=f"the gateway's --decode-steps: plain decoding's most tokens per Verify call (1 to "
                         f"{MAX_DECODE_STEPS})")
+    p.add_argument("--decode-chunk-ms", type=float, default=DEFAULT_DECODE_CHUNK_MS,
+                   help="the gateway's --decode-chunk-ms: plain decoding's scorer time a call (0: always "
+                        "--decode-steps tokens)")
     p.add_argument("--engine", default="auto", choices=list(ENGINE_KINDS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="the scorer's device (cuda: the row-invariant Triton kernels and CUDA graphs)")

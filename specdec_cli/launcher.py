@@ -463,6 +463,8 @@ def serve_command(args) -> int:
         tls = StackTls(args.tls_cert, args.tls_key, args.tls_ca)
     if not 1 <= args.decode_steps <= MAX_DECODE_STEPS:  # refused here, not by a gateway started minutes later
         raise SystemExit(f"serve: --decode-steps must be in 1..{MAX_DECODE_STEPS}, got {args.decode_steps}")
+    if not 0 <= args.decode_chunk_ms < float("inf"):
+        raise SystemExit(f"serve: --decode-chunk-ms must be >= 0, got {args.decode_chunk_ms}")
     if args.draft_threads < 1:  # likewise, not by a draft proposer started after the scorer
         raise SystemExit(f"serve: --draft-threads must be >= 1, got {args.draft_threads}")
     if args.draft_model:
@@ -493,7 +495,9 @@ def serve_command(args) -> int:
                   default_method=args.default_method,
                   default_k=args.default_k, log_level=args.log_level, tls=tls, api_keys_file=args.api_keys,
                   draft_model=args.draft_model, eagle3=args.eagle3, draft_dtype=args.draft_dtype,
-                  draft_threads=args.draft_threads, extra_gateway_args=["--decode-steps", str(args.decode_steps)],
+                  draft_threads=args.draft_threads,
+                  extra_gateway_args=["--decode-steps", str(args.decode_steps),
+                                      "--decode-chunk-ms", str(args.decode_chunk_ms)],
                   extra_scorer_args=scorer_args)
     stopping = False
 

@@ -49,11 +49,25 @@ DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 #: Most tokens one Verify may decode for a sequence without drafts
 #: (VerifySequence.decode_steps), checked by the scorer.
 MAX_DECODE_STEPS = 16
-#: Tokens the gateway asks one Verify to decode for a sequence that never
-#: drafts (method "none"), gateway ``--decode-steps``: the per-token round
-#: trip (gRPC calls, the gateway's and the client's work) is paid once per
-#: this many tokens, and the client gets them in groups of this size.
-DEFAULT_DECODE_STEPS = 4
+#: Most tokens the gateway asks one Verify to decode for a sequence that
+#: never drafts (method "none"), gateway ``--decode-steps``: the per-token
+#: round trip (gRPC calls, the gateway's and the client's work) is paid once
+#: per call, and the client gets a call's tokens together. How many a call
+#: takes below this is set by time (DEFAULT_DECODE_CHUNK_MS).
+DEFAULT_DECODE_STEPS = MAX_DECODE_STEPS
+#: Plain decoding's calls aim at this much of the scorer's time each
+#: (gateway ``--decode-chunk-ms``; 0: always ``--decode-steps`` tokens): as
+#: many tokens as its passes take in this time, 1 to ``--decode-steps``,
+#: from the passes of the calls before (FIRST_DECODE_STEPS until one is
+#: timed). A fixed count of tokens suits one speed only: 4 a call left the
+#: stack at 0.85x the engine alone with SmolLM2's ~5 ms passes on 2 cores
+#: of an Intel Xeon (0.89x at 8, 0.92x at 16: ``bench_forward.py
+#: --stack-decode-steps 1,4,8,16``, fifty-eighth session), and would stream
+#: a model with 100 ms passes in 0.4 s groups. 50 ms a call keeps a stream's
+#: groups below what a reader notices and the round trip at ~2 % of it.
+DEFAULT_DECODE_CHUNK_MS = 50.0
+#: Plain decoding's tokens a call until one call's passes are timed.
+FIRST_DECODE_STEPS = 4
 #: Rounds in a row a request may make no progress (KV pool full, no scorer
 #: replica) before it fails, gateway ``--max-stalled-rounds``; the gateway
 #: pauses STALL_SLEEP_S after each (200 x 50 ms: about 10 s of waiting for room).

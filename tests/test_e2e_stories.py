@@ -83,7 +83,8 @@ def test_plain_decoding_takes_the_scorer_s_decode_ahead(stories_stack, stories_p
                  make_request(PROMPTS["story"], max_tokens=MAX_TOKENS, method="none"))
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["story"]), MAX_TOKENS)
     assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
-    # every Verify after the first (one per --decode-steps tokens) can take one; allow for the end of the stream
+    # every Verify after the first (one per up to --decode-steps tokens) can take one; allow for the end of the
+    # stream
     from specdec.limits import DEFAULT_DECODE_STEPS
 
     assert scorer.metrics().get(key, 0.0) - before >= len(gen.token_ids) // (2 * DEFAULT_DECODE_STEPS)
@@ -126,25 +127,28 @@ def test_a_verify_asking_for_no_step_ahead_gets_none_from_the_real_scorer(storie
 
 
 def test_plain_decoding_comes_several_tokens_per_verify(stories_stack, stories_path):
-    """The gateway's default --decode-steps (4): after the first token, each
-    Verify of a plain sequence decodes 4 tokens, so the client gets them in
-    groups (13 deltas for 48 tokens, not 48); the tokens stay plain greedy,
-    and the stats count one round per target step."""
-    from specdec.limits import DEFAULT_DECODE_STEPS
+    """The gateway's defaults (--decode-chunk-ms 50, --decode-steps 16):
+    after the first token, each Verify of a plain sequence decodes several
+    tokens (FIRST_DECODE_STEPS, then as many as stories260K's sub-millisecond
+    passes take in 50 ms, up to 16), so the client gets them in groups (at
+    most 13 deltas for 48 tokens, not 48); the tokens stay plain greedy, and
+    the stats count one round per target step."""
+    from specdec.limits import DEFAULT_DECODE_STEPS, FIRST_DECODE_STEPS, MAX_DECODE_STEPS
 
     deltas = []
     gen = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=MAX_TOKENS, method="none"),
                  on_delta=deltas.append)
     expected = hf_greedy(stories_path, _ids(stories_path, PROMPTS["story"]), MAX_TOKENS)
     assert_same_as_greedy(stories_path, gen, expected, MAX_TOKENS)
-    assert DEFAULT_DECODE_STEPS == 4
-    assert 1 < len(deltas) <= 1 + -(-(MAX_TOKENS - 1) // DEFAULT_DECODE_STEPS)
+    assert DEFAULT_DECODE_STEPS == MAX_DECODE_STEPS and FIRST_DECODE_STEPS == 4
+    assert 1 < len(deltas) <= 1 + -(-(MAX_TOKENS - 1) // FIRST_DECODE_STEPS)
     assert gen.stats.rounds == gen.stats.output_tokens == MAX_TOKENS
     short = stream(stories_stack.gateway_addr, make_request(PROMPTS["story"], max_tokens=6, method="none"))
     assert short.token_ids == expected[:6] and short.finish_reason == "length"
 
 
 @pytest.mark.parametrize("flag,value,message", [("--decode-steps", "17", "--decode-steps must be in 1..16, got 17"),
+                                                ("--decode-chunk-ms", "-1", "--decode-chunk-ms must be >= 0, got -1"),
                                                 ("--max-stalled-rounds", "-1", "--max-stalled-rounds must be >= 0")])
 def test_gateway_refuses_flags_out_of_range(stories_path, flag, value, message):
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "gateway", "--model", stories_path, "--scorer",

@@ -742,7 +742,7 @@ def test_a_copy_method_whose_drafts_do_not_pay_stops_asking_and_decodes_several_
 
     async def run():
         loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {"ngram": ReplicaSet("proposer", ["p:1"])}, vocab_size=100,
-                        config=LoopConfig(stall_sleep_s=0.0, overlap=Overlap(overlap)))
+                        config=LoopConfig(stall_sleep_s=0.0, overlap=Overlap(overlap), decode_steps=4))
         loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
         loop.conns.proposer_stream = lambda addr: proposer  # type: ignore[method-assign]
         seq = Sequence("r", _params("ngram", 3), _Tokenizer(), (2,), 512)
@@ -861,3 +861,43 @@ def test_a_draft_kept_from_an_earlier_step_is_never_sent_with_several_decode_ste
     sent = scorer.requests[0].sequences[0]
     assert list(sent.draft_token_ids) == [9, 9] and sent.decode_steps <= 1
     assert verdicts[0].num_accepted == 1
+
+
+@pytest.mark.parametrize("pass_ms,chunk_ms,most,want", [(5, 50, 16, (6, 10)), (40, 50, 16, (1, 1)),
+                                                         (5, 50, 6, (6, 6)), (40, 0, 16, (16, 16))])
+def test_plain_decoding_calls_take_as_many_tokens_as_fit_the_chunk_at_the_measured_pace(pass_ms, chunk_ms, most,
+                                                                                      want):
+    """Plain decoding (method none): the first calls after the first touch
+    decode FIRST_DECODE_STEPS tokens; once a call is timed, as many as its
+    passes take in --decode-chunk-ms (a 5 ms pass: ~10 in 50 ms; a 40 ms
+    pass: one), never more than --decode-steps; a chunk of 0 keeps
+    --decode-steps tokens a call."""
+    from specdec.limits import FIRST_DECODE_STEPS
+
+    class Scorer(_ScriptedScorer):  # every pass takes pass_ms
+        async def Verify(self, request, timeout=None):
+            self.requests.append(request)
+            passes = max(max(1, s.decode_steps) for s in request.sequences)
+            await asyncio.sleep(passes * pass_ms / 1000)
+            results = [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
+                                       output_token_ids=[7] * max(1, s.decode_steps), num_accepted=0)
+                       for s in request.sequences]
+            return pb.VerifyResponse(results=results, compute_s=passes * pass_ms / 1000)
+
+    scorer = Scorer([])
+
+    async def run():
+        loop = SpecLoop(ReplicaSet("scorer", [SCORER]), {}, vocab_size=100,
+                        config=LoopConfig(stall_sleep_s=0.0, decode_steps=most, decode_chunk_s=chunk_ms / 1000))
+        loop.conns.scorer = lambda addr: scorer  # type: ignore[method-assign]
+        seq = Sequence("r", _params("none", 0), _Tokenizer(), (2,), 512)
+        seq.params = dataclasses.replace(seq.params, max_tokens=400)
+        loop.submit(seq)
+        for _ in range(5):
+            await loop._round()
+        return [max(1, r.sequences[0].decode_steps) for r in scorer.requests]
+
+    steps = asyncio.run(run())
+    assert steps[0] == 1  # the first touch decodes one: the first token comes as early as without
+    assert steps[1] == (most if chunk_ms == 0 else min(most, FIRST_DECODE_STEPS))
+    assert all(want[0] <= n <= want[1] for n in steps[2:]), steps
