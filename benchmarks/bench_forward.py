@@ -68,7 +68,7 @@ from specdec.engine.gemm_select import GemmRefused, cpu_model, native_bf16, set_
 from specdec.engine.kv_pool import default_num_threads
 from specdec.engine.llama import Checkpoint, LlamaEngine
 from specdec.launcher import Stack
-from specdec.limits import DEFAULT_DECODE_STEPS, MAX_DECODE_STEPS
+from specdec.limits import MAX_DECODE_STEPS
 from specdec.models import default_model, load_tokenizer, resolve_model
 
 PROMPT = ("The old lighthouse keeper climbed the stairs every evening to light the lamp. One night, "
@@ -195,7 +195,7 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
 
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
               engine_run: Callable[[], list[int]], threads: int, decode_ahead: str = "on",
-              env: dict[str, str] | None = None, decode_steps: int = DEFAULT_DECODE_STEPS) -> dict:
+              env: dict[str, str] | None = None, decode_steps: int | None = None) -> dict:
     """Plain greedy decoding of n tokens through a local stack (gRPC, method
     "none", EOS ignored, the scorer on ``threads`` threads like the engine
     alone) in turns with the engine alone (engine_run() -> its tokens;
@@ -203,7 +203,9 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     fastest run: scorer compute, and the rest of the round.
     decode_ahead: the scorer's --decode-ahead; env: variables the stack's
     processes start with (e.g. OpenMP's), this process's own unchanged;
-    decode_steps: the gateway's --decode-steps (tokens per Verify call)."""
+    decode_steps: a fixed count of tokens per Verify call (the gateway's
+    --decode-steps with --decode-chunk-ms 0); None: the gateway's defaults
+    (as many as its passes take in 50 ms, up to 16)."""
     import psutil
 
     stats = []
@@ -212,7 +214,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     try:
         stack = Stack(model=model, dtype=dtype, log_dir=tempfile.mkdtemp(),
                       extra_scorer_args=["--threads", str(threads), "--decode-ahead", decode_ahead],
-                      extra_gateway_args=["--decode-steps", str(decode_steps)]).start()
+                      extra_gateway_args=[] if decode_steps is None else
+                      ["--decode-steps", str(decode_steps), "--decode-chunk-ms", "0"]).start()
     finally:
         for k, v in saved.items():
             if v is None:
@@ -248,7 +251,7 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
-    label = (f"stack, ahead {decode_ahead}, steps {decode_steps}"
+    label = (f"stack, ahead {decode_ahead}, steps {decode_steps or 'auto'}"
              + "".join(f", {k}={v}" for k, v in (env or {}).items()))
     return {"engine": label, "decode_ahead": decode_ahead, "decode_steps": decode_steps, "env": env or {},
             "dtype": dtype,
@@ -350,17 +353,19 @@ def main() -> None:
                     help="skip plain decoding through the whole local stack")
     ap.add_argument("--stack-decode-ahead", default="on,off",
                     help="the whole-stack row's scorer --decode-ahead values, one row each")
-    ap.add_argument("--stack-decode-steps", default=str(DEFAULT_DECODE_STEPS),
-                    help="the whole-stack row's gateway --decode-steps values (tokens per Verify call), one row "
-                         "each (e.g. 1,4)")
+    ap.add_argument("--stack-decode-steps", default="auto",
+                    help="the whole-stack rows' tokens per Verify call, one row each: auto (the gateway's "
+                         "defaults: as many as its passes take in --decode-chunk-ms 50, up to 16) or a fixed "
+                         "count (--decode-steps N --decode-chunk-ms 0), e.g. auto,1,4,16")
     ap.add_argument("--stack-env", default="",
                     help="';'-separated environments for more whole-stack rows, each 'K=V,K=V' (e.g. "
                          "'GOMP_SPINCOUNT=20000;GOMP_SPINCOUNT=2000'); the stack's own defaults always run")
     ap.add_argument("--out", default="bench_results/forward.json")
     args = ap.parse_args()
     configs = [(c.split(":") + [""])[:3] for c in args.configs.split(",")]  # dtype, gemm, "torch-ops" or ""
-    if not all(v.strip().isdigit() and 1 <= int(v) <= MAX_DECODE_STEPS for v in args.stack_decode_steps.split(",")):
-        ap.error(f"--stack-decode-steps: comma-separated values in 1..{MAX_DECODE_STEPS} "
+    if not all(v.strip() == "auto" or v.strip().isdigit() and 1 <= int(v) <= MAX_DECODE_STEPS
+               for v in args.stack_decode_steps.split(",")):
+        ap.error(f"--stack-decode-steps: comma-separated values, auto or in 1..{MAX_DECODE_STEPS} "
                  f"(got {args.stack_decode_steps!r})")
     stack_envs = [e.split(",") for e in args.stack_env.split(";") if e]
     if any("=" not in kv or not kv.partition("=")[0] for env in stack_envs for kv in env):
@@ -403,7 +408,8 @@ def main() -> None:
             if gemm == "auto" and not extra and engine_run is not None and args.stack:  # not refused
                 for env in [{}] + [dict(kv.split("=", 1) for kv in e) for e in stack_envs]:
                     for ahead, steps in itertools.product(args.stack_decode_ahead.split(","),
-                                                          map(int, args.stack_decode_steps.split(","))):
+                                                          [None if v.strip() == "auto" else int(v)
+                                                           for v in args.stack_decode_steps.split(",")]):
                         results["decode"].append(stack_row(args.model, dtype, prompt, args.decode_tokens,
                                                            args.decode_reps, decode, engine_run, args.threads,
                                                            ahead, env, steps))

@@ -60,8 +60,9 @@ def test_serve_starts_all_and_stops_cleanly(stories_path, signum):
             proc.kill()
 
 
-@pytest.mark.parametrize("flag,value,message", [("--decode-steps", "0", "serve: --decode-steps must be in 1..16, got 0"),
-                                                ("--decode-chunk-ms", "nan", "serve: --decode-chunk-ms must be >= 0")])
+@pytest.mark.parametrize("flag,value,message",
+                         [("--decode-steps", "0", "serve: --decode-steps must be in 1..16, got 0"),
+                          ("--decode-chunk-ms", "nan", "serve: --decode-chunk-ms must be >= 0")])
 def test_serve_refuses_decode_steps_out_of_range(flag, value, message):
     done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", flag, value],
                           capture_output=True, text=True, timeout=120)
