@@ -749,6 +749,7 @@ class SpecLoop:
         passes = max((len(v.output_token_ids) for v in verdicts if v.status is Status.OK), default=0)
         if steps and passes > 1:  # the next calls' tokens: the chunk at this pace (_decode_steps)
             self._plain_pass_s = moving_average(self._plain_pass_s, rpc_s / passes)
+            metrics.PLAIN_DECODE_STEPS.set(self._decode_steps())
         if plan.decode_only and not steps:  # prefills would not tell the rows of the rounds to come
             self._tokens_per_seq = moving_average(self._tokens_per_seq, plan.tokens_fed / len(seqs))
         for seq in seqs:

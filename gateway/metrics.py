@@ -64,6 +64,9 @@ TRIMMED_DRAFTS = Counter("specdec_gateway_trimmed_draft_tokens_total",
 PLAIN_ROUNDS = Counter("specdec_gateway_plain_copy_rounds_total",
                        "Rounds a copy method's sequence decoded plainly, asking its proposer for nothing: its "
                        "drafts were not expected to pay (costs.CopyGates)", ["method"])
+PLAIN_DECODE_STEPS = Gauge("specdec_gateway_plain_decode_steps",
+                           "Tokens a plain decoding Verify call asks for now: as many as the scorer's passes take "
+                           "in --decode-chunk-ms, at most --decode-steps (SpecLoop._decode_steps)")
 PLANNED_DRAFT_STEPS = Gauge("specdec_gateway_planned_draft_steps",
                             "Draft tokens the adaptive draft length last asked a model proposer replica for "
                             "(gateway/costs.DraftBudgets; 0: plain decoding)", ["proposer"])

@@ -898,6 +898,7 @@ def test_plain_decoding_calls_take_as_many_tokens_as_fit_the_chunk_at_the_measur
         return [max(1, r.sequences[0].decode_steps) for r in scorer.requests]
 
     steps = asyncio.run(run())
+    assert metrics.PLAIN_DECODE_STEPS._value.get() == steps[-1]  # exported
     assert steps[0] == 1  # the first touch decodes one: the first token comes as early as without
     assert steps[1] == (most if chunk_ms == 0 else min(most, FIRST_DECODE_STEPS))
     assert all(want[0] <= n <= want[1] for n in steps[2:]), steps
