@@ -492,7 +492,7 @@ class SpecLoop:
             return most
         if self._plain_pass_s is None:
             return min(most, FIRST_DECODE_STEPS)
-        return max(1, min(most, int(chunk / self._plain_pass_s)))
+        return max(1, min(most, int(chunk / max(self._plain_pass_s, 1e-9))))
 
     def _draft_from_ahead(self, seq: Sequence) -> Draft:
         """What still holds of the draft proposed ahead for the sequence: the

@@ -327,3 +327,71 @@ def test_a_draft_model_refuses_a_dtype_only_heads_take_naming_the_flag():
         replica_settings(args)
     with pytest.raises(SystemExit, match="serve: --draft-dtype q4_1 quantises"):
         serve_command(build_parser().parse_args(["serve", "--draft-model", "D", "--draft-dtype", "q4_1"]))
+
+
+def _reference_forward(head, tokens, feats):
+    """The head's layer written out in torch, every row at once from an empty
+    cache (module doc of eagle3: the kinds' inputs, causal attention with
+    query heads grouped over their kv heads, SwiGLU, the fed-back state)."""
+    import torch
+    import torch.nn.functional as F
+
+    s, w, eps = head.spec, head.w, head.spec.rms_norm_eps
+
+    def norm(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    T, H, Hkv, D = len(tokens), s.num_heads, s.num_kv_heads, s.head_dim
+    e, g = w["embed"][tokens], feats
+    if s.kind == "eagle3":
+        gn = norm(g, w["hidden_norm"])
+        x, residual = torch.cat([norm(e, w["input_layernorm.weight"]), gn], -1), (gn if s.norm_before_residual else g)
+    else:
+        e = e.clone()
+        e[0] = 0.0  # position 0: MTP zeroes the token embedding
+        en, gn = norm(e, w["token_norm"]), norm(g, w["feature_norm"])
+        residual = F.linear(torch.cat([en, gn] if s.kind == "deepseek_mtp" else [gn, en], -1), w["input_proj"])
+        x = norm(residual, w["input_layernorm.weight"])
+    q = F.linear(x, w["self_attn.q_proj.weight"]).view(T, H, D)
+    k = F.linear(x, w["self_attn.k_proj.weight"]).view(T, Hkv, D)
+    v = F.linear(x, w["self_attn.v_proj.weight"]).view(T, Hkv, D)
+    angles = torch.arange(T).float()[:, None] * head.inv_freq[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+
+    def rotate(t):
+        return t * cos + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * sin
+
+    q, k = rotate(q), rotate(k)
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    h = residual + F.linear(att.transpose(0, 1).reshape(T, H * D), w["self_attn.o_proj.weight"])
+    x = norm(h, w["post_attention_layernorm.weight"])
+    out = h + F.linear(F.silu(F.linear(x, w["mlp.gate_proj.weight"])) * F.linear(x, w["mlp.up_proj.weight"]),
+                       w["mlp.down_proj.weight"])
+    normed = norm(out, w["final_norm"])
+    return (normed if s.kind == "mimo_mtp" else out), F.linear(normed[-1:], w["lm_head"])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "deepseek", "mimo"])
+def test_the_heads_numpy_forward_computes_the_layer_as_torch_writes_it(head_dir, stories_path, tmp_path, kind):
+    """``FeatureHead.forward`` (numpy between the GEMMs, numba kernels for
+    RoPE and attention) against the layer written out in torch, for each
+    kind's inputs: every row's fed-back state and the last row's logits,
+    float32 projections, whole prompt then one chain step."""
+    import torch
+
+    from specdec.proposer_svc.eagle3 import HeadCache, HeadItem
+
+    head = load_eagle3(str(head_dir), stories_path) if kind == "eagle3" else \
+        load_mtp(str(write_mtp_target(tmp_path / kind, Path(stories_path), naming=kind)))
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.tensor(CONTEXT)
+    feats = torch.randn(len(tokens), head.spec.hidden_size, generator=gen)
+    if kind != "eagle3":  # MTP reads the target's last state before its final norm: fused by the head
+        feats = head.fuse(torch.randn(len(tokens), head.spec.feature_dim, generator=gen))
+    want_out, want_logits = _reference_forward(head, tokens, feats)
+    cache = HeadCache(head.spec.num_kv_heads, head.spec.head_dim)
+    out, logits = head.forward([HeadItem(cache, tokens[:-1], feats[:-1])])
+    step_out, step_logits = head.forward([HeadItem(cache, tokens[-1:], feats[-1:])])
+    torch.testing.assert_close(torch.cat([out, step_out]), want_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step_logits, want_logits, rtol=1e-4, atol=1e-4)

@@ -720,6 +720,12 @@ class _CopyProposer:
                                   round=pb.RoundDrafts(draft_counts=[3] * n, token_ids=[9] * (3 * n)))
 
 
+def _decoded(request) -> list:
+    """A Verify's results: every sequence OK with as many tokens (7s) as it asked to decode, no draft accepted."""
+    return [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
+                            output_token_ids=[7] * max(1, s.decode_steps), num_accepted=0) for s in request.sequences]
+
+
 @pytest.mark.parametrize("overlap", ["off", "ahead"])
 def test_a_copy_method_whose_drafts_do_not_pay_stops_asking_and_decodes_several_tokens_a_call(overlap):
     """Through the loop's rounds: once the times are measured and its drafts
@@ -733,9 +739,7 @@ def test_a_copy_method_whose_drafts_do_not_pay_stops_asking_and_decodes_several_
     class Scorer(_ScriptedScorer):
         async def Verify(self, request, timeout=None):
             self.requests.append(request)
-            results = [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
-                                       output_token_ids=[7] * max(1, s.decode_steps), num_accepted=0)
-                       for s in request.sequences]
+            results = _decoded(request)
             return pb.VerifyResponse(results=results, compute_s=0.004)
 
     scorer, proposer = Scorer([]), _CopyProposer()
@@ -879,9 +883,7 @@ def test_plain_decoding_calls_take_as_many_tokens_as_fit_the_chunk_at_the_measur
             self.requests.append(request)
             passes = max(max(1, s.decode_steps) for s in request.sequences)
             await asyncio.sleep(passes * pass_ms / 1000)
-            results = [pb.VerifyResult(seq_id=s.seq_id, status=pb.SEQUENCE_STATUS_OK,
-                                       output_token_ids=[7] * max(1, s.decode_steps), num_accepted=0)
-                       for s in request.sequences]
+            results = _decoded(request)
             return pb.VerifyResponse(results=results, compute_s=passes * pass_ms / 1000)
 
     scorer = Scorer([])
