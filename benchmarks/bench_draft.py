@@ -6,7 +6,8 @@ and decodes plainly where they do not pay) on open-ended chat prompts and on ben
 prompts, single stream and --streams concurrent streams; ms per draft step
 and per verify; transformers assisted generation
 (``generate(assistant_model=<same draft>)``) and, given --vllm-python, vLLM
-draft-model speculation with the same draft, in the same run. Every
+draft-model speculation with the same draft and vLLM's EAGLE-3 with the same
+head (or what vLLM said when it refused one), in the same run. Every
 speculative output is checked token for token against plain decoding.
 Writes JSON and a PNG chart (needs the ``bench`` extra: matplotlib).
 
@@ -65,6 +66,9 @@ CONCURRENT = [("none", "fixed"), ("ngram", "fixed"), ("ngram", "adaptive"), ("dr
 #: with --eagle3
 EAGLE3_SINGLE = [("eagle3", "fixed"), ("eagle3", "adaptive")]
 VLLM_RUNNER = Path(__file__).with_name("vllm_draft.py")
+#: a peer's row -> specdec's single-stream row of the same method (fixed draft length, as the peers draft)
+PEER_METHODS = {"hf_plain": "chat/none", "hf_assisted": "chat/draft", "vllm_plain": "chat/none",
+                "vllm_draft_model": "chat/draft", "vllm_eagle3": "chat/eagle3"}
 
 
 def cpu_model() -> str:
@@ -98,10 +102,13 @@ def run_hf_assisted(target: str, draft: str, prompts: dict[str, list[int]], k: i
     return out
 
 
-def run_vllm(python: str, target: str, draft: str, prompts: dict[str, list[int]], k: int, max_tokens: int) -> dict:
-    """vLLM plain and draft-model speculation, in vLLM's own interpreter
-    (benchmarks/vllm_draft.py); {"error": ...} when it cannot run."""
-    job = {"target": target, "draft": draft, "prompts": list(prompts.values()), "k": k, "max_tokens": max_tokens}
+def run_vllm(python: str, target: str, draft: str | None, eagle3: str | None, prompts: dict[str, list[int]], k: int,
+             max_tokens: int) -> dict:
+    """vLLM plain, draft-model and EAGLE-3 speculation (those given), in
+    vLLM's own interpreter (benchmarks/vllm_draft.py); {"error": ...} when it
+    cannot run at all, a method's {"error": ...} when vLLM refused that one."""
+    job = {"target": target, "draft": draft, "eagle3": eagle3, "prompts": list(prompts.values()), "k": k,
+           "max_tokens": max_tokens}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(job, f)
     # not from the checkout: vLLM imports packages (e.g. `kernels`) that its top-level folders would shadow
@@ -198,7 +205,8 @@ def main() -> None:
     ap.add_argument("--overlap", choices=["off", "on", "always", "ahead"], default="on",
                     help="the gateway's overlapped rounds (specdec gateway --overlap; ahead: drafting ahead)")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vLLM: compare with its "
-                                                        "draft-model speculation (target given as --vllm-target)")
+                                                        "draft-model and EAGLE-3 speculation (target given as "
+                                                        "--vllm-target)")
     ap.add_argument("--vllm-target", default=None, help="the target as vLLM loads it (default: --model)")
     ap.add_argument("--scorer-gemm", default="auto", choices=list(GEMM_CHOICES),
                     help="the scorer's --gemm (auto: the selector's choice), e.g. to compare a path as before")
@@ -261,8 +269,8 @@ def main() -> None:
     results["mixed"] = mixed(results)
     if args.draft and not args.skip_hf:
         results["hf"] = run_hf_assisted(args.model, args.draft, workloads["chat"], args.k, args.max_tokens)
-    if args.draft and args.vllm_python:
-        results["vllm"] = run_vllm(args.vllm_python, args.vllm_target or args.model, args.draft,
+    if (args.draft or args.eagle3) and args.vllm_python:
+        results["vllm"] = run_vllm(args.vllm_python, args.vllm_target or args.model, args.draft, args.eagle3,
                                    workloads["chat"], args.k, args.max_tokens)
     report(results)
     out = Path(args.out)
@@ -300,9 +308,17 @@ def report(results: dict) -> None:
         print(f"\n{results['streams']} concurrent streams:")
     for key, r in results["concurrent"].items():
         print(f"  {key:24} {r['tok_s']:7.1f} tok/s  mean acc len {r['mean_accepted_length']:.2f}")
-    for name, r in {**results.get("hf", {}), **results.get("vllm", {})}.items():
+    peers = {**results.get("hf", {}), **results.get("vllm", {})}
+    if peers:
+        print("\npeers, the same chat prompts, single stream (x: specdec's tok/s of the same method over the peer's):")
+    for name, r in peers.items():
         if isinstance(r, dict) and "tok_s" in r:
-            print(f"  chat/{name:19} {r['tok_s']:7.1f} tok/s")
+            ours = results["single"].get(PEER_METHODS.get(name, ""))
+            versus = f"  specdec {PEER_METHODS[name]} {ours['tok_s'] / r['tok_s']:.2f}x" if ours else ""
+            accepted = f"  mean acc len {r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else ""
+            print(f"  chat/{name:19} {r['tok_s']:7.1f} tok/s{accepted}{versus}")
+        elif isinstance(r, dict) and "error" in r:
+            print(f"  chat/{name:19} refused: {r['error']}")
     if "error" in results.get("vllm", {}):
         print(f"  vllm: {results['vllm']['error']}")
 
