@@ -318,8 +318,10 @@ def copy_drafts_pay(offered: float, gains: list[float], propose_s: float, verify
 
 
 class CopyGates:
-    """Which adaptive sequences of a copy method (``ONE_HOT_METHODS``) ask
-    their proposer for a draft this round, and which decode plainly
+    """Which adaptive sequences drafting by copies alone (a copy method's,
+    ``ONE_HOT_METHODS``, and a model-and-copy method's whose model is planned
+    to draft nothing: ``Sequence.drafts_by_copying``) ask their proposer
+    for a draft this round, and which decode plainly
     (``planned_budget`` 0: no exchange where no other sequence on the
     replica asks, several tokens a Verify call, no drafting ahead), by
     ``copy_drafts_pay`` with what the loop measures: the propose phase's
@@ -363,7 +365,7 @@ class CopyGates:
         candidates: list[tuple[Sequence, tuple[float, float]]] = []
         busy: set[str | None] = set()  # scorer replicas some sequence of which verifies drafts this round
         for seq in seqs:
-            if seq.params.method not in ONE_HOT_METHODS:
+            if not seq.drafts_by_copying:
                 if seq.params.num_speculative_tokens or not seq.scorer_primed:
                     busy.add(seq.scorer_addr)
                 continue
@@ -515,9 +517,12 @@ class DraftBudgets:
         method (draft_hybrid): the same K, planned from the acceptance of
         their model-made drafts alone (their copies cost no forward and keep
         the whole budget: a hybrid whose model does not pay drafts by copying
-        only, the n-gram method's speed, instead of paying forwards for
-        nothing). Their model runs in the same forwards as the others' on
-        that replica, so one K serves both.
+        only instead of paying forwards for nothing, and its copies are then
+        gated as the n-gram method's are: where K is 0, ``planned_budget``
+        stays what ``CopyGates`` planned for it this round, 0 where its
+        copies do not pay either, and it decodes plainly). Their model runs
+        in the same forwards as the others' on that replica, so one K serves
+        both.
 
         A sequence without drafts of its own yet (an open) has no history:
         it gets the replica's K (this round's, else the last one planned
@@ -537,7 +542,10 @@ class DraftBudgets:
         opening: list[Sequence] = []
         fresh: list[Sequence] = []
         model_methods = self._model_methods.setdefault(addr, set())
+        gated: dict[str, int | None] = {}  # a model-and-copy sequence -> its copies' gate this round (CopyGates)
         for seq in seqs:
+            if seq.mixes_model_and_copies:
+                gated[seq.seq_id] = seq.planned_budget
             seq.planned_model_steps = None
             if seq.params.method not in ONE_HOT_METHODS:  # (a copy method's: CopyGates, each round)
                 seq.planned_budget = None
@@ -573,6 +581,8 @@ class DraftBudgets:
             seq.planned_budget = k
         for seq in mixed + opening:
             seq.planned_model_steps = k
+            if k == 0:  # its model drafts nothing: its copies go as their gate said (CopyGates)
+                seq.planned_budget = gated.get(seq.seq_id)
         metrics.PLANNED_DRAFT_STEPS.labels(addr).set(k)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("draft budgets on %s: propose %.2f ms + %.2f ms/step, verify %.2f ms + %.2f ms/token, "

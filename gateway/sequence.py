@@ -354,11 +354,22 @@ class Sequence:
 
     @property
     def copies_plainly(self) -> bool:
-        """A copy method's sequence that asks its proposer for nothing this
-        round (``planned_budget`` 0 from ``costs.CopyGates``): it decodes
-        plainly, several tokens a call, verifying no draft (in rounds that
-        draft ahead, its proposer is still asked beside the Verify)."""
-        return self.params.method in ONE_HOT_METHODS and self.planned_budget == 0
+        """A sequence drafting by copies only that asks its proposer for
+        nothing this round (``planned_budget`` 0 from ``costs.CopyGates``):
+        it decodes plainly, several tokens a call, verifying no draft (in
+        rounds that draft ahead, its proposer is still asked beside the
+        Verify)."""
+        return self.drafts_by_copying and self.planned_budget == 0
+
+    @property
+    def drafts_by_copying(self) -> bool:
+        """Its drafts are copies alone (no forward behind them): a copy
+        method's, or a model-and-copy method's whose model was last planned
+        to draft nothing (``planned_model_steps`` 0, ``DraftBudgets``), which
+        then drafts as the n-gram method does and is gated as it is
+        (``CopyGates``)."""
+        return self.params.method in ONE_HOT_METHODS or (self.mixes_model_and_copies
+                                                         and self.planned_model_steps == 0)
 
     @property
     def mixes_model_and_copies(self) -> bool:

@@ -706,6 +706,59 @@ def test_copy_methods_decode_plainly_while_their_drafts_do_not_pay_and_explore()
     assert asked(every) == [0] * (every - 1) + [5]
 
 
+def test_a_hybrid_whose_model_drafts_nothing_gates_its_copies_as_a_copy_method():
+    """A draft_hybrid sequence whose model was planned to draft nothing
+    (planned_model_steps 0, DraftBudgets) drafts by copies alone, and
+    CopyGates gates those as the n-gram method's: where they do not pay
+    either it asks for nothing (several tokens a Verify call, nothing asked
+    in its update), but in the rounds either gate explores; once its model
+    pays again (DraftBudgets plans K > 0) it asks whatever its copies' gate
+    said. A hybrid not yet planned (planned_model_steps None) is never gated."""
+    from specdec.gateway.costs import CopyGates, DraftBudgets
+    from specdec.gateway.wire import sequence_update
+
+    costs = _fitted_costs(0.004, 0.001)
+    hybrid = Sequence("hybrid", _params("draft_hybrid", 5), _Tokenizer(), (2,), 512)
+    hybrid.scorer_addr, hybrid.scorer_primed, hybrid.proposer_len = SCORER, True, len(hybrid.tokens)
+    hybrid.drafts_offered, hybrid.model_drafted = 0.5, 0.5
+    for _ in range(30):
+        hybrid.acceptance.record(0, 5)  # its copies' first tokens are rarely right
+        hybrid.model_acceptance.record(0, 5)  # and so are its model's
+    gates, budgets, verify = CopyGates(), DraftBudgets(), (0.004, 0.001)
+    for steps in [1, 2, 3, 4, 5] * 4:  # 1 ms a call + 0.5 ms a model step
+        budgets.observe("p:1", steps, 0.001 + 0.0005 * steps)
+    assert not hybrid.drafts_by_copying  # never planned: its model may draft
+    gates.plan([hybrid], costs, 0.001, 4)
+    assert hybrid.planned_budget is None
+
+    def round_() -> tuple[int | None, int | None]:
+        gates.plan([hybrid], costs, 0.001, 4)
+        budgets.plan("p:1", [hybrid], verify)
+        return hybrid.planned_model_steps, hybrid.planned_budget
+
+    assert round_() == (0, None)  # the plan's first K: its model drafts nothing from now on
+    assert hybrid.drafts_by_copying
+    plans = []
+    for _ in range(2 * DraftBudgets.EXPLORE_EVERY):
+        plans.append(round_())
+        if plans[-1][1] == 0:
+            assert hybrid.copies_plainly and hybrid.decode_steps(4) == 4
+            assert sequence_update(hybrid, ahead=False).num_speculative_tokens == 0
+        else:  # an exploration: its copies' (model steps 0) or its model's (1)
+            assert plans[-1] in ((0, None), (1, None)) and hybrid.decode_steps(4) == 1
+    assert plans[0] == (0, 0) and plans.count((0, 0)) >= len(plans) // 2
+    assert (1, None) in plans  # DraftBudgets' exploration of the model
+    for _ in range(30):  # its model now follows the context: K > 0, it asks, its copies' gate aside
+        hybrid.model_acceptance.record(5, 5)
+    assert round_() == (5, None)
+    assert not hybrid.drafts_by_copying and not hybrid.copies_plainly and hybrid.decode_steps(4) == 1
+    for _ in range(30):  # its copies hold, its model's drafts do not: K 0, and the copies' gate opens
+        hybrid.model_acceptance.record(0, 5)
+        hybrid.acceptance.record(5, 5)
+    hybrid.drafts_offered = 1.0
+    assert [round_() for _ in range(3)] == [(0, None)] * 3
+
+
 class _CopyProposer:
     """A copy proposer stream answering every sequence with a 3-token draft
     the scorer rejects, counting its exchanges."""
