@@ -18,7 +18,11 @@ each run half the outputs):
   on this CPU: decoding is already faster than the multiply-adds of six
   rows can be.
 
-    python benchmarks/bench_gemm_ceiling.py [--model M] [--kind Q4_1] [--rows 1,2,3,6]
+    python benchmarks/bench_gemm_ceiling.py [--model M] [--kind Q4_1] [--rows 1,2,3,6] [--layouts table,wide]
+
+--layouts also times each named kernel layout (``gemm_gguf.LAYOUTS``) for
+all the rows in one launch, in turns with the pass as ``gemm_gguf.gemm``
+runs it, relative to that one-row pass.
 
 Prints the CPU model and a table; writes JSON to --out.
 """
@@ -85,18 +89,29 @@ def layer_shapes(model: str) -> list[tuple[int, int]]:
             (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
 
 
-def time_layer(shapes: list[tuple[int, int]], kind: str, rows: int, reps: int) -> float:
-    """Seconds of one pass over a layer's projections at `rows` rows on one thread (best of reps)."""
+def time_layer(shapes: list[tuple[int, int]], kind: str, rows: int, reps: int,
+               layouts: tuple[str | None, ...] = (None,)) -> dict[str | None, float]:
+    """Seconds of one pass over a layer's projections at `rows` rows on one
+    thread (best of reps) by each of `layouts` (None: as ``gemm_gguf.gemm``
+    runs it; a name: that layout's kernel for all the rows in one launch),
+    the layouts in turns."""
     rng = np.random.default_rng(rows)
     weights = [gemm_gguf.quantize((rng.standard_normal(shape) * 0.02).astype(np.float32), kind) for shape in shapes]
     xs = [rng.standard_normal((rows, n)).astype(np.float32) for _, n in shapes]
-    best = float("inf")
+    outs = [np.empty((rows, w.d.shape[0]), np.float32) for w in weights]
+    best = dict.fromkeys(layouts, float("inf"))
     for rep in range(reps + 2):  # the first two compile and warm the caches
-        start = time.perf_counter()
-        for x, w in zip(xs, weights):
-            gemm_gguf.gemm(x, w, 1)
-        if rep >= 2:
-            best = min(best, time.perf_counter() - start)
+        for layout in layouts:
+            start = time.perf_counter()
+            for x, w, out in zip(xs, weights, outs):
+                if layout is None:
+                    gemm_gguf.gemm(x, w, 1)
+                else:
+                    with gemm_gguf.LAUNCH_LOCK:
+                        gemm_gguf.set_team(1)
+                        gemm_gguf.LAYOUTS[layout][w.kind](x, w.qs, w.d, w.m, out, 1)
+            if rep >= 2:
+                best[layout] = min(best[layout], time.perf_counter() - start)
     return best
 
 
@@ -106,6 +121,8 @@ def main() -> None:
     ap.add_argument("--kind", default="Q4_1", choices=sorted(gemm_gguf.KINDS))
     ap.add_argument("--rows", default="1,2,3,6", help="row counts, comma-separated (1 is always timed)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--layouts", default="", help="also time these kernel layouts (gemm_gguf.LAYOUTS, e.g. "
+                                                   "table,wide), each for all the rows in one launch, in turns")
     ap.add_argument("--out", default="bench_results/gemm_ceiling.json")
     args = ap.parse_args()
     try:
@@ -114,6 +131,10 @@ def main() -> None:
         ap.error(f"--rows: {args.rows!r} is not a comma-separated list of row counts")
     if rows[0] < 1 or args.reps < 1:
         ap.error("--rows and --reps: positive")
+    layouts = [name for name in args.layouts.split(",") if name]
+    if unknown := [name for name in layouts if name not in gemm_gguf.RUNNABLE]:
+        ap.error(f"--layouts: {', '.join(unknown)} not among the layouts this CPU runs, "
+                 f"{', '.join(gemm_gguf.RUNNABLE)}")
     shapes = layer_shapes(args.model)
     macs = sum(o * i for o, i in shapes)
     if any(i % gemm_gguf.BLOCK or o % OUT_BLOCK for o, i in shapes):
@@ -126,16 +147,19 @@ def main() -> None:
               "peak_macs_per_s": peak, "rows": {}}
     one = None
     print(f"\n{'rows':>4} {'ms a layer':>10} {'x 1 row':>8} {'GMAC/s':>7} {'% of peak':>9} "
-          f"{'ms at peak':>10} {'floor x 1 row':>13}")
+          f"{'ms at peak':>10} {'floor x 1 row':>13}" + "".join(f" {name + ' x 1 row':>16}" for name in layouts))
     for n in rows:
-        s = time_layer(shapes, args.kind, n, args.reps)
+        times = time_layer(shapes, args.kind, n, args.reps, (None, *layouts))
+        s = times[None]
         one = one or s
         at_peak = macs * n / peak
         r = {"ms": s * 1e3, "x_one_row": s / one, "macs_per_s": macs * n / s, "share_of_peak": macs * n / s / peak,
-             "ms_at_peak": at_peak * 1e3, "floor_x_one_row": max(at_peak, one) / one}
+             "ms_at_peak": at_peak * 1e3, "floor_x_one_row": max(at_peak, one) / one,
+             "layouts_x_one_row": {name: times[name] / one for name in layouts}}
         result["rows"][n] = r
         print(f"{n:4d} {r['ms']:10.3f} {r['x_one_row']:8.2f} {r['macs_per_s'] / 1e9:7.1f} "
-              f"{100 * r['share_of_peak']:8.0f}% {r['ms_at_peak']:10.3f} {r['floor_x_one_row']:13.2f}")
+              f"{100 * r['share_of_peak']:8.0f}% {r['ms_at_peak']:10.3f} {r['floor_x_one_row']:13.2f}"
+              + "".join(f" {times[name] / one:16.2f}" for name in layouts))
     if 6 in result["rows"]:
         floor = result["rows"][6]["floor_x_one_row"]
         verdict = "above" if floor > 1.15 else "within"

@@ -94,12 +94,16 @@ BLOCK = 32
 #: Rows of a full group (``_rows6``).
 GROUP = 6
 assert OUT_BLOCK == 3 + 3 + 2, "_gemm_table splits an output block into three, three and two outputs"
-#: Rows left after the groups of six -> the kernels that take them, in order (``_rows3``, ``_rows2``,
-#: ``_rows1``): no zero rows are added. Four or five rows as three and the rest, not six with zero rows
-#: (2 cores of an AMD EPYC of CPU family 25, SmolLM2's 211 quantised tensors, medians of 15 in three
-#: rounds, ``/work/exp/s48/mb2.py``: four rows 15.9 ms against 16.6, five 16.5 against 19.9; two rows
-#: 7.7 against 9.6 padded to three, one 6.2, three 8.9, six 15.5 against 17.6 as three and three).
-TAIL_PARTS = ((), (1,), (2,), (3,), (3, 1), (3, 2))
+#: Rows left after the groups of six -> the launches that take them, in order: no zero rows are added.
+#: Each is one launch of the layout ``ROW_LAYOUTS`` names for its row count. The table layout runs four
+#: and five rows in one pass (``_rows4_three``, ``_rows5_three``: SmolLM2's layer shapes on one core of
+#: an Intel Xeon, CPU model 207, ``benchmarks/bench_gemm_ceiling.py --rows 1,2,3,4,5,6``: 2.29x / 2.52x
+#: a one-row pass as three rows and then the rest, against 2.30x for six); the wide and narrow layouts
+#: take them as three and the rest, not six with zero rows (2 cores of an AMD EPYC of CPU family 25,
+#: SmolLM2's 211 quantised tensors, medians of 15 in three rounds, ``/work/exp/s48/mb2.py``: four rows
+#: 15.9 ms against 16.6, five 16.5 against 19.9; two rows 7.7 against 9.6 padded to three, one 6.2,
+#: three 8.9, six 15.5 against 17.6 as three and three).
+TAIL_PARTS = ((), (1,), (2,), (3,), (4,), (5,))
 #: How far ahead (bytes of quants, flat) the next blocks are prefetched into L1.
 PREFETCH_AHEAD = 1024
 #: From this many rows in groups of six (a prompt's prefill, a large batch) ``_gemm_narrow`` dequantises
@@ -484,6 +488,122 @@ def _rows6_two(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows4_three(x, qs, d, m, out, o, r, block):
+    """out[r:r+4, o:o+3], each output summed as ``_rows1`` sums it (the
+    table layout's four rows: a k = 3 verification, or four left after the
+    groups of six; one pass over the blocks, where three rows and then one
+    took two)."""
+    n = x.shape[1]
+    x0, x1, x2, x3 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n
+    a00 = a01 = a02 = a10 = a11 = a12 = zeros()
+    a20 = a21 = a22 = a30 = a31 = a32 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        for k, v0, v1, v2 in ((b * 32, l0, l1, l2), (b * 32 + 16, h0, h1, h2)):
+            u = load(x, x0 + k)
+            a00, a01, a02 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2)
+            u = load(x, x1 + k)
+            a10, a11, a12 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2)
+            u = load(x, x2 + k)
+            a20, a21, a22 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2)
+            u = load(x, x3 + k)
+            a30, a31, a32 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2)
+    out[r, o], out[r, o + 1], out[r, o + 2] = total(a00), total(a01), total(a02)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2] = total(a10), total(a11), total(a12)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2] = total(a20), total(a21), total(a22)
+    out[r + 3, o], out[r + 3, o + 1], out[r + 3, o + 2] = total(a30), total(a31), total(a32)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows4_two(x, qs, d, m, out, o, r, block):
+    """out[r:r+4, o:o+2], each output summed as ``_rows1`` sums it (the
+    table layout's last two outputs of an output block at four rows)."""
+    n = x.shape[1]
+    x0, x1, x2, x3 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n
+    a00 = a01 = a10 = a11 = zeros()
+    a20 = a21 = a30 = a31 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        for k, v0, v1 in ((b * 32, l0, l1), (b * 32 + 16, h0, h1)):
+            u = load(x, x0 + k)
+            a00, a01 = mac(a00, u, v0), mac(a01, u, v1)
+            u = load(x, x1 + k)
+            a10, a11 = mac(a10, u, v0), mac(a11, u, v1)
+            u = load(x, x2 + k)
+            a20, a21 = mac(a20, u, v0), mac(a21, u, v1)
+            u = load(x, x3 + k)
+            a30, a31 = mac(a30, u, v0), mac(a31, u, v1)
+    out[r, o], out[r, o + 1] = total(a00), total(a01)
+    out[r + 1, o], out[r + 1, o + 1] = total(a10), total(a11)
+    out[r + 2, o], out[r + 2, o + 1] = total(a20), total(a21)
+    out[r + 3, o], out[r + 3, o + 1] = total(a30), total(a31)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows5_three(x, qs, d, m, out, o, r, block):
+    """out[r:r+5, o:o+3], each output summed as ``_rows1`` sums it (the
+    table layout's five rows: a k = 4 verification, or five left after the
+    groups of six; one pass over the blocks, where three rows and then two
+    took two)."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = zeros()
+    a22 = a30 = a31 = a32 = a40 = a41 = a42 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        for k, v0, v1, v2 in ((b * 32, l0, l1, l2), (b * 32 + 16, h0, h1, h2)):
+            u = load(x, x0 + k)
+            a00, a01, a02 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2)
+            u = load(x, x1 + k)
+            a10, a11, a12 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2)
+            u = load(x, x2 + k)
+            a20, a21, a22 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2)
+            u = load(x, x3 + k)
+            a30, a31, a32 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2)
+            u = load(x, x4 + k)
+            a40, a41, a42 = mac(a40, u, v0), mac(a41, u, v1), mac(a42, u, v2)
+    out[r, o], out[r, o + 1], out[r, o + 2] = total(a00), total(a01), total(a02)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2] = total(a10), total(a11), total(a12)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2] = total(a20), total(a21), total(a22)
+    out[r + 3, o], out[r + 3, o + 1], out[r + 3, o + 2] = total(a30), total(a31), total(a32)
+    out[r + 4, o], out[r + 4, o + 1], out[r + 4, o + 2] = total(a40), total(a41), total(a42)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows5_two(x, qs, d, m, out, o, r, block):
+    """out[r:r+5, o:o+2], each output summed as ``_rows1`` sums it (the
+    table layout's last two outputs of an output block at five rows)."""
+    n = x.shape[1]
+    x0, x1, x2, x3, x4 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n, (r + 4) * n
+    a00 = a01 = a10 = a11 = a20 = zeros()
+    a21 = a30 = a31 = a40 = a41 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        for k, v0, v1 in ((b * 32, l0, l1), (b * 32 + 16, h0, h1)):
+            u = load(x, x0 + k)
+            a00, a01 = mac(a00, u, v0), mac(a01, u, v1)
+            u = load(x, x1 + k)
+            a10, a11 = mac(a10, u, v0), mac(a11, u, v1)
+            u = load(x, x2 + k)
+            a20, a21 = mac(a20, u, v0), mac(a21, u, v1)
+            u = load(x, x3 + k)
+            a30, a31 = mac(a30, u, v0), mac(a31, u, v1)
+            u = load(x, x4 + k)
+            a40, a41 = mac(a40, u, v0), mac(a41, u, v1)
+    out[r, o], out[r, o + 1] = total(a00), total(a01)
+    out[r + 1, o], out[r + 1, o + 1] = total(a10), total(a11)
+    out[r + 2, o], out[r + 2, o + 1] = total(a20), total(a21)
+    out[r + 3, o], out[r + 3, o + 1] = total(a30), total(a31)
+    out[r + 4, o], out[r + 4, o + 1] = total(a40), total(a41)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows1_two(x, qs, d, m, out, o, r, block):
     """out[r, o:o+2], each output summed as ``_rows1`` sums it (the
     narrow layout: two outputs' blocks and sums fit 16 vector registers)."""
@@ -665,19 +785,22 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
     """``_gemm`` for CPUs with 32 vector registers and lane permutes (the
     table layout): the groups of six rows take each output block's outputs
     three, three and two at a time (``_rows6_three``, ``_rows6_two``: no
-    spilled sums), their blocks dequantised by `block6`; the rows left as
-    ``_gemm`` takes them. The same sums in the same order: the same bits.
+    spilled sums), their blocks dequantised by `block6`; four or five rows
+    left (or alone: a k = 3 or 4 verification) likewise in one pass
+    (``_rows4_three``, ``_rows5_three``), one to three as ``_gemm`` takes
+    them. The same sums in the same order: the same bits.
 
-    Fewer than six rows (a decode step's) run by ``_gemm``, as before this
+    One to three rows (a decode step's) run by ``_gemm``, as before this
     layout grouped six rows three outputs at a time: run here (the same
     kernels for those rows) SmolLM2's decode steps of one to three rows read
     0.93-0.98x in three runs of bench_prefill.py against the engine before,
     by ``_gemm`` 0.97-1.01x in three (2 cores of an Intel Xeon, CPU model 207;
     an A/A run read 1.01-1.02x)."""
-    if x.shape[0] < GROUP:
+    if x.shape[0] < 4:
         _gemm(x, qs, d, m, out, chunks, block, block6)
         return
     rows, whole, three, blocks, per = _parts(x, out, chunks)
+    rest = rows - whole
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             o = OUT_BLOCK * blk
@@ -685,8 +808,17 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
                 _rows6_three(x, qs, d, m, out, o, r, block6)
                 _rows6_three(x, qs, d, m, out, o + 3, r, block6)
                 _rows6_two(x, qs, d, m, out, o + 6, r, block6)
-            for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
-                _rows_left(x, qs, d, m, out, o, rows, whole, three, block)
+            if rest == 4:
+                _rows4_three(x, qs, d, m, out, o, whole, block6)
+                _rows4_three(x, qs, d, m, out, o + 3, whole, block6)
+                _rows4_two(x, qs, d, m, out, o + 6, whole, block6)
+            elif rest == 5:
+                _rows5_three(x, qs, d, m, out, o, whole, block6)
+                _rows5_three(x, qs, d, m, out, o + 3, whole, block6)
+                _rows5_two(x, qs, d, m, out, o + 6, whole, block6)
+            else:
+                for o in range(OUT_BLOCK * blk, OUT_BLOCK * (blk + 1), OUTS):
+                    _rows_left(x, qs, d, m, out, o, rows, whole, three, block)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -796,8 +928,8 @@ LAYOUTS = {
 RUNNABLE = ("table", "wide", "narrow") if has_permute() else ("wide", "narrow")
 #: The layout a CPU starts with: by table where it has AVX-512 (measured on AMD EPYC family 26), else narrow.
 LAYOUT = "table" if has_permute() else "narrow"
-#: The row counts a kernel runs at (``TAIL_PARTS``): groups of six, then three, two or one.
-LAYOUT_ROWS = (1, 2, 3, GROUP)
+#: The row counts a launch runs at (``TAIL_PARTS``): groups of six, then one to five.
+LAYOUT_ROWS = (1, 2, 3, 4, 5, GROUP)
 #: The layout gemm() runs each of LAYOUT_ROWS with (``use_layouts``; the CPU's default until the
 #: selector has timed them on this machine: ``time_layouts``, ``choose_layouts``).
 ROW_LAYOUTS = dict.fromkeys(LAYOUT_ROWS, LAYOUT)

@@ -87,7 +87,8 @@ def test_report_sets_peers_beside_specdec_rows_of_the_same_method(capsys, monkey
     results = {"single": {"chat/none": row(180.0), "chat/draft": row(90.0), "chat/eagle3": row(120.0)},
                "mixed": {}, "concurrent": {}, "streams": 0,
                "hf": {"hf_plain": {"tok_s": 30.0}, "hf_assisted": {"tok_s": 30.0}},
-               "vllm": {"vllm_plain": {"tok_s": 24.0}, "vllm_draft_model": {"tok_s": 18.0, "mean_accepted_length": 1.68},
+               "vllm": {"vllm_plain": {"tok_s": 24.0},
+                        "vllm_draft_model": {"tok_s": 18.0, "mean_accepted_length": 1.68},
                         "vllm_eagle3": {"error": "ValueError: no"}}}
     bench_draft.report(results)
     out = capsys.readouterr().out

@@ -147,37 +147,42 @@ def test_groups_and_rows_left_by_different_layouts_give_the_same_bits(gguf_file,
         padded = gemm_simd.pad_weight(w)
         for groups in gemm_gguf.RUNNABLE:
             for left, two in itertools.product(gemm_gguf.RUNNABLE, repeat=2):
-                gemm_gguf.use_layouts({6: groups, 1: left, 3: left, 2: two})
+                gemm_gguf.use_layouts({6: groups, 1: left, 3: left, 2: two, 4: two, 5: left})
                 for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 17):
                     x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
                     got = gemm_gguf.gemm(x, quant, 2)[:, :len(w)]
                     assert np.array_equal(got, gemm_simd.gemm(x, padded, 2)[:, :len(w)]), (index, groups, left, rows)
 
 
-def test_rows_left_after_the_groups_run_as_three_two_or_one_without_zero_rows(row_layouts):
-    """Four rows are three and one, five three and two (no kernel runs zero
-    rows); parts of one layout are one launch."""
+def test_rows_left_after_the_groups_run_as_one_launch_of_their_count_without_zero_rows(row_layouts):
+    """The rows after the groups of six (one to five) are one launch of the
+    layout chosen for their count (no kernel runs zero rows); parts of one
+    layout are one launch."""
     other = next(n for n in gemm_gguf.RUNNABLE if n != gemm_gguf.LAYOUT)
     gemm_gguf.use_layouts(dict.fromkeys(gemm_gguf.LAYOUT_ROWS, gemm_gguf.LAYOUT))
     assert gemm_gguf.pieces(11) == [(0, 11, gemm_gguf.LAYOUT)]
-    gemm_gguf.use_layouts({2: other, 1: other})
+    assert gemm_gguf.pieces(4) == [(0, 4, gemm_gguf.LAYOUT)]
+    gemm_gguf.use_layouts({2: other, 5: other})
     assert gemm_gguf.pieces(2) == [(0, 2, other)]
-    assert gemm_gguf.pieces(4) == [(0, 3, gemm_gguf.LAYOUT), (3, 4, other)]
-    assert gemm_gguf.pieces(11) == [(0, 9, gemm_gguf.LAYOUT), (9, 11, other)]
-    gemm_gguf.use_layouts({3: other})
-    assert gemm_gguf.pieces(17) == [(0, 12, gemm_gguf.LAYOUT), (12, 17, other)]
+    assert gemm_gguf.pieces(4) == [(0, 4, gemm_gguf.LAYOUT)]
+    assert gemm_gguf.pieces(11) == [(0, 6, gemm_gguf.LAYOUT), (6, 11, other)]
+    assert gemm_gguf.pieces(8) == [(0, 6, gemm_gguf.LAYOUT), (6, 8, other)]
+    gemm_gguf.use_layouts({4: other})
+    assert gemm_gguf.pieces(16) == [(0, 12, gemm_gguf.LAYOUT), (12, 16, other)]
     assert gemm_gguf.pieces(6) == [(0, 6, gemm_gguf.LAYOUT)]
     assert [sum(hi - lo for lo, hi, _ in gemm_gguf.pieces(n)) for n in range(20)] == list(range(20))
 
 
 def test_the_fastest_layout_is_chosen_per_row_count_and_a_tie_keeps_the_cpu_s_default(row_layouts):
     other = next(n for n in gemm_gguf.LAYOUTS if n != gemm_gguf.LAYOUT)
-    ms = {gemm_gguf.LAYOUT: {1: 10.0, 2: 10.0, 3: 10.0, 6: 10.0}, other: {1: 5.0, 2: 11.0, 3: 9.9, 6: 20.0}}
-    assert gemm_gguf.choose_layouts(ms) == {1: other, 2: gemm_gguf.LAYOUT, 3: gemm_gguf.LAYOUT, 6: gemm_gguf.LAYOUT}
+    ms = {gemm_gguf.LAYOUT: {1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0, 5: 10.0, 6: 10.0},
+          other: {1: 5.0, 2: 11.0, 3: 9.9, 4: 8.0, 5: 10.5, 6: 20.0}}
+    assert gemm_gguf.choose_layouts(ms) == {1: other, 2: gemm_gguf.LAYOUT, 3: gemm_gguf.LAYOUT, 4: other,
+                                            5: gemm_gguf.LAYOUT, 6: gemm_gguf.LAYOUT}
     with pytest.raises(ValueError, match="layouts this CPU runs"):
         gemm_gguf.use_layouts({1: "sideways"})
     with pytest.raises(ValueError, match="row counts are"):
-        gemm_gguf.use_layouts({4: gemm_gguf.LAYOUT})
+        gemm_gguf.use_layouts({7: gemm_gguf.LAYOUT})
     if not has_permute():
         with pytest.raises(ValueError, match="'table'"):
             gemm_gguf.use_layouts({1: "table"})
@@ -256,7 +261,8 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     assert torch.equal(forced.linears[0](x), gemm_select.Linear(w[0][1], None, gemm_select.GEMM_PATHS["simd"])(x))
     # its kernel layouts timed on these weights, chosen per row count, used, and cached with the verdicts
     layouts = forced.report["gguf_layouts"]
-    assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE) and set(layouts["choice"]) == {"1", "2", "3", "6"}
+    assert set(layouts["ms"]) == set(gemm_gguf.RUNNABLE)
+    assert set(layouts["choice"]) == {str(n) for n in gemm_gguf.LAYOUT_ROWS} == {"1", "2", "3", "4", "5", "6"}
     assert all(t > 0 for times in layouts["ms"].values() for t in times.values())
     assert gemm_gguf.ROW_LAYOUTS == {int(n): name for n, name in layouts["choice"].items()}
     monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: pytest.fail("timed again"))
@@ -272,7 +278,7 @@ def test_simd_gguf_is_selected_checked_and_keyed_by_its_file(gguf_file, tmp_path
     monkeypatch.setattr(gemm_gguf, "time_layouts", lambda *a, **k: {n: dict.fromkeys(gemm_gguf.LAYOUT_ROWS, 1.0)
                                                                      for n in gemm_gguf.RUNNABLE})
     timed = gemm_select.select(w, torch.float32, 1, "simd-gguf", max_rows=64, quantized=blocks)
-    assert set(timed.report["gguf_layouts"]["choice"]) == {"1", "2", "3", "6"}
+    assert set(timed.report["gguf_layouts"]["choice"]) == {str(n) for n in gemm_gguf.LAYOUT_ROWS}
 
 
 def test_weights_the_file_holds_in_other_types_read_their_float32_values_and_a_file_holding_none_is_refused(
