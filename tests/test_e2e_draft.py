@@ -137,7 +137,9 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
     per Verify, draft only in the exploration rounds, and every output is
     plain greedy decoding of the target. draft_hybrid sequences keep their
     whole budget for copies, their model asked for nothing
-    (SequenceUpdate.model_steps) but in the exploration rounds."""
+    (SequenceUpdate.model_steps) but in the exploration rounds, and those
+    copies gated as a copy method's (CopyGates: where they do not pay either,
+    nothing is asked)."""
     from dear_drafts import run_dear_drafts
 
     from specdec.gateway import metrics
@@ -165,8 +167,10 @@ def test_planned_budgets_of_zero_decode_like_plain_and_change_no_token(weak_draf
         # open, explorations; a message a round would be at least MAX_TOKENS / 4 per sequence)
         sent = len(messages)
         assert sent <= len(seqs) * (2 + MAX_TOKENS // DraftBudgets.EXPLORE_EVERY) < len(seqs) * MAX_TOKENS / 4
-    else:  # the copies keep the whole budget (n-gram copies of one token: nearly every round has one)
-        assert all(s.planned_budget is None and s.planned_model_steps in (0, 1) for s in seqs)
+    else:  # the copies keep the whole budget (n-gram copies of one token: nearly every round has one) where
+        # their gate lets them ask; the model drafts by copying only while it is planned no step
+        assert all(s.planned_model_steps in (0, 1) for s in seqs)
+        assert all(s.planned_budget is None or (s.planned_budget == 0 and s.drafts_by_copying) for s in seqs)
         assert drafted > sum(model_drafts.values())
 
 
