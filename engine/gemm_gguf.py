@@ -604,6 +604,81 @@ def _rows5_two(x, qs, d, m, out, o, r, block):
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
+def _rows7_three(x, qs, d, m, out, o, r, block):
+    """out[r:r+7, o:o+3], each output summed as ``_rows1`` sums it (the
+    table layout's last group of six with the one row after it: one pass over the
+    blocks, where six rows and then one took two)."""
+    n = x.shape[1]
+    x0, x1, x2, x3 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n
+    x4, x5, x6 = (r + 4) * n, (r + 5) * n, (r + 6) * n
+    a00 = a01 = a02 = a10 = a11 = a12 = a20 = a21 = zeros()
+    a22 = a30 = a31 = a32 = a40 = a41 = a42 = a50 = zeros()
+    a51 = a52 = a60 = a61 = a62 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        l2, h2 = block(qs, d, m, o + 2, b)
+        for k, v0, v1, v2 in ((b * 32, l0, l1, l2), (b * 32 + 16, h0, h1, h2)):
+            u = load(x, x0 + k)
+            a00, a01, a02 = mac(a00, u, v0), mac(a01, u, v1), mac(a02, u, v2)
+            u = load(x, x1 + k)
+            a10, a11, a12 = mac(a10, u, v0), mac(a11, u, v1), mac(a12, u, v2)
+            u = load(x, x2 + k)
+            a20, a21, a22 = mac(a20, u, v0), mac(a21, u, v1), mac(a22, u, v2)
+            u = load(x, x3 + k)
+            a30, a31, a32 = mac(a30, u, v0), mac(a31, u, v1), mac(a32, u, v2)
+            u = load(x, x4 + k)
+            a40, a41, a42 = mac(a40, u, v0), mac(a41, u, v1), mac(a42, u, v2)
+            u = load(x, x5 + k)
+            a50, a51, a52 = mac(a50, u, v0), mac(a51, u, v1), mac(a52, u, v2)
+            u = load(x, x6 + k)
+            a60, a61, a62 = mac(a60, u, v0), mac(a61, u, v1), mac(a62, u, v2)
+    out[r, o], out[r, o + 1], out[r, o + 2] = total(a00), total(a01), total(a02)
+    out[r + 1, o], out[r + 1, o + 1], out[r + 1, o + 2] = total(a10), total(a11), total(a12)
+    out[r + 2, o], out[r + 2, o + 1], out[r + 2, o + 2] = total(a20), total(a21), total(a22)
+    out[r + 3, o], out[r + 3, o + 1], out[r + 3, o + 2] = total(a30), total(a31), total(a32)
+    out[r + 4, o], out[r + 4, o + 1], out[r + 4, o + 2] = total(a40), total(a41), total(a42)
+    out[r + 5, o], out[r + 5, o + 1], out[r + 5, o + 2] = total(a50), total(a51), total(a52)
+    out[r + 6, o], out[r + 6, o + 1], out[r + 6, o + 2] = total(a60), total(a61), total(a62)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _rows7_two(x, qs, d, m, out, o, r, block):
+    """out[r:r+7, o:o+2], each output summed as ``_rows1`` sums it (the
+    table layout's last two outputs of an output block at seven rows)."""
+    n = x.shape[1]
+    x0, x1, x2, x3 = r * n, (r + 1) * n, (r + 2) * n, (r + 3) * n
+    x4, x5, x6 = (r + 4) * n, (r + 5) * n, (r + 6) * n
+    a00 = a01 = a10 = a11 = a20 = a21 = a30 = a31 = zeros()
+    a40 = a41 = a50 = a51 = a60 = a61 = zeros()
+    for b in range(d.shape[1]):
+        l0, h0 = block(qs, d, m, o, b)
+        l1, h1 = block(qs, d, m, o + 1, b)
+        for k, v0, v1 in ((b * 32, l0, l1), (b * 32 + 16, h0, h1)):
+            u = load(x, x0 + k)
+            a00, a01 = mac(a00, u, v0), mac(a01, u, v1)
+            u = load(x, x1 + k)
+            a10, a11 = mac(a10, u, v0), mac(a11, u, v1)
+            u = load(x, x2 + k)
+            a20, a21 = mac(a20, u, v0), mac(a21, u, v1)
+            u = load(x, x3 + k)
+            a30, a31 = mac(a30, u, v0), mac(a31, u, v1)
+            u = load(x, x4 + k)
+            a40, a41 = mac(a40, u, v0), mac(a41, u, v1)
+            u = load(x, x5 + k)
+            a50, a51 = mac(a50, u, v0), mac(a51, u, v1)
+            u = load(x, x6 + k)
+            a60, a61 = mac(a60, u, v0), mac(a61, u, v1)
+    out[r, o], out[r, o + 1] = total(a00), total(a01)
+    out[r + 1, o], out[r + 1, o + 1] = total(a10), total(a11)
+    out[r + 2, o], out[r + 2, o + 1] = total(a20), total(a21)
+    out[r + 3, o], out[r + 3, o + 1] = total(a30), total(a31)
+    out[r + 4, o], out[r + 4, o + 1] = total(a40), total(a41)
+    out[r + 5, o], out[r + 5, o + 1] = total(a50), total(a51)
+    out[r + 6, o], out[r + 6, o + 1] = total(a60), total(a61)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
 def _rows1_two(x, qs, d, m, out, o, r, block):
     """out[r, o:o+2], each output summed as ``_rows1`` sums it (the
     narrow layout: two outputs' blocks and sums fit 16 vector registers)."""
@@ -787,8 +862,11 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
     three, three and two at a time (``_rows6_three``, ``_rows6_two``: no
     spilled sums), their blocks dequantised by `block6`; four or five rows
     left (or alone: a k = 3 or 4 verification) likewise in one pass
-    (``_rows4_three``, ``_rows5_three``), one to three as ``_gemm`` takes
-    them. The same sums in the same order: the same bits.
+    (``_rows4_three``, ``_rows5_three``), one left with the last group
+    (``_rows7_three``: a batch of seven decoding sequences in one pass,
+    where six rows and then one took two; eight rows as one pass of eight
+    measured no faster than six and then two), two or three as ``_gemm``
+    takes them. The same sums in the same order: the same bits.
 
     One to three rows (a decode step's) run by ``_gemm``, as before this
     layout grouped six rows three outputs at a time: run here (the same
@@ -801,14 +879,20 @@ def _gemm_table(x, qs, d, m, out, chunks, block, block6):
         return
     rows, whole, three, blocks, per = _parts(x, out, chunks)
     rest = rows - whole
+    # one row after a group of six: that group takes it (seven rows in one pass)
+    groups = whole - GROUP if whole >= GROUP and rest == 1 else whole
     for c in numba.prange(chunks):
         for blk in range(c * per, min(blocks, (c + 1) * per)):
             o = OUT_BLOCK * blk
-            for r in range(0, whole, GROUP):
+            for r in range(0, groups, GROUP):
                 _rows6_three(x, qs, d, m, out, o, r, block6)
                 _rows6_three(x, qs, d, m, out, o + 3, r, block6)
                 _rows6_two(x, qs, d, m, out, o + 6, r, block6)
-            if rest == 4:
+            if groups < whole:
+                _rows7_three(x, qs, d, m, out, o, groups, block6)
+                _rows7_three(x, qs, d, m, out, o + 3, groups, block6)
+                _rows7_two(x, qs, d, m, out, o + 6, groups, block6)
+            elif rest == 4:
                 _rows4_three(x, qs, d, m, out, o, whole, block6)
                 _rows4_three(x, qs, d, m, out, o + 3, whole, block6)
                 _rows4_two(x, qs, d, m, out, o + 6, whole, block6)
