@@ -10,11 +10,19 @@ way the proposer and the scorer run them, and states the feature traffic.
 - head catch-up: the rows of one round's accepted tokens (fc over the
   relayed features + the layer), 4 rows.
 
-Each head step is timed warm (back to back: its weights stay in the
-caches) and cold: before each timed call, untimed, the benchmark reads as
-many bytes as the target's weights, which is what a Verify on the same
-machine reads between two rounds of a co-located proposer, so the head
-starts from memory as it does in a stack (``--evict-mb`` changes the size).
+Each head step is timed three ways:
+
+- warm: back to back, its weights stay in the caches;
+- after a target step: before each timed call, untimed, one target decode
+  step of the engine above runs, as a Verify runs between two rounds of a
+  co-located proposer; what of the head the caches keep then is what a
+  stack's proposer finds (on a CPU whose last-level cache holds the
+  target's weights and the head's, most of the head);
+- cold: before each timed call, untimed, the benchmark reads ``--evict-mb``
+  of other data (default: the bytes of the weights one target decode step
+  reads, as its GEMM path stores them: a GGUF model's blocks; twice that
+  where the machine's last-level cache would hold them both, so that the
+  head starts from memory).
 
 Feature traffic: bytes per context position (bfloat16, hidden * layers) for
 this target and for an 8B target (hidden 4096, 3 layers), and per round at
@@ -35,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_forward import decode_weight_bytes
 
 from specdec.engine.base import ForwardItem
 from specdec.engine.gemm_select import cpu_model
@@ -58,8 +67,9 @@ def median_ms(fn, reps: int, before=None) -> float:
     return 1e3 * statistics.median(times)
 
 
-def target_decode_ms(engine: LlamaEngine, prefix: int, reps: int) -> float:
-    """One decode step after a prefix of ``prefix`` tokens (rolled back each time)."""
+def target_step(engine: LlamaEngine, prefix: int):
+    """A callable running one decode step after a prefix of ``prefix``
+    tokens (rolled back each time)."""
     engine.ensure_capacity("t", prefix + 1)
     engine.forward([ForwardItem("t", np.arange(1, prefix + 1, dtype=np.int32) % 100, 1)])
 
@@ -67,7 +77,7 @@ def target_decode_ms(engine: LlamaEngine, prefix: int, reps: int) -> float:
         engine.ensure_capacity("t", prefix + 1)  # truncate may free the last block
         engine.forward([ForwardItem("t", np.asarray([7], dtype=np.int32), 1)])
         engine.truncate("t", prefix)
-    return median_ms(step, reps)
+    return step
 
 
 def head_ms(head, prefix: int, rows: int, reps: int, before=None) -> float:
@@ -82,6 +92,19 @@ def head_ms(head, prefix: int, rows: int, reps: int, before=None) -> float:
                                head.fuse(feats) if rows > 1 else torch.randn(1, spec.hidden_size))])
         cache.length = prefix
     return median_ms(step, reps, before)
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs; 0 where unknown)."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return max(sizes, default=0)
 
 
 def evictor(megabytes: float):
@@ -100,19 +123,26 @@ def main() -> None:
     p.add_argument("--projection-dtype", choices=list(HEAD_PROJECTION_DTYPES), default="float32",
                    help="the head's projection weights (specdec proposer --draft-dtype)")
     p.add_argument("--evict-mb", type=float, default=None,
-                   help="megabytes read before each cold step (default: the target's float32 weights)")
+                   help="megabytes read before each cold step (default: the bytes of the weights a target decode "
+                        "step reads, at least twice the last-level cache)")
     p.add_argument("--out", default="bench_results/feature_head.json")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.evict_mb is not None and args.evict_mb <= 0:
+        p.error(f"--evict-mb: must be > 0, got {args.evict_mb}")
     checkpoint = Checkpoint.load(args.model)
-    evict_mb = args.evict_mb if args.evict_mb is not None else sum(
-        4 * v.numel() for v in checkpoint.state_dict.values()) / (1 << 20)
     engine = LlamaEngine(checkpoint, "float32", kv_capacity_tokens=4096, num_threads=1)
+    step_bytes = decode_weight_bytes(engine)
+    llc = last_level_cache_bytes()
+    evict_mb = args.evict_mb if args.evict_mb is not None else max(step_bytes, 2 * llc) / (1 << 20)
     head = load_eagle3(args.eagle3, args.model, args.projection_dtype)
     head.set_threads(1)
-    target_ms = target_decode_ms(engine, args.prefix, args.reps)
+    target = target_step(engine, args.prefix)
+    target_ms = median_ms(target, args.reps)
     chain_ms = head_ms(head, args.prefix, 1, args.reps)
     catchup_ms = head_ms(head, args.prefix, 4, args.reps)
+    chain_after_ms = head_ms(head, args.prefix, 1, args.reps, target)
+    catchup_after_ms = head_ms(head, args.prefix, 4, args.reps, target)
     cold = evictor(evict_mb)
     chain_cold_ms = head_ms(head, args.prefix, 1, args.reps, cold)
     catchup_cold_ms = head_ms(head, args.prefix, 4, args.reps, cold)
@@ -123,6 +153,10 @@ def main() -> None:
         "target_decode_ms": round(target_ms, 3), "head_chain_step_ms": round(chain_ms, 3),
         "head_catchup_4_rows_ms": round(catchup_ms, 3), "chain_step_share_of_decode": round(chain_ms / target_ms, 4),
         "projection_dtype": args.projection_dtype, "evict_mb": round(evict_mb, 1),
+        "target_step_weight_mb": round(step_bytes / (1 << 20), 1), "last_level_cache_mb": round(llc / (1 << 20), 1),
+        "head_chain_step_after_target_ms": round(chain_after_ms, 3),
+        "head_catchup_4_rows_after_target_ms": round(catchup_after_ms, 3),
+        "chain_step_after_target_share_of_decode": round(chain_after_ms / target_ms, 4),
         "head_chain_step_cold_ms": round(chain_cold_ms, 3), "head_catchup_4_rows_cold_ms": round(catchup_cold_ms, 3),
         "chain_step_cold_share_of_decode": round(chain_cold_ms / target_ms, 4),
         "draft_vocab": head.draft_vocab_size, "feature_layers": list(head.spec.feature_layers),
@@ -134,12 +168,16 @@ def main() -> None:
         result["feature_bytes_per_round_8b"] = round(args.accepted * row_bytes_8b)
         result["link_us_per_round_8b_at_10gbit"] = round(args.accepted * row_bytes_8b * 8 / (LINK_GBITS * 1e3), 2)
     print(f"CPU: {result['cpu']}  model: {args.model}  prefix {args.prefix} tokens, 1 thread, "
-          f"head projections {args.projection_dtype}; cold: {evict_mb:.0f} MB read before each step")
-    print(f"{'step':<34}{'warm ms':>10}{'cold ms':>10}")
+          f"head projections {args.projection_dtype}; a target decode step reads {step_bytes / (1 << 20):.0f} MB "
+          f"of weights, last-level cache {llc / (1 << 20):.0f} MB; cold: {evict_mb:.0f} MB read before each step")
+    after = "after target"
+    print(f"{'step':<34}{'warm ms':>10}{after:>14}{'cold ms':>10}   share of a target decode step")
     print(f"{'target decode (1 token)':<34}{target_ms:>10.3f}")
-    print(f"{'head chain step (1 draft token)':<34}{chain_ms:>10.3f}{chain_cold_ms:>10.3f}   "
-          f"{100 * chain_ms / target_ms:.1f}% / {100 * chain_cold_ms / target_ms:.1f}% of decode")
-    print(f"{'head catch-up (4 accepted rows)':<34}{catchup_ms:>10.3f}{catchup_cold_ms:>10.3f}")
+    print(f"{'head chain step (1 draft token)':<34}{chain_ms:>10.3f}{chain_after_ms:>14.3f}{chain_cold_ms:>10.3f}   "
+          f"{100 * chain_ms / target_ms:.1f}% / {100 * chain_after_ms / target_ms:.1f}% / "
+          f"{100 * chain_cold_ms / target_ms:.1f}%")
+    print(f"{'head catch-up (4 accepted rows)':<34}{catchup_ms:>10.3f}{catchup_after_ms:>14.3f}"
+          f"{catchup_cold_ms:>10.3f}")
     print(f"feature bytes per context position: {row_bytes} (this target), {row_bytes_8b} (8B target, hidden 4096)")
     for key in ("feature_bytes_per_round", "feature_bytes_per_round_8b", "link_us_per_round_8b_at_10gbit"):
         if key in result:
