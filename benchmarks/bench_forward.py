@@ -193,6 +193,29 @@ def process_cpu_s(procs: dict) -> dict[str, float]:
     return {name: sum(proc.cpu_times()[:2]) for name, proc in procs.items()}
 
 
+def thread_cpu_s(procs: dict) -> dict[tuple[str, int], float]:
+    """User + system CPU seconds so far of each thread of each psutil process, by (process name, thread id)."""
+    out = {}
+    for name, proc in procs.items():
+        for t in proc.threads():
+            out[(name, t.id)] = t.user_time + t.system_time
+    return out
+
+
+def cpu_per_call(spent: dict[tuple[str, int], float], scorer: str, gemm_threads: int, calls: int) -> dict[str, float]:
+    """CPU ms per Verify call of what a stack spends besides the scorer's
+    passes: ``spent`` is CPU seconds by (process, thread); the scorer's
+    ``gemm_threads`` busiest threads run its passes (its worker and the
+    kernels' team), its other threads (gRPC, metrics) and every other
+    process count here, a process's threads summed."""
+    ranked = sorted((v for (name, _), v in spent.items() if name == scorer), reverse=True)
+    out = {f"{scorer} besides its passes": sum(ranked[gemm_threads:])}
+    for (name, _), v in spent.items():
+        if name != scorer:
+            out[name] = out.get(name, 0.0) + v
+    return {name: 1e3 * v / max(calls, 1) for name, v in out.items()}
+
+
 def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engine_row: dict,
               engine_run: Callable[[], list[int]], threads: int, decode_ahead: str = "on",
               env: dict[str, str] | None = None, decode_steps: int | None = None) -> dict:
@@ -223,24 +246,34 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
             else:
                 os.environ[k] = v
     try:
+        calls = []
+
         def once() -> list[int]:
             request = make_request(prompt, max_tokens=n, method="none")
             request.ignore_eos = True
             gen = stream(stack.gateway_addr, request)
             stats.append(gen.stats)
+            calls.append(gen.messages)  # plain decoding: the gateway answers each Verify call with a message
             return list(gen.token_ids)
 
         procs = {"client": psutil.Process(), **{s.name: psutil.Process(s.proc.pid) for s in stack.services}}
         once()  # warm-up, not counted below
         engine_run()  # the engine's caches were cold while the stack started
         stack_s, engine_s, spent = [], [], dict.fromkeys(procs, 0.0)
+        by_thread: dict[tuple[str, int], float] = {}
         for _ in range(reps):  # in turns: both see the same minutes of this machine
             engine_s.append(timed(engine_run)[0])
+            # the engine's OpenMP threads spin on after its last region (~4.5 ms on an Intel Xeon): let them
+            # stop, or their CPU counts as the client's
+            time.sleep(0.02)
             before = process_cpu_s(procs)  # the stack's runs only (this process also ran the engine)
+            threads_before = thread_cpu_s(procs)
             started = time.perf_counter()
             tokens = once()
             stack_s.append(time.perf_counter() - started)
             spent = {name: spent[name] + v - before[name] for name, v in process_cpu_s(procs).items()}
+            for key, v in thread_cpu_s(procs).items():
+                by_thread[key] = by_thread.get(key, 0.0) + v - threads_before.get(key, 0.0)
     finally:
         stack.stop()
     rate, engine_rate = len(tokens) / min(stack_s), len(engine_row["engine_tokens"]) / min(engine_s)
@@ -248,6 +281,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
     # pairs follows the machine's drift, which the ratio of the two minima does not
     paired = sorted((len(tokens) / s) / (len(engine_row["engine_tokens"]) / e) for e, s in zip(engine_s, stack_s))
     cpu = {name: 1e3 * v / (reps * len(tokens)) for name, v in spent.items()}
+    scorer = next(s.name for s in stack.services if s.name.startswith("scorer"))
+    per_call = cpu_per_call(by_thread, scorer, threads, sum(calls[1:]))
     agree = next((i for i, (a, b) in enumerate(zip(tokens, engine_row["engine_tokens"])) if a != b), len(tokens))
     best = min(stats[1:] or stats, key=lambda s: s.wall_s)
     rounds = max(best.rounds, 1)
@@ -261,7 +296,8 @@ def stack_row(model: str, dtype: str, prompt: list[int], n: int, reps: int, engi
             "agree_with_engine": agree, "threads": threads,
             "ms_per_round": 1000 * best.wall_s / rounds, "verify_ms_per_round": 1000 * best.verify_s / rounds,
             "network_ms_per_round": 1000 * best.network_s / rounds,
-            "cpu_ms_per_token": cpu, "engine_alone_cpu_ms_per_token": engine_row["cpu_ms_per_token"]}
+            "cpu_ms_per_token": cpu, "engine_alone_cpu_ms_per_token": engine_row["cpu_ms_per_token"],
+            "verify_calls_per_answer": sum(calls[1:]) / reps, "cpu_ms_per_call_besides_passes": per_call}
 
 
 def print_forward(label: str, rows: list[dict]) -> None:
@@ -325,7 +361,9 @@ def print_decode(rows: list[dict], n: int, reps: int) -> None:
                   f"{r['agree_with_engine']}/{r['tokens']}; per round {r['ms_per_round']:.1f} ms, of which "
                   f"scorer compute {r['verify_ms_per_round']:.1f}, gRPC and queue {r['network_ms_per_round']:.1f}; "
                   f"CPU ms per token: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_ms_per_token"].items())
-                  + f" (the engine alone: {r['engine_alone_cpu_ms_per_token']:.1f})")
+                  + f" (the engine alone: {r['engine_alone_cpu_ms_per_token']:.1f}); CPU ms per Verify call "
+                  f"({r['verify_calls_per_answer']:.1f} calls an answer) besides the scorer's passes: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_call_besides_passes"].items()))
             continue
         if "refused" in r:
             print(f"{r['engine']:<22} {r['dtype']:<9} {r['gemm']:<13} refused: {r['refused']}")

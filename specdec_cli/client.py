@@ -27,6 +27,7 @@ class Generation:
     finish_reason: str | None = None
     stats: pb.GenerationStats = field(default_factory=pb.GenerationStats)  # set by the last message
     wall_s: float = 0.0
+    messages: int = 0  # GenerateResponse messages received (plain decoding: one per Verify call)
 
     def to_json(self) -> dict:
         s = self.stats
@@ -80,6 +81,7 @@ def stream(addr: str, request: pb.GenerateRequest, timeout: float = 600.0, on_de
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with sync_channel(addr, tls, CHANNEL_OPTIONS) as channel:
         for response in pb_grpc.GatewayStub(channel).Generate(request, timeout=timeout, metadata=metadata):
+            gen.messages += 1
             gen.text += response.text
             gen.token_ids.extend(response.token_ids)
             if on_delta is not None and response.text:

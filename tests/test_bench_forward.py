@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench_forward import with_bandwidth  # noqa: E402
+from bench_forward import cpu_per_call, with_bandwidth  # noqa: E402
 
 
 def test_every_engine_and_transformers_row_gets_its_share_of_the_measured_limit():
@@ -34,3 +34,14 @@ def test_a_path_reading_gguf_blocks_is_held_to_its_own_bytes_and_transformers_to
     with_bandwidth(rows, 40.0)  # 400 tok/s over the blocks, 80 over the dense weights
     assert rows[0]["bandwidth_limit_tok_s"] == pytest.approx(400.0)
     assert [r["pct_of_bandwidth_limit"] for r in rows] == pytest.approx([50.0, 25.0])
+
+
+def test_cpu_per_call_leaves_out_the_scorers_busiest_threads_and_sums_every_other_process():
+    spent = {("scorer0", 1): 5.0, ("scorer0", 2): 4.0, ("scorer0", 3): 0.3, ("scorer0", 4): 0.1,  # seconds
+             ("gateway", 10): 0.4, ("gateway", 11): 0.1, ("client", 20): 0.05, ("proposer0", 30): 0.0}
+    per_call = cpu_per_call(spent, "scorer0", 2, calls=100)
+    assert per_call == pytest.approx({"scorer0 besides its passes": 4.0, "gateway": 5.0, "client": 0.5,
+                                      "proposer0": 0.0})
+    # one GEMM thread: the second busiest thread is the scorer's own overhead
+    assert cpu_per_call(spent, "scorer0", 1, calls=100)["scorer0 besides its passes"] == pytest.approx(44.0)
+    assert cpu_per_call(spent, "scorer0", 2, calls=0)["gateway"] == pytest.approx(500.0)  # no call counted: totals
