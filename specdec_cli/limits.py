@@ -64,7 +64,10 @@ DEFAULT_DECODE_STEPS = MAX_DECODE_STEPS
 #: of an Intel Xeon (0.89x at 8, 0.92x at 16: ``bench_forward.py
 #: --stack-decode-steps 1,4,8,16``, fifty-eighth session), and would stream
 #: a model with 100 ms passes in 0.4 s groups. 50 ms a call keeps a stream's
-#: groups below what a reader notices and the round trip at ~2 % of it.
+#: groups below what a reader notices; a call's round trip costs ~2.5-2.8 ms
+#: of CPU across the scorer's gRPC thread, the gateway and the client (the
+#: per-call columns of bench_forward's stack rows, sixty-first session): on
+#: 2 cores, which the three share with the passes, ~5 % of 50 ms.
 DEFAULT_DECODE_CHUNK_MS = 50.0
 #: Plain decoding's tokens a call until one call's passes are timed.
 FIRST_DECODE_STEPS = 4
