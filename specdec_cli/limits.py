@@ -64,7 +64,7 @@ DEFAULT_DECODE_STEPS = MAX_DECODE_STEPS
 #: of an Intel Xeon (0.89x at 8, 0.92x at 16: ``bench_forward.py
 #: --stack-decode-steps 1,4,8,16``, fifty-eighth session), and would stream
 #: a model with 100 ms passes in 0.4 s groups. 50 ms a call keeps a stream's
-#: groups below what a reader notices; a call's round trip costs ~2.5-2.8 ms
+#: groups below what a reader notices; a call's round trip costs ~2.3-2.8 ms
 #: of CPU across the scorer's gRPC thread, the gateway and the client (the
 #: per-call columns of bench_forward's stack rows, sixty-first session): on
 #: 2 cores, which the three share with the passes, ~5 % of 50 ms.
