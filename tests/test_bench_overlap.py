@@ -61,7 +61,7 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     cpus = sorted(os.sched_getaffinity(0))
     pin = ["--scorer-cpus", str(cpus[0])] if len(cpus) > 1 else []  # the scorer alone on one CPU
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, "--latencies", "0", "--streams", "1",
-                           "--modes", "off,on", "--repeats", "1", "--max-tokens", "8", "--requests-per-stream", "2",
+                           "--modes", "off,on", "--repeats", "1", "--max-tokens", "160", "--requests-per-stream", "2",
                            "--method", "hybrid", "--proposer-args", "--max-cached-requests 0", "--out", str(out),
                            *pin], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,9 +74,12 @@ def test_bench_overlap_runs_requests_one_after_another_and_writes_json(stories_p
     assert result["proposer_args"] == "--max-cached-requests 0"
     assert [(r["mode"], r["streams"]) for r in result["rows"]] == [("off", 1), ("on", 1)]
     assert all(r["identical_to_lock_step"] and r["tok_s"] > 0 for r in result["rows"])
-    assert all(r["tokens"] == 2 * 8 for r in result["rows"])  # two requests of 8 tokens (EOS ignored)
-    assert "hybrid k=5 adaptive, 2 x 8 tokens per stream" in proc.stdout
-    for row in result["rows"]:  # every process worked during the run (the scorer verified, the gateway looped)
+    assert all(r["tokens"] == 2 * 160 for r in result["rows"])  # two requests of 160 tokens (EOS ignored)
+    assert "hybrid k=5 adaptive, 2 x 160 tokens per stream" in proc.stdout
+    # every process worked during the run (the scorer verified, the gateway looped). /proc counts CPU in clock
+    # ticks (10 ms): with 8-token answers (~20 ms a row) the gateway's share once read 0 ticks; 160 tokens a
+    # request give it several
+    for row in result["rows"]:
         assert row["cpu_ms_per_round"]["scorer"] > 0 and row["cpu_ms_per_round"]["gateway"] > 0, row
         assert row["cpu_ms_per_round"]["proposer"] >= 0, row
     bad = subprocess.run([sys.executable, str(SCRIPT), "--requests-per-stream", "0"], capture_output=True, text=True,
