@@ -119,6 +119,13 @@ SERVING_ROWS = dict(zip(TIMED_ROWS, TIME_WEIGHTS))
 #: different arithmetic give different bits, so without it two replicas on
 #: machines of one kind could serve different greedy text.
 TIE_MARGIN = 0.05
+#: The tie margin where some candidate's timings were taken on a busy
+#: machine (``machine_busy``): there two paths' order swaps by far more than
+#: 5 % between starts (clean-clone CI beside a busy process: two engines of
+#: one stories260K process took numba1 and simd-l1, ~3 % apart idle), so
+#: replicas started under load mostly agree on the fixed order's path. Busy
+#: timings are not cached: the next start on an idle machine chooses by 5 %.
+BUSY_TIE_MARGIN = 0.25
 #: Paths that compute the same bits: the same instructions in the same order
 #: (simd-l1 prefetches the weight into L1 instead of L2; simd-gguf
 #: dequantises a GGUF model's blocks in registers to the float32 weights
@@ -608,6 +615,7 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
             entry["busy"] = entry.get("busy", False) or busy
         report["time_s"] = round(time.perf_counter() - t, 3)
         dirty = True
+    margin = TIE_MARGIN
     if gemm != "auto":
         failure = verdicts[gemm]["failure"]
         if failure is not None:
@@ -623,7 +631,8 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
                               + "; ".join(f"{n}: {verdicts[n]['failure']}" for n in names))
         scores = {n: round(score_ms(verdicts[n]["ms"], timed_rows), 3) for n in ok}
         preferred = [n for n in ok if GEMM_PATHS[n].kind in prefer_kinds]
-        chosen = fastest({n: scores[n] for n in preferred or ok})
+        margin = BUSY_TIE_MARGIN if any(verdicts[n].get("busy") for n in preferred or ok) else TIE_MARGIN
+        chosen = fastest({n: scores[n] for n in preferred or ok}, margin)
         if timed_rows == SERVING_ROWS:
             report["choice"] = chosen  # cached for the record: what serving takes here
     if dirty:
@@ -634,10 +643,14 @@ def select(weights: Weights, dtype: torch.dtype, num_threads: int, gemm: str = "
         _gguf_layouts(report, linears, num_threads)
     log.info("gemm: %s (%s) for %s on %s, %d threads; %s", chosen, "forced" if gemm != "auto" else "auto",
              dtype, report["key"]["cpu"], num_threads, summary(report))
+    if margin != TIE_MARGIN:
+        log.info("gemm: timed on a busy machine: scores within %.0f %% of the fastest were a tie (not cached; an "
+                 "idle start chooses within %.0f %%)", margin * 100, TIE_MARGIN * 100)
     return Selection(GEMM_PATHS[chosen], linears, {**report, "chosen": chosen, "forced": gemm != "auto",
                                                    "prefer_kinds": list(prefer_kinds),
                                                    "timed_rows": {str(n): w for n, w in timed_rows.items()},
-                                                   **({"scores": scores} if gemm == "auto" else {})})
+                                                   **({"scores": scores, "tie_margin": margin} if gemm == "auto"
+                                                      else {})})
 
 
 def _gguf_layouts(report: dict, linears: list[Linear], num_threads: int) -> None:

@@ -191,6 +191,33 @@ def test_timings_taken_on_a_busy_machine_are_not_cached(cache, monkeypatch):
     assert json.loads(file.read_text())["choice"] == again.path.name
 
 
+@pytest.mark.parametrize("busy", [False, True])
+def test_timings_of_a_busy_machine_call_a_wider_near_tie(cache, monkeypatch, busy):
+    """Timed idle, a path 10 % ahead of the others wins; timed busy, where
+    paths swap order by more than that between starts, the fixed order decides
+    within BUSY_TIE_MARGIN, so replicas started under load mostly agree."""
+    ok = [n for n, e in select(weights(), torch.float32, 1, "auto", max_rows=32).report["paths"].items()
+          if e["failure"] is None]
+    first = min(ok, key=gemm_select.TIE_ORDER.index)
+    same = next((g for g in gemm_select.SAME_BITS if first in g), (first,))
+    others = [n for n in ok if n not in same]  # paths of other bits than the fixed order's choice
+    if not others:
+        pytest.skip(f"the invariant paths on this CPU compute one arithmetic: {ok}")
+    last = max(others, key=gemm_select.TIE_ORDER.index)  # 10 % ahead of the rest
+    for f in cache.glob("*.json"):
+        f.unlink()  # time again
+
+    def timed(paths, weights, dtype, rows, **kwargs):
+        return {p.name: {n: (1.0 if p.name == last else 1.1) * n for n in rows} for p in paths}
+    monkeypatch.setattr(gemm_select, "time_paths", timed)
+    monkeypatch.setattr(gemm_select, "machine_busy", lambda: busy)
+    chosen = select(weights(), torch.float32, 1, "auto", max_rows=32)
+    margin = gemm_select.BUSY_TIE_MARGIN if busy else gemm_select.TIE_MARGIN
+    assert chosen.report["tie_margin"] == margin
+    assert (chosen.path.name == last) != busy
+    assert chosen.path.name == gemm_select.fastest(chosen.report["scores"], margin)
+
+
 def test_forced_linears_compute_x_wt_plus_b(cache):
     w = weights()
     chosen = select(w, torch.float32, 1, "onednn", max_rows=32)
