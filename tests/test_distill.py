@@ -256,10 +256,11 @@ def test_the_teachers_gemm_path_is_chosen_for_its_batch_whatever_is_in_flight(st
     for engine in engines:
         assert engine.gemm_report["timed_rows"] == {"128": 1.0} == {str(n): w for n, w in mod.TEACHER_GEMM_ROWS.items()}
         scores = engine.gemm_report["scores"]
-        # the fastest of all at 128 rows by the selector's rule (a near-tie within TIE_MARGIN goes by TIE_ORDER, not
-        # by the lower timing: a clean-clone CI run chose numba6 over a 128-row onednn timing a little lower);
-        # serving's preference for the runner's fused kinds is not applied
-        assert engine.gemm == gemm_select.fastest(scores) and engine.gemm_report["prefer_kinds"] == []
+        # the fastest of all at 128 rows by the selector's rule (a near-tie within the margin, wider where timed on
+        # a busy machine, goes by TIE_ORDER, not by the lower timing: a clean-clone CI run chose numba6 over a
+        # 128-row onednn timing a little lower); serving's preference for the runner's fused kinds is not applied
+        assert engine.gemm == gemm_select.fastest(scores, engine.gemm_report["tie_margin"])
+        assert engine.gemm_report["prefer_kinds"] == []
         assert all(str(128) in engine.gemm_report["paths"][n]["ms"] for n in scores)
 
 
