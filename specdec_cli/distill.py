@@ -223,31 +223,103 @@ def lr_at(cfg: DistillConfig, step: int, progress: float) -> float:
     return cfg.lr * ramp * 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
-def _resolved(choice: str) -> torch.dtype:
-    """The teacher's dtype choice: auto = bfloat16 on a CPU with native
-    bfloat16 (AVX512-BF16 / AMX), else float32 (bfloat16 emulated is slower,
-    not faster). The student's (--train-dtype auto) is measured:
-    ``distill_dtype``."""
-    if choice == "auto":
-        from specdec.engine.gemm_select import native_bf16
-
-        return torch.bfloat16 if native_bf16() else torch.float32
-    return getattr(torch, choice)
-
-
-def teacher_dtype(cfg: DistillConfig, target) -> str:
+def teacher_dtype(cfg: DistillConfig, target, log: Callable[[str], None] = lambda _: None,
+                  made_with: str | None = None) -> str:
     """The dtype the target answers in (--teacher-dtype) where the Llama
     runner runs it; the transformers fallback keeps the loaded model's.
-    bfloat16 answers come ~1.25x faster on a CPU with native bfloat16 (SmolLM2,
-    ``bench_teacher.py --answers 768``: 757 against 603 tokens/s at 32 in
-    flight, AMD EPYC family 26), and differ from float32's little: greedy tokens agree at 97.4 % of 2246 sampled
-    answer positions, mean KL(float32 || bfloat16) 0.0011 nats (twenty-fifth
-    session). The acceptance measurement uses the target as loaded."""
+    ``auto``: the dtype of the answers a resumed run already has
+    (``made_with``), else float32 on a CPU without native bfloat16 (emulated
+    bfloat16 is slower, not faster), else the one whose decode steps measure
+    faster on this machine (``measured_teacher_dtype``). bfloat16 answers
+    differ from float32's little: greedy tokens agree at 97.4 % of 2246
+    sampled answer positions, mean KL(float32 || bfloat16) 0.0011 nats
+    (twenty-fifth session). The acceptance measurement uses the target as
+    loaded."""
     from specdec.engine.llama import unsupported_reason
 
     if unsupported_reason(target.config):
         return str(target.dtype).removeprefix("torch.")
-    return str(_resolved(cfg.teacher_dtype)).removeprefix("torch.")
+    if cfg.teacher_dtype != "auto":
+        return cfg.teacher_dtype
+    return made_with or measured_teacher_dtype(cfg, target, log)
+
+
+def answered_in(recipe: dict | None) -> str | None:
+    """The dtype the answers a checkpoint keeps were made in (its recipe's;
+    float32 for answers kept before --teacher-dtype existed); None: none kept."""
+    return None if recipe is None else str(recipe.get("--teacher-dtype", "float32"))
+
+
+#: --teacher-dtype auto's verdicts taken in this process (key -> dtype): the
+#: data and the model card ask once each
+_TEACHER_VERDICTS: dict[str, str] = {}
+#: --teacher-dtype auto times decode steps this many tokens into each answer's context: few, as the prefill
+#: is not what it times (48 took 7-18 s of a 27 s measurement, SmolLM2; attention over a longer context is a
+#: small share of a step's work)
+TEACHER_PROBE_TOKENS = 8
+#: the decode steps it times at most, per dtype
+PROBE_STEPS = distill_dtype.ROUNDS * (distill_dtype.TEACHER_WARM + distill_dtype.TEACHER_TIMED)
+
+
+def measured_teacher_dtype(cfg: DistillConfig, target, log: Callable[[str], None]) -> str:
+    """``--teacher-dtype auto`` on the Llama runner: ``distill_dtype.choose_teacher``
+    timing decode steps of the teacher's own engine (``teacher_engine``,
+    ``TEACHER_BATCH`` answers in flight, with the features the student
+    reads) in each dtype. Native bfloat16 is not faster everywhere: on 2
+    cores of an AMD EPYC (family 26) it answered ~1.25x faster than float32
+    (``bench_teacher.py --answers 768``: 757 against 603 tokens/s at 32 in
+    flight); on 2 cores of an Intel Xeon with AVX512-BF16 and no AMX (family
+    6, model 207) 339 against 421 at 128 (``bench_teacher.py --answers 384
+    --widths 128 --dtypes float32,bfloat16``), where the CPU's flags alone
+    had chosen bfloat16. The verdict is cached on disk per CPU, torch,
+    threads and target, so a seed gives the same answers on that machine."""
+    from specdec.engine.gemm_select import set_torch_threads
+
+    layers = _feature_layers(cfg, target)
+    key = {"target": str(cfg.target), "answers": TEACHER_BATCH, "feature_layers": list(layers),
+           "config": hashlib.sha256(target.config.to_json_string(use_diff=False).encode()).hexdigest()[:16]}
+    threads = torch.get_num_threads()
+    set_torch_threads(cfg.threads)  # the threads the answers run on, which the verdict is keyed by
+    try:
+        memo = json.dumps({**distill_dtype.machine_key(), **key}, sort_keys=True)
+        if memo not in _TEACHER_VERDICTS:
+            engines: dict[str, object] = {}
+            step_seconds = functools.partial(_teacher_step_seconds, target, cfg, layers, engines)
+            _TEACHER_VERDICTS[memo] = distill_dtype.choose_teacher(key, step_seconds, log)
+        return _TEACHER_VERDICTS[memo]
+    finally:
+        set_torch_threads(threads)
+
+
+@torch.inference_mode()
+def _teacher_step_seconds(target, cfg: DistillConfig, layers: tuple[int, ...], engines: dict, dtype: str,
+                          steps: int) -> list[float]:
+    """Seconds of each of ``steps`` decode steps of the teacher's engine in
+    ``dtype`` with ``TEACHER_BATCH`` answers in flight. The engine is built
+    once into ``engines``, its answers ``TEACHER_PROBE_TOKENS`` seeded token
+    ids into their contexts (prefilled once, not timed); each call's steps
+    go on from the last's (room for ``PROBE_STEPS``)."""
+    from specdec.engine.base import ForwardItem
+
+    seqs = [f"probe-{i}" for i in range(TEACHER_BATCH)]
+    vocab = target.config.vocab_size
+    if dtype not in engines:
+        length = TEACHER_PROBE_TOKENS + PROBE_STEPS
+        engine = teacher_engine(target, cfg.target, dtype, TEACHER_BATCH * (length + 64), cfg.threads)
+        rng = np.random.default_rng(0)
+        for seq in seqs:
+            engine.ensure_capacity(seq, length)
+        engine.forward([ForwardItem(seq, rng.integers(0, vocab, TEACHER_PROBE_TOKENS).astype(np.int32), 1)
+                        for seq in seqs], feature_layers=layers)
+        engines[dtype] = engine, rng
+    engine, rng = engines[dtype]
+    seconds = []
+    for _ in range(steps):
+        feed = rng.integers(0, vocab, len(seqs)).astype(np.int32)
+        start = time.perf_counter()
+        engine.forward([ForwardItem(seq, feed[i:i + 1], 1) for i, seq in enumerate(seqs)], feature_layers=layers)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 @torch.inference_mode()
@@ -288,13 +360,13 @@ def teacher_data(target, tokenizer, cfg: DistillConfig, log, feature_layers: tup
     from specdec.engine.base import ForwardItem
 
     all_prompts = prompts(tokenizer, TOPICS)
-    dtype = teacher_dtype(cfg, target)
+    made_with = {"--teacher-dtype": answered_in(resume["recipe"]), **resume["recipe"]} if resume else {}
+    dtype = teacher_dtype(cfg, target, log, made_with.get("--teacher-dtype"))
     recipe = {"--target": cfg.target, "--seed": cfg.seed, "--teacher-temperature": cfg.teacher_temperature,
               "--max-new-tokens": cfg.max_new_tokens, "--kind": cfg.kind,
               "--teacher-dtype": dtype}  # what an answer depends on
     recipe["prompts"] = prompts_digest(all_prompts)  # and which prompt answer i answers
     if resume:
-        made_with = {"--teacher-dtype": "float32", **resume["recipe"]}  # answers kept before the flag: float32
         if made_with.get("prompts") != recipe["prompts"]:
             raise SystemExit("--resume: the checkpoint's answers answer another list of the recipe's prompts "
                              "(made by a specdec whose word lists differ); run again without --resume")
@@ -544,14 +616,17 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
     else:
         teacher = None
     if state:
-        data, data_s = _resumed_data(out, state), state["data_s"]
+        (data, dtype_used), data_s = _resumed_data(out, state), state["data_s"]
+        dtype_used = dtype_used or teacher_dtype(cfg, target, log)  # (a DATA_FILE from before it was kept)
     else:
         saver = _AnswerSaver(out, time.monotonic() - (teacher["data_s"] if teacher else 0.0), teacher)
+        dtype_used = teacher_dtype(cfg, target, log, answered_in(saver.resumed and saver.resumed["recipe"]))
         data = teacher_data(target, tokenizer, cfg, log, _feature_layers(cfg, target), resume=saver.resumed,
                             save=saver, deadline=None if cfg.samples else
                             saver.started + AUTO_DATA_SHARE * cfg.minutes * 60)
         data_s = time.monotonic() - saver.started
-        _save_atomically(out / DATA_FILE, {"data": data})  # before the first checkpoint that leans on it
+        # before the first checkpoint that leans on it
+        _save_atomically(out / DATA_FILE, {"data": data, "teacher_dtype": dtype_used})
     # each training step reuses the last one's memory instead of faulting it in again. Only now: set while
     # the target answered in bfloat16 (oneDNN), it made the first 30 s of answers ~10x slower and the
     # process hold ~15 GB instead of ~3 (SmolLM2, 128 answers at a time, AMD EPYC family 26)
@@ -623,7 +698,7 @@ def _distill(cfg: DistillConfig, resume: bool, log) -> dict:
             "acceptance_minutes": round((time.monotonic() - measured) / 60, 2),
             "mean_accepted_length_k5": round(accepted, 4), "teacher_top_k": TEACHER_TOP_K,
             "train_dtype_used": str(dtype).removeprefix("torch."),
-            "teacher_dtype_used": teacher_dtype(cfg, target), **shape,
+            "teacher_dtype_used": dtype_used, **shape,
             "examples": len(data["tokens"])}
     _write_card(out, cfg, card)
     return card
@@ -703,17 +778,19 @@ class _AnswerSaver:
             "data_s": time.monotonic() - self.started})
 
 
-def _resumed_data(out: Path, state: dict) -> dict:
+def _resumed_data(out: Path, state: dict) -> tuple[dict, str | None]:
     """The data a training checkpoint trains on: DATA_FILE's (or, from an
     older specdec, the checkpoint's own, then written to DATA_FILE, as the
-    checkpoints that follow leave it out)."""
+    checkpoints that follow leave it out), and the dtype the target answered
+    in where DATA_FILE says it (None: written before it did)."""
     if "data" in state:
         _save_atomically(out / DATA_FILE, {"data": state["data"]})
-        return state["data"]
+        return state["data"], None
     if not (out / DATA_FILE).exists():
         raise SystemExit(f"--resume: {out / DATA_FILE}, the data the checkpoint trains on, is missing; "
                          "run again without --resume")
-    return torch.load(out / DATA_FILE, weights_only=False)["data"]
+    saved = torch.load(out / DATA_FILE, weights_only=False)
+    return saved["data"], saved.get("teacher_dtype")
 
 
 def _save_checkpoint(path: Path, student, optimizer, data_s: float, step: int, trained_s: float,

@@ -12,7 +12,7 @@ TEACHER_TEMPERATURE = 0.7  # the target's answers: near its greedy text, still v
 WARMUP_STEPS = 20  # the learning rate's linear warm-up (at most a tenth of --steps)
 LR_SCHEDULES = ("cosine", "constant")
 TRAIN_DTYPES = ("auto", "float32", "bfloat16")  # auto: bfloat16 autocast where it measures faster (distill_dtype)
-TEACHER_DTYPES = TRAIN_DTYPES  # the target answering: auto = bfloat16 where the CPU has it natively
+TEACHER_DTYPES = TRAIN_DTYPES  # the target answering: auto = bfloat16 where it measures faster (distill_dtype)
 KINDS = ("draft", "eagle3")
 #: eagle3: target tokens kept in the head's draft vocabulary (capped at the target's)
 DEFAULT_DRAFT_VOCAB = 4096
@@ -93,8 +93,9 @@ def add_parser(sub) -> None:
                         "is cached per CPU and shape), else float32")
     p.add_argument("--teacher-dtype", default=DistillConfig.teacher_dtype, choices=list(TEACHER_DTYPES),
                    help="the target's dtype while it answers (the data phase): auto = bfloat16 where the CPU has "
-                        "native bfloat16 (~1.25x the answers a minute there), else float32; the acceptance "
-                        "measurement always uses the target as loaded")
+                        "native bfloat16 and a few timed decode steps of the answering engine run faster in it "
+                        "(the verdict is cached per CPU and target; a resumed run keeps its answers' dtype), "
+                        "else float32; the acceptance measurement always uses the target as loaded")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
 
 

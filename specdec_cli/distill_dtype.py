@@ -1,5 +1,6 @@
-"""``--train-dtype auto``: the student's matmul dtype, chosen by timing
-training steps on the machine that trains.
+"""``--train-dtype auto`` and ``--teacher-dtype auto``: the student's matmul
+dtype and the dtype the target answers in, each chosen by timing on the
+machine that distills.
 
 Native bfloat16 is not a speed-up everywhere. On 2 cores of an AMD EPYC a
 bfloat16 matmul runs ~2x float32's; on an Intel Xeon with AVX512-BF16 and no
@@ -19,7 +20,14 @@ near-tie goes to float32, whose result does not depend on the CPU's
 bfloat16 rounding. The verdict is cached on disk (``cache_dir``) keyed by
 the CPU (model and flags), torch, the threads and the step's shape, so a
 seed gives the same student on that machine in every run, and a resumed
-run keeps the dtype its checkpoint was trained in (``resolved``)."""
+run keeps the dtype its checkpoint was trained in (``resolved``).
+
+The teacher's dtype (``--teacher-dtype auto``, ``choose_teacher``) is
+measured the same way, on decode steps of the engine the target answers
+with: on that Intel Xeon the flags' choice, bfloat16, answered at 339
+tokens/s against float32's 421 (``python benchmarks/bench_teacher.py
+--answers 384 --widths 128 --dtypes float32,bfloat16``, same run), while on
+an AMD EPYC (family 26) bfloat16 answered ~1.25x faster."""
 from __future__ import annotations
 
 import copy
@@ -39,6 +47,9 @@ BF16_MARGIN = 0.9
 WARM, TIMED = 1, 2
 #: Rounds of (float32, bfloat16) steps in turns.
 ROUNDS = 2
+#: The teacher's decode steps (all ``TEACHER_BATCH`` answers in flight) in
+#: each dtype and round: not timed (the first runs oneDNN's first calls), timed.
+TEACHER_WARM, TEACHER_TIMED = 1, 3
 #: Where verdicts are cached (default ~/.cache/specdec/train_dtype).
 CACHE_ENV = "SPECDEC_TRAIN_DTYPE_CACHE_DIR"
 CACHE_VERSION = 1
@@ -48,15 +59,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdec" / "train_dtype")
 
 
-def _key(student: torch.nn.Module, shape: dict) -> dict:
+def machine_key() -> dict:
+    """What a verdict depends on besides the work timed: the CPU (model and
+    flags), torch and the threads."""
     from specdec.engine.gemm_select import cpu_flags, cpu_model
 
-    params = sorted(f"{name}:{'x'.join(map(str, p.shape))}:{int(p.requires_grad)}"
-                    for name, p in student.named_parameters())
     return {"version": CACHE_VERSION, "cpu": cpu_model(),
             "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12],
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "params": hashlib.sha256("\n".join(params).encode()).hexdigest()[:16], **shape}
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def _key(student: torch.nn.Module, shape: dict) -> dict:
+    params = sorted(f"{name}:{'x'.join(map(str, p.shape))}:{int(p.requires_grad)}"
+                    for name, p in student.named_parameters())
+    return {**machine_key(), "params": hashlib.sha256("\n".join(params).encode()).hexdigest()[:16], **shape}
 
 
 def _cache_file(key: dict) -> Path:
@@ -118,21 +134,54 @@ def choose(student: torch.nn.Module, loss_of: Callable[[torch.nn.Module], tuple[
 
     if not native_bf16():
         return torch.float32
-    key = _key(student, shape)
+    return getattr(torch, _verdict(_key(student, shape), "training dtype", "--train-dtype", "a step",
+                                   lambda: measure(student, loss_of), log))
+
+
+def choose_teacher(key: dict, step_seconds: Callable[[str, int], list[float]], log: Callable[[str], None]) -> str:
+    """``--teacher-dtype auto``: "float32" where the CPU has no native
+    bfloat16; else the cached verdict for this machine and ``key`` (the
+    target and what its answering looks like), or a fresh one:
+    ``step_seconds(dtype, n)`` gives the seconds of each of n decode steps
+    of the teacher's engine in that dtype; ``ROUNDS`` rounds in turns of
+    ``TEACHER_WARM`` untimed and ``TEACHER_TIMED`` timed steps each, and
+    bfloat16 only where its median step takes at most ``BF16_MARGIN`` of
+    float32's. Logged and cached."""
+    from specdec.engine.gemm_select import native_bf16
+
+    if not native_bf16():
+        return "float32"
+
+    def timings() -> dict[str, float]:
+        timed: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        for _ in range(ROUNDS):
+            for name in timed:
+                timed[name] += step_seconds(name, TEACHER_WARM + TEACHER_TIMED)[TEACHER_WARM:]
+        return {name: statistics.median(s) for name, s in timed.items()}
+
+    return _verdict({**machine_key(), "what": "teacher", **key}, "teacher dtype", "--teacher-dtype",
+                    "a decode step", timings, log)
+
+
+def _verdict(key: dict, what: str, flag: str, unit: str, timings: Callable[[], dict[str, float]],
+             log: Callable[[str], None]) -> str:
+    """The cached verdict ("float32" or "bfloat16") for ``key``, else one
+    from ``timings()`` (median seconds of ``unit`` in each dtype): bfloat16
+    only at <= ``BF16_MARGIN`` of float32's; logged as ``what`` and cached."""
     path = _cache_file(key)
     try:
         cached = json.loads(path.read_text())
         if cached.get("key") == key:
-            log(f"training dtype: {cached['dtype']} (--train-dtype auto; measured before on this CPU: "
+            log(f"{what}: {cached['dtype']} ({flag} auto; measured before on this CPU: "
                 f"{_timings(cached['ms'])}; cache {path})")
-            return getattr(torch, cached["dtype"])
+            return str(cached["dtype"])
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     start = time.monotonic()
-    seconds = measure(student, loss_of)
+    seconds = timings()
     dtype = "bfloat16" if seconds["bfloat16"] <= BF16_MARGIN * seconds["float32"] else "float32"
     ms = {name: round(1e3 * s, 1) for name, s in seconds.items()}
-    log(f"training dtype: {dtype} (--train-dtype auto; a step {_timings(ms)}, measured in "
+    log(f"{what}: {dtype} ({flag} auto; {unit} {_timings(ms)}, measured in "
         f"{time.monotonic() - start:.0f} s; bfloat16 only at <= {BF16_MARGIN:.0%} of float32's)")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +189,8 @@ def choose(student: torch.nn.Module, loss_of: Callable[[torch.nn.Module], tuple[
         tmp.write_text(json.dumps({"key": key, "dtype": dtype, "ms": ms}, indent=1))
         tmp.replace(path)
     except OSError as e:  # a read-only home: measured again next run
-        log(f"training dtype: not cached ({e})")
-    return getattr(torch, dtype)
+        log(f"{what}: not cached ({e})")
+    return dtype
 
 
 def _timings(ms: dict) -> str:

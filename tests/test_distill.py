@@ -467,26 +467,87 @@ def test_teacher_temperature_zero_answers_with_the_targets_greedy_text(stories_p
     assert off_argmax(DistillConfig.teacher_temperature)[0] > 0
 
 
-def test_the_teacher_answers_in_bfloat16_by_default_only_where_the_cpu_has_it(stories_path, monkeypatch):
-    """--teacher-dtype auto: bfloat16 where the CPU has native bfloat16,
-    float32 elsewhere; a dtype given is kept; the transformers fallback
-    (a model the Llama runner does not run) answers in the model's own."""
+def test_the_teacher_dtype_auto_is_the_one_its_answering_engine_measures_faster(stories_path, tmp_path,
+                                                                                monkeypatch):
+    """--teacher-dtype auto: float32 unmeasured where the CPU has no native
+    bfloat16; else the dtype whose decode steps of the teacher's own engine
+    (TEACHER_BATCH answers in flight, the student's features) measure
+    faster, once per process and cached on disk for the next; a resumed
+    run keeps the dtype its answers were made in; a dtype given is kept;
+    the transformers fallback answers in the model's own."""
     import dataclasses
 
+    import specdec.distill as mod
+    import specdec.distill_dtype as distill_dtype
     import specdec.engine.gemm_select as gemm_select
     import specdec.engine.llama as llama
-    from specdec.distill import teacher_dtype
     from specdec.engine.checkpoint import load_hf_model
 
+    monkeypatch.setenv(distill_dtype.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(mod, "_TEACHER_VERDICTS", {})
     target = load_hf_model(stories_path)
-    cfg = _config(stories_path, "unused", steps=1)
+    cfg = dataclasses.replace(_config(stories_path, "unused", steps=1), kind="eagle3")
     auto, bf16 = dataclasses.replace(cfg, teacher_dtype="auto"), dataclasses.replace(cfg, teacher_dtype="bfloat16")
-    for native, expected in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(gemm_select, "native_bf16", lambda native=native: native)
-        assert teacher_dtype(auto, target) == expected
-        assert teacher_dtype(bf16, target) == "bfloat16" and teacher_dtype(cfg, target) == "float32"
+    real_steps = mod._teacher_step_seconds
+    calls: list[tuple[str, int, list[float]]] = []
+    fake = {"float32": 1.0, "bfloat16": 0.5}
+
+    def steps_of(target, cfg, layers, engines, dtype, steps):
+        assert layers == mod._feature_layers(cfg, target) and layers  # eagle3: timed with its features
+        seconds = real_steps(target, cfg, layers, engines, dtype, steps)  # the real engine's decode steps
+        calls.append((dtype, steps, seconds))
+        return [fake[dtype]] * steps
+
+    monkeypatch.setattr(mod, "_teacher_step_seconds", steps_of)
+    monkeypatch.setattr(gemm_select, "native_bf16", lambda: False)
+    assert mod.teacher_dtype(auto, target) == "float32" and not calls
+    mod._TEACHER_VERDICTS.clear()  # (kept for the process: the CPU does not change within one)
+    monkeypatch.setattr(gemm_select, "native_bf16", lambda: True)
+    lines: list[str] = []
+    assert mod.teacher_dtype(auto, target, lines.append) == "bfloat16"
+    per_round = distill_dtype.TEACHER_WARM + distill_dtype.TEACHER_TIMED
+    assert [(d, n) for d, n, _ in calls] == [("float32", per_round), ("bfloat16", per_round)] * distill_dtype.ROUNDS
+    assert all(len(seconds) == n and min(seconds) > 0 for _, n, seconds in calls)
+    assert lines[-1].startswith("teacher dtype: bfloat16 (--teacher-dtype auto; a decode step float32 1000.0 ms")
+    calls.clear()
+    assert mod.teacher_dtype(auto, target, lines.append) == "bfloat16" and not calls  # once per process
+    mod._TEACHER_VERDICTS.clear()  # a new process: the verdict on disk, not measured again
+    fake.update(float32=0.5, bfloat16=1.0)
+    assert mod.teacher_dtype(auto, target, lines.append) == "bfloat16" and not calls
+    assert "measured before on this CPU" in lines[-1]
+    mod._TEACHER_VERDICTS.clear()
+    monkeypatch.setenv(distill_dtype.CACHE_ENV, str(tmp_path / "other-cache"))  # another machine, say
+    assert mod.teacher_dtype(auto, target, lines.append) == "float32" and calls
+    calls.clear()
+    assert mod.teacher_dtype(auto, target, made_with="bfloat16") == "bfloat16"  # a resumed run's answers
+    assert mod.teacher_dtype(bf16, target) == "bfloat16" and mod.teacher_dtype(cfg, target) == "float32"
+    assert not calls
     monkeypatch.setattr(llama, "unsupported_reason", lambda config: "not a Llama")
-    assert teacher_dtype(bf16, target) == "float32"
+    assert mod.teacher_dtype(bf16, target) == "float32"
+
+
+def test_a_resumed_run_answers_in_its_answers_dtype_and_the_card_says_it(stories_path, tmp_path, monkeypatch):
+    """--teacher-dtype auto resumed from a checkpoint of the data phase
+    takes the dtype its kept answers were made in, whatever this machine
+    would measure now; the card names the dtype the answers were made in,
+    also when resumed from a training checkpoint."""
+    import dataclasses
+
+    import specdec.distill as mod
+    import specdec.engine.gemm_select as gemm_select
+
+    def never(*_):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(gemm_select, "native_bf16", lambda: True)
+    monkeypatch.setattr(mod, "_TEACHER_VERDICTS", {})
+    monkeypatch.setattr(mod, "measured_teacher_dtype", never)
+    cfg = dataclasses.replace(_config(stories_path, tmp_path / "run", steps=1), teacher_dtype="bfloat16")
+    _interrupted_while_answering(cfg, 30, monkeypatch, TEACHER_BATCH=3)
+    card = distill(dataclasses.replace(cfg, teacher_dtype="auto"), resume=True, log=lambda *_: None)
+    assert card["teacher_dtype_used"] == "bfloat16" and card["config"]["teacher_dtype"] == "auto"
+    again = distill(dataclasses.replace(cfg, teacher_dtype="auto", steps=2), resume=True, log=lambda *_: None)
+    assert again["teacher_dtype_used"] == "bfloat16" and again["steps"] == 2
 
 
 def test_bfloat16_answers_are_close_to_float32_ones_and_never_mixed_with_them(stories_path, tmp_path):

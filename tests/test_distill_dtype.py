@@ -127,3 +127,38 @@ def test_distill_auto_trains_in_the_measured_dtype_and_its_resume_keeps_it(stori
     monkeypatch.setattr(distill_dtype, "measure", lambda *_: {"float32": 0.5, "bfloat16": 1.0})
     resumed = distill_mod.distill(cfg, resume=True, log=lines.append)
     assert resumed["train_dtype_used"] == "bfloat16" and not list(cache.glob("*.json"))
+
+
+@pytest.mark.parametrize("float32_s,bfloat16_s,expected", [
+    (0.02, 0.01, "bfloat16"),   # an AMD EPYC: bfloat16 answers faster
+    (0.012, 0.015, "float32"),  # an Intel Xeon with AVX512-BF16, no AMX: float32 answers faster
+    (0.02, 0.0195, "float32"),  # a near-tie goes to float32
+])
+def test_the_teacher_dtype_is_the_one_whose_decode_steps_measure_faster(cache, float32_s, bfloat16_s, expected):
+    """choose_teacher: ROUNDS rounds in turns of TEACHER_WARM + TEACHER_TIMED
+    decode steps, the warm ones not counted; cached per key."""
+    calls: list[tuple[str, int]] = []
+
+    def step_seconds(dtype: str, n: int) -> list[float]:
+        calls.append((dtype, n))
+        warm = [10.0 if dtype == "float32" else 0.0]  # a slow first call, which must not count
+        return (warm + [float32_s if dtype == "float32" else bfloat16_s] * n)[:n]
+
+    lines: list[str] = []
+    assert distill_dtype.choose_teacher({"target": "t"}, step_seconds, lines.append) == expected
+    n = distill_dtype.TEACHER_WARM + distill_dtype.TEACHER_TIMED
+    assert calls == [("float32", n), ("bfloat16", n)] * distill_dtype.ROUNDS
+    assert lines[-1].startswith(f"teacher dtype: {expected} (--teacher-dtype auto; a decode step float32 "
+                                f"{1e3 * float32_s:.1f} ms")
+    calls.clear()
+    assert distill_dtype.choose_teacher({"target": "t"}, step_seconds, lines.append) == expected and not calls
+    assert distill_dtype.choose_teacher({"target": "u"}, step_seconds, lines.append) == expected and calls
+
+
+def test_without_native_bfloat16_the_teacher_answers_in_float32_unmeasured(cache, monkeypatch):
+    monkeypatch.setattr(gemm_select, "native_bf16", lambda: False)
+
+    def never(*_):
+        raise AssertionError("measured")
+
+    assert distill_dtype.choose_teacher({"target": "t"}, never, print) == "float32" and not cache.exists()
