@@ -733,7 +733,7 @@ def test_the_cards_training_time_leaves_out_the_acceptance_measurement(stories_p
 
 
 def test_the_learning_rate_defaults_per_kind_and_is_checked():
-    """--lr's default is the kind's (a draft 1e-3, an eagle3 head 3e-4: see
+    """--lr's default is the kind's (a draft 1e-3, an eagle3 head 2e-3: see
     distill_args.DEFAULT_LR), a given --lr wins, and one that is not > 0 is
     refused naming the flag."""
     import argparse
@@ -744,7 +744,7 @@ def test_the_learning_rate_defaults_per_kind_and_is_checked():
     add_parser(parser.add_subparsers())
     base = ["distill", "--target", "t", "--out", "o"]
     assert config_from_args(parser.parse_args(base)).lr == 1e-3
-    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3"])).lr == 3e-4
+    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3"])).lr == 2e-3
     assert config_from_args(parser.parse_args([*base, "--kind", "eagle3", "--lr", "5e-4"])).lr == 5e-4
     for bad in ["0", "-1e-3", "nan"]:
         with pytest.raises(SystemExit, match=r"--lr must be > 0"):
