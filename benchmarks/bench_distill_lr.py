@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2024, help="training steps at each rate")
     p.add_argument("--lrs", default="3e-4,1e-3,2e-3", help="peak learning rates, comma-separated")
     p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=DistillConfig.seed)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--held-out-tokens", type=int, default=64,
@@ -52,7 +52,10 @@ def main() -> None:
     p.add_argument("--save", default=None, help="keep each head / draft in SAVE/lr-RATE (default: none kept)")
     p.add_argument("--out", default="bench_results/distill_lr.json")
     args = p.parse_args()
-    lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
+    try:
+        lrs = [float(x) for x in args.lrs.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--lrs: comma-separated numbers, got {args.lrs!r}") from None
     if not lrs or any(not lr > 0 for lr in lrs):
         raise SystemExit(f"--lrs: rates must be > 0, got {args.lrs!r}")
     if args.steps < 1:

@@ -40,7 +40,7 @@ def test_bench_distill_lr_trains_as_the_command_does_at_each_rate(stories_path, 
     assert not torch.equal(other["fc.weight"], ref["fc.weight"])
     assert result["rows"][0]["held_out_accepted_k5"] == round(card["mean_accepted_length_k5"], 4)
     assert "CPU:" in proc.stdout and "held-out k=5" in proc.stdout and "step 6/6" in proc.stdout
-    for bad, flag in ((["--lrs", "1e-3,0"], "--lrs"), (["--steps", "0"], "--steps"),
+    for bad, flag in ((["--lrs", "1e-3,0"], "--lrs"), (["--lrs", "1e-3,fast"], "--lrs"), (["--steps", "0"], "--steps"),
                       (["--data", str(tmp_path / "none")], "--data")):
         fail = subprocess.run([sys.executable, str(SCRIPT), "--model", stories_path, *(["--data", str(run)]
                                if "--data" not in bad else []), *bad], capture_output=True, text=True, timeout=300)
