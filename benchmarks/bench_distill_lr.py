@@ -1,20 +1,26 @@
-"""Held-out acceptance of ``specdec distill`` by peak learning rate, at a
-fixed number of training steps on the same answers.
+"""Held-out acceptance of ``specdec distill`` by peak learning rate and
+batch size, at a fixed number of training steps on the same answers.
 
 A distill run keeps its training data (the target's answers, their top-K
 distributions and, for an eagle3 head, the target's features) in
 ``DIR/distill-data.pt``. This trains a fresh student on that data for
---steps steps at each --lrs rate, one after the other in this process, each
+--steps steps at each --lrs rate and each --batch-sizes size (a later size
+trains on as many answers as the first: --steps x first / size steps), one
+after the other in this process, each
 exactly as the command trains (``distill._student``, AdamW, the warm-up and
 cosine of ``distill.lr_at`` over the steps, ``distill_dtype.optimizer_step``
 in --train-dtype, the same seed and batch order), then measures the held-out
-mean accepted length at k=5 as the command's last step does. With --steps
+mean accepted length at k=5 as the command's last step does (its 8
+held-out prompts), and with --more-held-out N on the N held-out prompts
+that follow them in the recipe's order: 8 prompts (~250 rounds) tell two
+heads apart only by ~0.05, more prompts by less. With --steps
 fixed the figures do not depend on the machine's speed that day (a
 30-minute run's steps do): the same data, seed and steps give the same
 head. Prints the CPU model and a table; writes JSON.
 
     specdec distill --target M --out DIR --kind eagle3 --minutes 30 --samples 2400 ...   # the data
     python benchmarks/bench_distill_lr.py --data DIR --steps 2024 --lrs 3e-4,1e-3,2e-3
+    python benchmarks/bench_distill_lr.py --data DIR --steps 800 --lrs 2e-3 --batch-sizes 8,4,2
 
 Writes --out (default bench_results/distill_lr.json).
 """
@@ -33,7 +39,7 @@ import torch
 
 
 def main() -> None:
-    from specdec.distill_args import KINDS, DistillConfig
+    from specdec.distill_args import DEFAULT_BATCH, KINDS, DistillConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="a distill run's --out directory (or its distill-data.pt)")
@@ -41,14 +47,20 @@ def main() -> None:
     p.add_argument("--kind", default="eagle3", choices=list(KINDS))
     p.add_argument("--layers", type=int, default=DistillConfig.layers, help="draft: decoder layers")
     p.add_argument("--draft-vocab", type=int, default=0, help="as distill's --draft-vocab")
-    p.add_argument("--steps", type=int, default=2024, help="training steps at each rate")
+    p.add_argument("--steps", type=int, default=2024, help="training steps at each rate (of the first batch size)")
     p.add_argument("--lrs", default="3e-4,1e-3,2e-3", help="peak learning rates, comma-separated")
-    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
+    p.add_argument("--batch-sizes", default=None,
+                   help="answers a step reads, comma-separated; a later size trains on as many answers as the "
+                        "first (default: the kind's, " + ", ".join(f"{k} {b}" for k, b in DEFAULT_BATCH.items())
+                        + ")")
     p.add_argument("--seed", type=int, default=DistillConfig.seed)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--train-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--held-out-tokens", type=int, default=64,
                    help="tokens of each held-out answer (distill: min(--max-new-tokens, 64))")
+    p.add_argument("--more-held-out", type=int, default=0,
+                   help="also measure on this many held-out prompts after the command's (0: none; up to "
+                        "the held-out topics' count less the command's)")
     p.add_argument("--save", default=None, help="keep each head / draft in SAVE/lr-RATE (default: none kept)")
     p.add_argument("--out", default="bench_results/distill_lr.json")
     args = p.parse_args()
@@ -58,20 +70,31 @@ def main() -> None:
         raise SystemExit(f"--lrs: comma-separated numbers, got {args.lrs!r}") from None
     if not lrs or any(not lr > 0 for lr in lrs):
         raise SystemExit(f"--lrs: rates must be > 0, got {args.lrs!r}")
+    try:
+        batches = [int(x) for x in (args.batch_sizes or str(DEFAULT_BATCH[args.kind])).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--batch-sizes: comma-separated integers, got {args.batch_sizes!r}") from None
+    if not batches or any(b < 1 for b in batches):
+        raise SystemExit(f"--batch-sizes: sizes must be >= 1, got {args.batch_sizes!r}")
     if args.steps < 1:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
     if args.held_out_tokens < 1:
         raise SystemExit(f"--held-out-tokens must be >= 1, got {args.held_out_tokens}")
+    if args.more_held_out < 0:
+        raise SystemExit(f"--more-held-out must be >= 0, got {args.more_held_out}")
 
     from specdec import distill_dtype
     from specdec.distill import (
         ACCEPTANCE_K,
         DATA_FILE,
+        HELD_OUT_PROMPTS,
+        HELD_OUT_TOPICS,
         _student,
         draft_vocab,
         held_out_prompts,
         lr_at,
         mean_accepted_length,
+        prompts,
         trainable,
     )
     from specdec.engine.checkpoint import load_hf_model
@@ -86,7 +109,8 @@ def main() -> None:
     model = args.model or default_model()
     set_torch_threads(args.threads)
     print(f"CPU: {cpu_model()} ({os.cpu_count()} cores, native bfloat16: {native_bf16()}); model {model}; "
-          f"--kind {args.kind}; {args.steps} steps of batch {args.batch_size} at each rate; "
+          f"--kind {args.kind}; {args.steps} steps of batch {batches[0]} at each rate (batch b: the same "
+          f"answers in {args.steps} x {batches[0]} / b steps), batch sizes {batches}; "
           f"matmuls {args.train_dtype}", flush=True)
     target = load_hf_model(model)
     tokenizer = load_tokenizer(resolve_model(model))
@@ -96,10 +120,15 @@ def main() -> None:
     keep_freed_memory()
     dtype = getattr(torch, args.train_dtype)
     held_out = held_out_prompts(tokenizer)
+    more = prompts(tokenizer, HELD_OUT_TOPICS)[HELD_OUT_PROMPTS:HELD_OUT_PROMPTS + args.more_held_out]
+    if len(more) < args.more_held_out:
+        raise SystemExit(f"--more-held-out: at most {len(more)} held-out prompts follow the command's "
+                         f"{HELD_OUT_PROMPTS} for this tokenizer, got {args.more_held_out}")
     print(f"data: {len(data['tokens'])} answers from {path}", flush=True)
     rows = []
-    for lr in lrs:
-        cfg = DistillConfig(model, "unused", layers=args.layers, steps=args.steps, batch_size=args.batch_size,
+    for batch_size, lr in ((b, lr) for b in batches for lr in lrs):
+        steps = max(1, round(args.steps * batches[0] / batch_size))
+        cfg = DistillConfig(model, "unused", layers=args.layers, steps=steps, batch_size=batch_size,
                             lr=lr, seed=args.seed, threads=args.threads, kind=args.kind,
                             draft_vocab=args.draft_vocab)
         torch.manual_seed(cfg.seed)  # as distill: the student's initial weights, then the batch order
@@ -119,37 +148,50 @@ def main() -> None:
             losses.append(loss.item())
             if (step + 1) % 100 == 0 or step + 1 == cfg.steps:
                 per_step = (time.perf_counter() - started) / (step + 1)
-                print(f"  lr {lr:g}: step {step + 1}/{cfg.steps}, loss (last 100) "
+                print(f"  batch {batch_size}, lr {lr:g}: step {step + 1}/{cfg.steps}, loss (last 100) "
                       f"{statistics.mean(losses[-100:]):.4f}, {per_step:.3f} s a step", flush=True)
         train_s = time.perf_counter() - started
         student.eval()
         with tempfile.TemporaryDirectory() as tmp:
-            where = Path(args.save) / f"lr-{lr:g}" if args.save else Path(tmp)
+            where = Path(args.save) / f"batch-{batch_size}-lr-{lr:g}" if args.save else Path(tmp)
             where.mkdir(parents=True, exist_ok=True)
             if cfg.kind == "eagle3":
                 from specdec.distill_eagle3 import eagle3_accepted_length
 
                 student.save(where)
-                accepted = eagle3_accepted_length(target, where, model, held_out, ACCEPTANCE_K, args.held_out_tokens)
+
+                def measure(prompt_ids):
+                    return eagle3_accepted_length(target, where, model, prompt_ids, ACCEPTANCE_K,
+                                                  args.held_out_tokens)
             else:
-                accepted = mean_accepted_length(target, student, tokenizer, max_new_tokens=args.held_out_tokens,
-                                                head_ids=head_ids)
                 if args.save:
                     student.save_pretrained(where)
-        rows.append({"lr": lr, "steps": cfg.steps, "s_per_step": round(train_s / cfg.steps, 4),
+
+                def measure(prompt_ids):
+                    return mean_accepted_length(target, student, tokenizer, max_new_tokens=args.held_out_tokens,
+                                                head_ids=head_ids, prompt_ids=prompt_ids)
+            accepted = measure(held_out)
+            accepted_more = measure(more) if more else None
+        rows.append({"batch_size": batch_size, "lr": lr, "steps": cfg.steps, "train_s": round(train_s, 1),
+                     "s_per_step": round(train_s / cfg.steps, 4),
                      "final_loss_last100": round(statistics.mean(losses[-100:]), 4),
-                     "held_out_accepted_k5": round(accepted, 4)})
-        print(f"lr {lr:g}: held-out mean accepted length at k={ACCEPTANCE_K} {accepted:.3f}", flush=True)
-    print(f"\n{'peak lr':>8s} {'steps':>6s} {'s/step':>7s} {'loss (last 100)':>16s} {'held-out k=5':>13s}")
+                     "held_out_accepted_k5": round(accepted, 4),
+                     "more_held_out_accepted_k5": None if accepted_more is None else round(accepted_more, 4)})
+        print(f"batch {batch_size}, lr {lr:g}: held-out mean accepted length at k={ACCEPTANCE_K} {accepted:.3f}"
+              + (f"; on {len(more)} more held-out prompts {accepted_more:.3f}" if more else ""), flush=True)
+    print(f"\n{'batch':>5s} {'peak lr':>8s} {'steps':>6s} {'s/step':>7s} {'train s':>8s} {'loss (last 100)':>16s} "
+          f"{'held-out k=5':>13s}" + (f" {f'{len(more)} more':>8s}" if more else ""))
     for r in rows:
-        print(f"{r['lr']:8g} {r['steps']:6d} {r['s_per_step']:7.3f} {r['final_loss_last100']:16.4f} "
-              f"{r['held_out_accepted_k5']:13.3f}")
+        print(f"{r['batch_size']:5d} {r['lr']:8g} {r['steps']:6d} {r['s_per_step']:7.3f} {r['train_s']:8.1f} "
+              f"{r['final_loss_last100']:16.4f} {r['held_out_accepted_k5']:13.3f}"
+              + (f" {r['more_held_out_accepted_k5']:8.3f}" if more else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"cpu": cpu_model(), "model": model, "data": str(path), "kind": args.kind,
-                               "answers": len(data["tokens"]), "batch_size": args.batch_size,
+                               "answers": len(data["tokens"]), "batch_sizes": batches,
                                "train_dtype": args.train_dtype, "threads": args.threads, "seed": args.seed,
-                               "rows": rows}, indent=2))
+                               "held_out_prompts": len(held_out), "more_held_out_prompts": len(more),
+                               "held_out_tokens": args.held_out_tokens, "rows": rows}, indent=2))
     print(f"wrote {out}")
 
 

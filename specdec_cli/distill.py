@@ -553,14 +553,14 @@ def draft_vocab(data: dict, tokenizer, size: int) -> list[int]:
 
 @torch.inference_mode()
 def mean_accepted_length(target, student, tokenizer, k: int = ACCEPTANCE_K, max_new_tokens: int = 64,
-                         head_ids: list[int] | None = None) -> float:
-    """Greedy speculation simulated on the held-out prompts: per round the
-    student drafts k tokens greedily (from head_ids only, when given), the
-    accepted ones are its longest prefix agreeing with the target's greedy
-    answer, plus one target token."""
+                         head_ids: list[int] | None = None, prompt_ids: list[list[int]] | None = None) -> float:
+    """Greedy speculation simulated on the held-out prompts (or
+    ``prompt_ids``): per round the student drafts k tokens greedily (from
+    head_ids only, when given), the accepted ones are its longest prefix
+    agreeing with the target's greedy answer, plus one target token."""
     suppress = None if head_ids is None else sorted(set(range(len(tokenizer))) - set(head_ids))
     lengths = []
-    for p in held_out_prompts(tokenizer):
+    for p in held_out_prompts(tokenizer) if prompt_ids is None else prompt_ids:
         ids = torch.tensor([p])
         answer = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)[0, len(p):]

@@ -26,6 +26,14 @@ DEFAULT_DRAFT_VOCAB = 4096
 #: accepted length at k=5 2.142 against 2.102 and 1.925
 #: (benchmarks/bench_distill_lr.py; sixty-fourth session, README).
 DEFAULT_LR = {"draft": 1e-3, "eagle3": 2e-3}
+#: --batch-size's default per --kind (answers a training step reads). An
+#: eagle3 head learns more per answer read in small batches: on SmolLM2 (2
+#: cores of an Intel Xeon, CPU model 207; the same 2400 answers, 6400 of
+#: them read, peak rate 2e-3) 800 steps of 8, 1600 of 4 and 3200 of 2 gave
+#: held-out 1.964 / 1.976 / 2.039 on 48 held-out prompts (seed 1 at batch 8:
+#: 1.951), at 0.074 / 0.078 / 0.087 s an answer
+#: (benchmarks/bench_distill_lr.py --batch-sizes; sixty-fifth session, README).
+DEFAULT_BATCH = {"draft": 8, "eagle3": 2}
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,7 @@ class DistillConfig:
     steps: int = 0  # 0: until the time budget ends
     samples: int = 0  # target answers generated; 0: as many as fit in distill.AUTO_DATA_SHARE of --minutes
     max_new_tokens: int = 128
-    batch_size: int = 8
+    batch_size: int = DEFAULT_BATCH["draft"]  # the command line's default depends on --kind (DEFAULT_BATCH)
     lr: float = DEFAULT_LR["draft"]  # the command line's default depends on --kind (DEFAULT_LR)
     seed: int = 0
     device: str = "cpu"
@@ -74,7 +82,9 @@ def add_parser(sub) -> None:
                    help="target answers to train on; 0 (default): as many as the target makes in half of --minutes "
                         "(the model card's command then names the count made, which gives the same data again)")
     p.add_argument("--max-new-tokens", type=int, default=DistillConfig.max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=DistillConfig.batch_size)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="answers a training step reads (default: " + ", ".join(
+                       f"{kind} {batch}" for kind, batch in DEFAULT_BATCH.items()) + ")")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: " + ", ".join(f"{kind} {lr:g}" for kind, lr in DEFAULT_LR.items())
                    + ")")
@@ -105,8 +115,9 @@ def add_parser(sub) -> None:
 
 def config_from_args(args) -> DistillConfig:
     lr = DEFAULT_LR[args.kind] if args.lr is None else args.lr
+    batch_size = DEFAULT_BATCH[args.kind] if args.batch_size is None else args.batch_size
     return DistillConfig(args.target, args.out, args.layers, args.minutes, args.steps, args.samples,
-                         args.max_new_tokens, args.batch_size, lr, args.seed, args.device, args.threads,
+                         args.max_new_tokens, batch_size, lr, args.seed, args.device, args.threads,
                          args.kind, args.draft_vocab, args.teacher_temperature, args.lr_schedule,
                          args.train_dtype, args.teacher_dtype)
 
@@ -118,6 +129,8 @@ def distill_command(args) -> int:
                          "--draft-vocab >= 0")
     if not math.isfinite(cfg.lr) or cfg.lr <= 0:
         raise SystemExit(f"--lr must be > 0, got {cfg.lr}")
+    if cfg.batch_size < 1:
+        raise SystemExit(f"--batch-size must be >= 1, got {cfg.batch_size}")
     if not math.isfinite(cfg.teacher_temperature) or cfg.teacher_temperature < 0:
         raise SystemExit(f"--teacher-temperature must be >= 0 (0: greedy answers), got {cfg.teacher_temperature}")
     from specdec.distill import distill  # (torch and the engine: only this command loads them)

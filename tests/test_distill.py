@@ -732,10 +732,11 @@ def test_the_cards_training_time_leaves_out_the_acceptance_measurement(stories_p
     assert card["train_minutes"] * 60 < 5.0
 
 
-def test_the_learning_rate_defaults_per_kind_and_is_checked():
-    """--lr's default is the kind's (a draft 1e-3, an eagle3 head 2e-3: see
-    distill_args.DEFAULT_LR), a given --lr wins, and one that is not > 0 is
-    refused naming the flag."""
+def test_the_learning_rate_and_batch_default_per_kind_and_are_checked():
+    """--lr's and --batch-size's defaults are the kind's (a draft 1e-3 and 8
+    answers a step, an eagle3 head 2e-3 and 2: see distill_args.DEFAULT_LR
+    and DEFAULT_BATCH), given values win, and ones out of range are refused
+    naming the flag."""
     import argparse
 
     from specdec.distill_args import add_parser, config_from_args, distill_command
@@ -743,9 +744,14 @@ def test_the_learning_rate_defaults_per_kind_and_is_checked():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     base = ["distill", "--target", "t", "--out", "o"]
-    assert config_from_args(parser.parse_args(base)).lr == 1e-3
-    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3"])).lr == 2e-3
-    assert config_from_args(parser.parse_args([*base, "--kind", "eagle3", "--lr", "5e-4"])).lr == 5e-4
+    draft, head = config_from_args(parser.parse_args(base)), config_from_args(parser.parse_args([*base, "--kind",
+                                                                                                  "eagle3"]))
+    assert (draft.lr, draft.batch_size) == (1e-3, 8) and (head.lr, head.batch_size) == (2e-3, 2)
+    given = config_from_args(parser.parse_args([*base, "--kind", "eagle3", "--lr", "5e-4", "--batch-size", "8"]))
+    assert (given.lr, given.batch_size) == (5e-4, 8)
     for bad in ["0", "-1e-3", "nan"]:
         with pytest.raises(SystemExit, match=r"--lr must be > 0"):
             distill_command(parser.parse_args([*base, f"--lr={bad}"]))
+    for bad in ["0", "-2"]:
+        with pytest.raises(SystemExit, match=r"--batch-size must be >= 1"):
+            distill_command(parser.parse_args([*base, "--kind", "eagle3", f"--batch-size={bad}"]))
