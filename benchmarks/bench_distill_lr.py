@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--more-held-out", type=int, default=0,
                    help="also measure on this many held-out prompts after the command's (0: none; up to "
                         "the held-out topics' count less the command's)")
-    p.add_argument("--save", default=None, help="keep each head / draft in SAVE/lr-RATE (default: none kept)")
+    p.add_argument("--save", default=None, help="keep each head / draft in SAVE/batch-B-lr-RATE (default: none kept)")
     p.add_argument("--out", default="bench_results/distill_lr.json")
     args = p.parse_args()
     try:
