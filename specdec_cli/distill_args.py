@@ -30,11 +30,12 @@ DEFAULT_LR = {"draft": 1e-3, "eagle3": 2e-3}
 #: eagle3 head learns more per answer read in small batches: on SmolLM2 (2
 #: cores of an Intel Xeon, CPU model 207; the same 2400 answers, 6400 of
 #: them read, peak rate 2e-3) 800 steps of 8, 1600 of 4 and 3200 of 2 gave
-#: held-out 1.964 / 1.976 / 2.039 on 48 held-out prompts (seed 1: 1.951 at
-#: batch 8, 2.005 at 4), at 0.074 / 0.078 / 0.087 s an answer; the 30-minute
-#: command at batch 2 gave 2.152 there against 2.095 for 2024 steps of 8
-#: (benchmarks/bench_distill_lr.py --batch-sizes --more-held-out; sixty-fifth
-#: session, README).
+#: held-out 1.964 / 1.976 / 2.039 on the 48 held-out prompts after the
+#: command's 8 (seed 1: 1.951 / 2.005 / 2.026), at 0.074 / 0.078 / 0.087 s an
+#: answer; the 30-minute command at batch 2 gave 2.152 there against 2.095
+#: for 2024 steps of 8. Measured by throwaway runs that train and measure as
+#: benchmarks/bench_distill_lr.py --batch-sizes --more-held-out 48 does
+#: (sixty-fifth session, README).
 DEFAULT_BATCH = {"draft": 8, "eagle3": 2}
 
 
